@@ -1,0 +1,214 @@
+/*
+ * onegraph.h — the C ABI of the onegraph decode library.
+ *
+ * One token of decode costs one host->device copy (the step record: token id and
+ * position) and one device->host copy (the logits). Everything in between — every
+ * layer, every intermediate, the KV cache — lives on the GPU, and the per-token body
+ * (og_enqueue) is capturable into one CUDA graph that is replayed for every token.
+ *
+ * Conventions
+ *   - Every function returns an og_status (0 = OG_OK, negative = error) unless noted.
+ *     On error, og_last_error() returns a message naming the problem (tensor, expected
+ *     vs actual) for the calling thread. A failed call changes no engine state.
+ *   - Handles are opaque. A handle may be used by one thread at a time; distinct
+ *     handles may be used from distinct threads concurrently.
+ *   - Calling any function with NULL or an already freed handle returns
+ *     OG_E_INVALID_HANDLE; it never crashes.
+ *   - The library never prints and never exits the process.
+ *
+ * Typical use (non-graph path, from C):
+ *   og_config cfg; og_config_default(&cfg); ... fill from config.json ...
+ *   og_engine *e; og_init(&cfg, &e);
+ *   og_set_weight(e, "model.embed_tokens.weight", OG_DTYPE_BF16, 2, shape, data); ...
+ *   og_step(e, token, &logits);   // begin_step + run + end_step
+ *   og_free(e);
+ *
+ * Graph path (what runtime/graph.py does): capture og_enqueue(e, stream) once into a
+ * graph; then per token: og_begin_step(e, token) -> cudaGraphLaunch(graph, stream) ->
+ * cudaStreamSynchronize(stream) -> og_end_step(e) -> read og_logits().
+ */
+#ifndef ONEGRAPH_H
+#define ONEGRAPH_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define OG_API __declspec(dllexport)
+#else
+#define OG_API __attribute__((visibility("default")))
+#endif
+
+/* Bumped on any change to a struct layout or a function signature. The Python binding
+ * refuses a library whose og_abi_version() differs from the number it was written for. */
+#define OG_ABI_VERSION 1
+
+/* ---- status codes ------------------------------------------------------------------ */
+typedef int32_t og_status;
+#define OG_OK 0
+#define OG_E_INVALID_ARGUMENT  -1  /* a NULL pointer, a bad enum, a non-positive size, ...     */
+#define OG_E_INVALID_HANDLE    -2  /* NULL handle, or a handle already freed (double free)     */
+#define OG_E_NO_DEVICE         -3  /* no usable CUDA device / driver                            */
+#define OG_E_CUDA              -4  /* a CUDA call failed; the message names the call            */
+#define OG_E_OUT_OF_MEMORY     -5  /* a device or pinned allocation failed; nothing leaked      */
+#define OG_E_UNKNOWN_WEIGHT    -6  /* set_weight: a name the config does not use                */
+#define OG_E_WEIGHT_MISMATCH   -7  /* set_weight: wrong dtype, rank or shape                    */
+#define OG_E_MISSING_WEIGHT    -8  /* hit-only precheck: a required weight is not resident      */
+#define OG_E_TOKEN_OUT_OF_RANGE -9 /* token id < 0 or >= vocab_size                             */
+#define OG_E_CONTEXT_FULL     -10  /* position == max_seq_len: the KV cache has no free row     */
+#define OG_E_UNSUPPORTED      -11  /* a config value the library does not implement            */
+#define OG_E_BAD_STATE        -12  /* call out of order (e.g. end_step without begin_step)      */
+
+/* ---- element types ----------------------------------------------------------------- */
+#define OG_DTYPE_F32  0
+#define OG_DTYPE_BF16 1
+#define OG_DTYPE_I8   2
+
+/* KV cache element type. INT8 stores one fp32 scale per (token, KV head):
+ * scale = max|x| / 127, q = round_half_even(x / scale) (q = 0 when scale == 0). */
+#define OG_KV_F32  0
+#define OG_KV_BF16 1
+#define OG_KV_INT8 2
+
+/* ---- configuration ------------------------------------------------------------------
+ * Field names follow Hugging Face config.json keys. og_config_default() fills
+ * abi_version and sensible defaults; og_init copies everything it needs (including the
+ * layer_is_moe array), so the struct may be freed after init. */
+typedef struct og_config {
+    int32_t abi_version;            /* must equal OG_ABI_VERSION                          */
+    int32_t vocab_size;
+    int32_t hidden_size;
+    int32_t intermediate_size;      /* dense FFN width (0 if every layer is MoE)           */
+    int32_t num_hidden_layers;
+    int32_t num_attention_heads;
+    int32_t num_key_value_heads;
+    int32_t head_dim;
+    float   rms_norm_eps;
+    float   rope_theta;
+    float   rope_linear_factor;     /* positions are divided by this; 1.0 = no scaling     */
+    int32_t qk_norm;                /* 1: per-head RMSNorm of q and k (Qwen3); 0: Llama    */
+    int32_t tie_word_embeddings;    /* 1: lm_head reuses model.embed_tokens.weight         */
+    /* mixture of experts (Qwen3-MoE); num_experts == 0 for dense models */
+    int32_t num_experts;
+    int32_t num_experts_per_tok;
+    int32_t moe_intermediate_size;
+    int32_t norm_topk_prob;
+    const uint8_t *layer_is_moe;    /* [num_hidden_layers]; NULL = every layer MoE when
+                                       num_experts > 0, else every layer dense              */
+    /* runtime */
+    int32_t max_seq_len;            /* KV cache rows per layer                            */
+    int32_t kv_dtype;               /* OG_KV_*                                            */
+    int32_t device_ordinal;
+} og_config;
+
+/* The pinned host record copied to the device at the start of every step. The body reads
+ * token and position from its device copy, so a captured graph replays unchanged. */
+typedef struct og_step_record {
+    int32_t token;
+    int32_t position;               /* row of the KV cache this step writes; visible length
+                                       during attention is position + 1                      */
+    int32_t reserved[2];
+} og_step_record;
+
+typedef struct og_stats {
+    uint64_t steps;                 /* completed steps (og_end_step calls)                */
+    uint64_t enqueues;              /* bodies enqueued (og_run and captures)              */
+    uint64_t h2d_copies;            /* host->device copies enqueued by the body           */
+    uint64_t d2h_copies;            /* device->host copies enqueued by the body           */
+    uint64_t device_bytes;          /* device memory held by the engine                   */
+    uint64_t weight_bytes;          /* of which weights                                   */
+    uint64_t kv_cache_bytes;        /* of which KV cache (values and scales)              */
+} og_stats;
+
+typedef struct og_engine og_engine;
+
+/* ---- functions ---------------------------------------------------------------------- */
+
+/* OG_ABI_VERSION of the compiled library (returns the number, not a status). */
+OG_API int32_t og_abi_version(void);
+
+/* Message of the last failed call on this thread ("" if none). Valid until the next
+ * call on this thread. Never NULL. */
+OG_API const char *og_last_error(void);
+
+/* Fill *cfg with defaults (abi_version = OG_ABI_VERSION, eps 1e-6, theta 1e6, factor 1,
+ * kv int8, max_seq_len 4096, device 0; sizes 0). */
+OG_API void og_config_default(og_config *cfg);
+
+/* Number of usable CUDA devices in *count. OG_E_NO_DEVICE (with *count = 0) when the
+ * driver is missing or reports none. */
+OG_API og_status og_device_count(int32_t *count);
+
+/* Validate cfg, select the device, allocate every device and pinned buffer once (weights,
+ * activations, KV cache, step record, logits). On any failure everything allocated so
+ * far is released, *out is NULL, and the status says why (OG_E_NO_DEVICE,
+ * OG_E_OUT_OF_MEMORY, OG_E_UNSUPPORTED, OG_E_INVALID_ARGUMENT). */
+OG_API og_status og_init(const og_config *cfg, og_engine **out);
+
+/* Upload one tensor by its Hugging Face name (e.g. "model.layers.3.self_attn.q_proj.weight").
+ * Fused device layouts (q|k|v, gate|up) are assembled here. Matrices must be BF16; norm
+ * vectors BF16 or F32. shape has ndim entries, row-major, contiguous. Synchronous: the host
+ * buffer may be reused on return. Errors: OG_E_UNKNOWN_WEIGHT (name not used by this
+ * config), OG_E_WEIGHT_MISMATCH (dtype/rank/shape; message gives expected vs actual). */
+OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,
+                               const int64_t *shape, const void *data);
+
+/* Hit-only contract: OG_OK iff every required weight is resident; otherwise
+ * OG_E_MISSING_WEIGHT naming the first missing tensor and the count missing. */
+OG_API og_status og_precheck(og_engine *e);
+
+/* Prepare a step: check token range, free KV row and precheck, then write {token,
+ * position} into the pinned step record. On error nothing changes. */
+OG_API og_status og_begin_step(og_engine *e, int32_t token);
+
+/* THE BODY. Enqueue one decode step on stream (a cudaStream_t; NULL = the engine's own
+ * stream): H2D step record -> embedding -> layers -> final norm -> lm_head -> D2H logits.
+ * No allocation, no synchronization, no host branch on device data: capturable. Refuses
+ * (OG_E_MISSING_WEIGHT) to enqueue when a weight is missing. */
+OG_API og_status og_enqueue(og_engine *e, void *stream);
+
+/* The non-graph path: og_enqueue on the engine's own stream, then synchronize. Requires
+ * og_begin_step first. The logits are in og_logits() when it returns OG_OK. */
+OG_API og_status og_run(og_engine *e);
+
+/* After the step's work has completed (og_run returned, or the caller synchronized the
+ * stream a graph was launched on): the visible length advances by one. */
+OG_API og_status og_end_step(og_engine *e);
+
+/* Convenience for C callers: begin_step + run + end_step; *logits (may be NULL) points at
+ * the pinned logits [vocab_size] fp32, valid until the next step. */
+OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
+
+/* Start a new sequence: position = 0. */
+OG_API og_status og_reset(og_engine *e);
+
+/* Current position (= tokens in the KV cache). */
+OG_API og_status og_get_position(og_engine *e, int32_t *position);
+
+/* The pinned step record the body copies from (stable address for the engine's life). */
+OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
+
+/* The pinned logits [vocab_size] fp32 the body copies into (stable address). */
+OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
+
+/* The engine's own stream (a cudaStream_t), e.g. to capture on it. */
+OG_API og_status og_stream(og_engine *e, void **stream);
+
+OG_API og_status og_get_stats(og_engine *e, og_stats *stats);
+
+/* Copy the whole KV cache (values then scales, every layer; og_stats.kv_cache_bytes bytes)
+ * into host memory, for tests that check state is unchanged. OG_E_INVALID_ARGUMENT if
+ * capacity_bytes is too small. */
+OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
+
+/* Release everything. Safe on a partially initialized engine; a second og_free of the
+ * same handle returns OG_E_INVALID_HANDLE. */
+OG_API og_status og_free(og_engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ONEGRAPH_H */
