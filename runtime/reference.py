@@ -1,0 +1,391 @@
+"""The numpy reference decoder: the CPU fallback path and the readable twin of the CUDA body.
+
+One decode step reads top to bottom in ``ReferenceDecoder.step``, in the order the CUDA body
+(og_enqueue) runs its kernels, with the body's buffer names:
+
+    x = embed_tokens[token]                                   x      [hidden]
+    for each layer:
+        normed = rmsnorm(x, input_layernorm)                  normed [hidden]
+        qkv    = gemv(W_qkv, normed)                          qkv    [q_size + 2 kv_size]
+        q, k, v = split(qkv)   (+ per-head QK-norm)           q [n_heads, head_dim], k, v [n_kv, head_dim]
+        q, k   = rope(q), rope(k)
+        cache[layer, position] = quantize(k), quantize(v)
+        attn_out = attention_decode(q, cache[layer, :position + 1])   attn_out [n_heads * head_dim]
+        x     += gemv(W_o, attn_out)
+        normed = rmsnorm(x, post_attention_layernorm)
+        x     += dense FFN  (act = swiglu(gemv(W_gate_up, normed)); gemv(W_down, act))
+                 or MoE     (router_logits -> moe_topk -> weighted sum of the selected experts)
+    normed = rmsnorm(x, norm);  logits = gemv(lm_head, normed)        logits [vocab]
+
+Numerics (DESIGN.md, "Numerics"): weights are converted once to fp32 (bf16 -> fp32 is exact, so
+an fp32 GEMV over converted bf16 weights computes what the GPU's bf16-weight GEMV computes, up to
+the order of fp32 accumulation); every activation is fp32 and every matmul is a float32 matmul;
+RMSNorm, softmax and RoPE are in fp32. The KV cache holds fp32, bf16 (round to nearest even) or
+int8 with one fp32 scale per (token, KV head); attention uses the fp32 query against K/V
+dequantized on the fly. The MoE weighted sum runs in selection order, as launch_moe_down_weighted_
+residual does (cuda/moe.cuh).
+
+The pure functions below (rmsnorm, rope, kv_quantize_int8, kv_dequantize_int8, attention_decode,
+moe_topk, swiglu, gemv) are public so that GPU kernel tests can compare against them.
+
+This module imports numpy and ml_dtypes only (no torch): it is part of the runtime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+
+KV_DTYPES = ("fp32", "bf16", "int8")
+_F32 = np.float32
+
+
+# ---- kernels, as pure functions ---------------------------------------------------------
+
+def gemv(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """weight [out, in] fp32 @ x [in] fp32 -> [out] fp32 (a float32 matmul: fp32 accumulation)."""
+    return np.matmul(weight, x)
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis, in fp32: x * 1/sqrt(mean(x^2) + eps) * weight.
+
+    x [..., n] fp32, weight [n] fp32 -> [..., n] fp32. Applied to [hidden] for the layer norms
+    and to [n_heads, head_dim] for Qwen3's per-head QK-norm.
+    """
+    x = np.asarray(x, dtype=_F32)
+    mean_square = np.mean(x * x, axis=-1, keepdims=True, dtype=_F32)
+    inv_rms = _F32(1.0) / np.sqrt(mean_square + _F32(eps))
+    return (x * inv_rms * weight).astype(_F32, copy=False)
+
+
+def rope_inv_freq(head_dim: int, theta: float, linear_factor: float = 1.0) -> np.ndarray:
+    """inv_freq [head_dim / 2] fp32: 1 / theta^(2i / head_dim), computed in float64, cast to
+    fp32, then divided (in fp32) by the 'linear' rope_scaling factor."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = (1.0 / theta**exponent).astype(_F32)
+    return inv_freq / _F32(linear_factor)
+
+
+def rope(x: np.ndarray, position: int, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotary embedding, Hugging Face rotate-half convention, in fp32.
+
+    x [n_heads, head_dim] fp32, inv_freq [head_dim / 2] fp32 -> [n_heads, head_dim] fp32.
+    angle[i] = float32(position) * inv_freq[i];
+    out[i] = x[i] cos - x[i + d/2] sin,  out[i + d/2] = x[i + d/2] cos + x[i] sin.
+    """
+    angle = _F32(position) * inv_freq                      # [head_dim / 2] fp32
+    cos, sin = np.cos(angle), np.sin(angle)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(_F32, copy=False)
+
+
+def kv_quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one fp32 scale per row (per (token, KV head) in the cache).
+
+    x [..., head_dim] fp32 -> (q [..., head_dim] int8, scale [...] fp32) with
+    scale = max|x| / 127 and q = round_half_even(x / scale), both fp32 divisions; q = 0 where
+    scale == 0 (an all-zero row, or one so small that max|x| / 127 underflows).
+    """
+    x = np.asarray(x, dtype=_F32)
+    scale = (np.max(np.abs(x), axis=-1) / _F32(127.0)).astype(_F32)
+    zero = scale == 0
+    divisor = np.where(zero, _F32(1.0), scale)[..., None]
+    q = np.rint(x / divisor)                               # np.rint rounds half to even
+    q[zero] = 0
+    return q.astype(np.int8), scale
+
+
+def kv_dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """q [..., head_dim] int8, scale [...] fp32 -> q * scale [..., head_dim] fp32."""
+    return q.astype(_F32) * scale[..., None]
+
+
+def attention_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """One query token against the visible cache rows, grouped-query, in fp32.
+
+    q [n_heads, head_dim], k and v [length, n_kv, head_dim] (already dequantized) -> [n_heads,
+    head_dim]. Query head h reads KV head h * n_kv // n_heads. scores = q.k / sqrt(head_dim);
+    softmax with the maximum subtracted; out = sum_t p_t v_t.
+    """
+    n_heads, head_dim = q.shape
+    length, n_kv, _ = k.shape
+    group = n_heads // n_kv                                # query heads per KV head
+    q_grouped = q.reshape(n_kv, group, head_dim)           # heads h = kv * group + g
+    scores = np.matmul(q_grouped, k.transpose(1, 2, 0))    # [n_kv, group, length]
+    scores = scores / _F32(np.sqrt(head_dim))
+    scores = scores - np.max(scores, axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p = p / np.sum(p, axis=-1, keepdims=True, dtype=_F32)
+    out = np.matmul(p, v.transpose(1, 0, 2))               # [n_kv, group, head_dim]
+    return out.reshape(n_heads, head_dim).astype(_F32, copy=False)
+
+
+def moe_topk(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router softmax over all experts (fp32, max subtracted), then the top_k largest
+    probabilities in descending order, ties to the lower expert index; divided by their sum
+    (summed in selection order) when norm_topk_prob.
+
+    router_logits [E] fp32 -> (selected_experts [top_k] int32, selected_weights [top_k] fp32).
+    """
+    logits = np.asarray(router_logits, dtype=_F32)
+    p = np.exp(logits - np.max(logits))
+    p = p / np.sum(p, dtype=_F32)
+    selected_experts = np.argsort(-p, kind="stable")[:top_k].astype(np.int32)
+    selected_weights = p[selected_experts].astype(_F32)
+    if norm_topk_prob:
+        total = _F32(0.0)
+        for w in selected_weights:                         # selection order, as the kernel sums
+            total = _F32(total + w)
+        selected_weights = selected_weights / total
+    return selected_experts, selected_weights
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [2I] fp32 (gate rows then up rows) -> act [I] fp32 = silu(gate) * up."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    return (gate / (_F32(1.0) + np.exp(-gate)) * up).astype(_F32, copy=False)
+
+
+# ---- the KV cache ------------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Pre-allocated per-layer K/V rows; row `position` is written by the step at that position.
+
+    k, v       [layers, max_seq_len, n_kv, head_dim]  fp32 | bfloat16 | int8
+    k_scale,   [layers, max_seq_len, n_kv]            fp32 (int8 only; None otherwise)
+    v_scale
+    """
+    dtype: str
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray | None = None
+    v_scale: np.ndarray | None = None
+
+    @classmethod
+    def allocate(cls, dtype: str, layers: int, max_seq_len: int, n_kv: int, head_dim: int) -> "KVCache":
+        shape = (layers, max_seq_len, n_kv, head_dim)
+        storage = {"fp32": _F32, "bf16": ml_dtypes.bfloat16, "int8": np.int8}[dtype]
+        cache = cls(dtype, np.zeros(shape, storage), np.zeros(shape, storage))
+        if dtype == "int8":
+            cache.k_scale = np.zeros(shape[:3], _F32)
+            cache.v_scale = np.zeros(shape[:3], _F32)
+        return cache
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[np.ndarray]:
+        """Every array of the cache: k, v, then k_scale, v_scale for int8."""
+        return [a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None]
+
+    def write(self, layer: int, position: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v [n_kv, head_dim] fp32 at (layer, position) in the cache's element type."""
+        if self.dtype == "int8":
+            self.k[layer, position], self.k_scale[layer, position] = kv_quantize_int8(k)
+            self.v[layer, position], self.v_scale[layer, position] = kv_quantize_int8(v)
+        else:  # fp32 copy, or bf16 rounded to nearest even by ml_dtypes
+            self.k[layer, position] = k
+            self.v[layer, position] = v
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [0, length) of a layer, dequantized: k, v [length, n_kv, head_dim] fp32."""
+        if self.dtype == "int8":
+            return (kv_dequantize_int8(self.k[layer, :length], self.k_scale[layer, :length]),
+                    kv_dequantize_int8(self.v[layer, :length], self.v_scale[layer, :length]))
+        return (self.k[layer, :length].astype(_F32, copy=False),
+                self.v[layer, :length].astype(_F32, copy=False))
+
+
+# ---- weights -----------------------------------------------------------------------------
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, fp32, in the GPU's fused layouts."""
+    input_layernorm: np.ndarray            # [hidden]
+    qkv_proj: np.ndarray                   # [q_size + 2 kv_size, hidden]: rows q | k | v
+    q_norm: np.ndarray | None              # [head_dim] (Qwen3 QK-norm; None for Llama)
+    k_norm: np.ndarray | None              # [head_dim]
+    o_proj: np.ndarray                     # [hidden, q_size]
+    post_attention_layernorm: np.ndarray   # [hidden]
+    # dense FFN
+    gate_up_proj: np.ndarray | None = None  # [2 intermediate, hidden]: rows gate | up
+    down_proj: np.ndarray | None = None     # [hidden, intermediate]
+    # MoE FFN
+    router: np.ndarray | None = None                    # mlp.gate.weight [E, hidden]
+    experts_gate_up: list[np.ndarray] | None = None     # E x [2 moe_inter, hidden] (gate | up)
+    experts_down: list[np.ndarray] | None = None        # E x [hidden, moe_inter]
+
+
+def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
+    missing = [name for name in config.tensor_shapes() if name not in tensors]
+    if missing:
+        raise ValueError(f"{len(missing)} required tensor(s) missing, first: '{missing[0]}'")
+    for name, shape in config.tensor_shapes().items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor '{name}': expected shape {shape}, got {tuple(t.shape)}")
+        if t.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
+            raise ValueError(f"tensor '{name}': expected dtype bfloat16 or float32, got {t.dtype}")
+
+
+def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray]):
+    def f32(name: str) -> np.ndarray:
+        return np.ascontiguousarray(tensors[name], dtype=_F32)
+
+    def fused(*names: str) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([np.asarray(tensors[n], dtype=_F32) for n in names]))
+
+    layers = []
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        w = LayerWeights(
+            input_layernorm=f32(p + "input_layernorm.weight"),
+            qkv_proj=fused(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                           p + "self_attn.v_proj.weight"),
+            q_norm=f32(p + "self_attn.q_norm.weight") if config.has_qk_norm else None,
+            k_norm=f32(p + "self_attn.k_norm.weight") if config.has_qk_norm else None,
+            o_proj=f32(p + "self_attn.o_proj.weight"),
+            post_attention_layernorm=f32(p + "post_attention_layernorm.weight"),
+        )
+        if config.is_moe_layer(layer):
+            w.router = f32(p + "mlp.gate.weight")
+            w.experts_gate_up = [fused(f"{p}mlp.experts.{e}.gate_proj.weight", f"{p}mlp.experts.{e}.up_proj.weight")
+                                 for e in range(config.num_experts)]
+            w.experts_down = [f32(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(config.num_experts)]
+        else:
+            w.gate_up_proj = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            w.down_proj = f32(p + "mlp.down_proj.weight")
+        layers.append(w)
+    embed_tokens = f32("model.embed_tokens.weight")                        # [vocab, hidden]
+    lm_head = embed_tokens if config.tie_word_embeddings else f32("lm_head.weight")  # [vocab, hidden]
+    return embed_tokens, layers, f32("model.norm.weight"), lm_head
+
+
+# ---- the decoder -------------------------------------------------------------------------
+
+class ReferenceDecoder:
+    """Batch-1 decode in numpy with the CUDA body's arithmetic.
+
+    tensors: every tensor of ``config.tensor_shapes()`` by Hugging Face name, as
+    ml_dtypes.bfloat16 or float32 arrays (extra names are ignored). kv_dtype: "fp32", "bf16" or
+    "int8". max_seq_len: rows of the KV cache (the most tokens one sequence can hold).
+    """
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray],
+                 kv_dtype: str = "fp32", max_seq_len: int = 4096):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; supported: {KV_DTYPES}")
+        if not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive integer")
+        _check_tensors(config, tensors)
+        self.config = config
+        self.kv_dtype = kv_dtype
+        self.max_seq_len = int(max_seq_len)
+        self.embed_tokens, self.layers, self.norm, self.lm_head = _load_weights(config, tensors)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_linear_factor)
+        self.kv_cache = KVCache.allocate(kv_dtype, config.num_hidden_layers, self.max_seq_len,
+                                         config.num_key_value_heads, config.head_dim)
+        self._position = 0
+
+    @property
+    def position(self) -> int:
+        """Tokens in the KV cache = the row the next step writes."""
+        return self._position
+
+    def reset(self) -> None:
+        """Start a new sequence. Old rows stay in memory but are never read (attention reads
+        rows [0, position])."""
+        self._position = 0
+
+    def step(self, token: int) -> np.ndarray:
+        """Decode one token at `position`; returns logits [vocab] fp32 and advances position."""
+        self._check_room(1)
+        self._check_token(token)
+        return self._forward(int(token), want_logits=True)
+
+    def prefill(self, tokens: Iterable[int]) -> np.ndarray:
+        """Feed tokens one by one (decode arithmetic, so results equal step() calls); returns the
+        logits of the last. Every token and the capacity are checked before anything runs."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        self._check_room(len(tokens))
+        for t in tokens:
+            self._check_token(t)
+        for t in tokens[:-1]:
+            self._forward(int(t), want_logits=False)   # lm_head skipped: nobody reads it
+        return self._forward(int(tokens[-1]), want_logits=True)
+
+    # -- validation (before any state changes) --
+    def _check_token(self, token) -> None:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise ValueError(f"token {token!r} must be an integer id")
+        if not 0 <= token < self.config.vocab_size:
+            raise ValueError(f"token {token} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+
+    def _check_room(self, count: int) -> None:
+        if self._position + count > self.max_seq_len:
+            raise ValueError(
+                f"KV cache full: position {self._position} + {count} token(s) exceeds max_seq_len {self.max_seq_len}")
+
+    # -- the body --
+    def _forward(self, token: int, want_logits: bool) -> np.ndarray | None:
+        cfg = self.config
+        n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        eps = cfg.rms_norm_eps
+        position = self._position
+
+        x = self.embed_tokens[token].copy()                              # [hidden]
+        for layer, w in enumerate(self.layers):
+            # ---- attention ----
+            normed = rmsnorm(x, w.input_layernorm, eps)                  # [hidden]
+            qkv = gemv(w.qkv_proj, normed)                               # [q_size + 2 kv_size]
+            q = qkv[:q_size].reshape(n_heads, head_dim)                  # [n_heads, head_dim]
+            k = qkv[q_size:q_size + kv_size].reshape(n_kv, head_dim)     # [n_kv, head_dim]
+            v = qkv[q_size + kv_size:].reshape(n_kv, head_dim)           # [n_kv, head_dim]
+            if cfg.has_qk_norm:
+                q = rmsnorm(q, w.q_norm, eps)
+                k = rmsnorm(k, w.k_norm, eps)
+            q = rope(q, position, self.inv_freq)
+            k = rope(k, position, self.inv_freq)
+            self.kv_cache.write(layer, position, k, v)
+            k_rows, v_rows = self.kv_cache.read(layer, position + 1)     # [position + 1, n_kv, head_dim]
+            attn_out = attention_decode(q, k_rows, v_rows).reshape(q_size)  # [n_heads * head_dim]
+            x += gemv(w.o_proj, attn_out)
+
+            # ---- feed-forward ----
+            normed = rmsnorm(x, w.post_attention_layernorm, eps)         # [hidden]
+            if w.router is None:
+                act = swiglu(gemv(w.gate_up_proj, normed))               # [intermediate]
+                x += gemv(w.down_proj, act)
+            else:
+                router_logits = gemv(w.router, normed)                   # [E]
+                selected_experts, selected_weights = moe_topk(           # [top_k], [top_k]
+                    router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                y = np.zeros_like(x)                                     # [hidden]
+                for e, weight in zip(selected_experts, selected_weights):  # selection order
+                    act = swiglu(gemv(w.experts_gate_up[e], normed))     # [moe_inter]
+                    y += weight * gemv(w.experts_down[e], act)
+                x += y
+
+        # Every layer has written its row: only now does the visible length advance.
+        self._position = position + 1
+        if not want_logits:
+            return None
+        normed = rmsnorm(x, self.norm, eps)                              # [hidden]
+        logits = gemv(self.lm_head, normed)                              # [vocab]
+        return logits
