@@ -1,0 +1,204 @@
+"""ctypes binding of cuda/onegraph.h, one to one.
+
+Each C declaration is repeated as a comment above its binding; argtypes and restype are
+set once, here. Nothing else in the runtime calls ctypes on the library. Every status
+code goes through `check`, which raises `LibraryError` carrying the library's own message.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
+
+# The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
+ABI_VERSION = 1
+
+LIB_NAME = "libonegraph.so"
+PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
+
+# ---- status codes ---------------------------------------------------------------------
+OG_OK = 0
+OG_E_INVALID_ARGUMENT = -1
+OG_E_INVALID_HANDLE = -2
+OG_E_NO_DEVICE = -3
+OG_E_CUDA = -4
+OG_E_OUT_OF_MEMORY = -5
+OG_E_UNKNOWN_WEIGHT = -6
+OG_E_WEIGHT_MISMATCH = -7
+OG_E_MISSING_WEIGHT = -8
+OG_E_TOKEN_OUT_OF_RANGE = -9
+OG_E_CONTEXT_FULL = -10
+OG_E_UNSUPPORTED = -11
+OG_E_BAD_STATE = -12
+STATUS_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("OG_E_") or k == "OG_OK"}
+
+# ---- element types ----------------------------------------------------------------------
+OG_DTYPE_F32, OG_DTYPE_BF16, OG_DTYPE_I8 = 0, 1, 2
+OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = 0, 1, 2
+KV_DTYPES = {"fp32": OG_KV_F32, "bf16": OG_KV_BF16, "int8": OG_KV_INT8}
+
+
+class LibraryError(RuntimeError):
+    """A failed library call: `status` is the og_status, the message is og_last_error()."""
+
+    def __init__(self, status: int, message: str, call: str = ""):
+        self.status = status
+        self.status_name = STATUS_NAMES.get(status, f"status {status}")
+        self.call = call
+        super().__init__(f"{call}: {self.status_name}: {message}" if call else f"{self.status_name}: {message}")
+
+
+class LibraryUnavailable(RuntimeError):
+    """The shared library is not built, cannot be loaded, or has another ABI version."""
+
+
+# typedef struct og_config {...} og_config;
+class OgConfig(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", c_int32),
+        ("vocab_size", c_int32),
+        ("hidden_size", c_int32),
+        ("intermediate_size", c_int32),
+        ("num_hidden_layers", c_int32),
+        ("num_attention_heads", c_int32),
+        ("num_key_value_heads", c_int32),
+        ("head_dim", c_int32),
+        ("rms_norm_eps", c_float),
+        ("rope_theta", c_float),
+        ("rope_linear_factor", c_float),
+        ("qk_norm", c_int32),
+        ("tie_word_embeddings", c_int32),
+        ("num_experts", c_int32),
+        ("num_experts_per_tok", c_int32),
+        ("moe_intermediate_size", c_int32),
+        ("norm_topk_prob", c_int32),
+        ("layer_is_moe", POINTER(c_uint8)),
+        ("max_seq_len", c_int32),
+        ("kv_dtype", c_int32),
+        ("device_ordinal", c_int32),
+    ]
+
+
+# typedef struct og_step_record { int32_t token; int32_t position; int32_t reserved[2]; } og_step_record;
+class OgStepRecord(ctypes.Structure):
+    _fields_ = [("token", c_int32), ("position", c_int32), ("reserved", c_int32 * 2)]
+
+
+# typedef struct og_stats {...} og_stats;
+class OgStats(ctypes.Structure):
+    _fields_ = [
+        ("steps", c_uint64),
+        ("enqueues", c_uint64),
+        ("h2d_copies", c_uint64),
+        ("d2h_copies", c_uint64),
+        ("device_bytes", c_uint64),
+        ("weight_bytes", c_uint64),
+        ("kv_cache_bytes", c_uint64),
+    ]
+
+    def as_dict(self) -> dict:
+        return {name: int(getattr(self, name)) for name, _ in self._fields_}
+
+
+Handle = c_void_p  # og_engine*
+
+_lib: ctypes.CDLL | None = None
+
+
+def library_path() -> str:
+    """$ONEGRAPH_LIB if set, else the library built into the package (runtime/_lib/)."""
+    return os.environ.get("ONEGRAPH_LIB") or os.path.join(PACKAGE_LIB_DIR, LIB_NAME)
+
+
+def load_library() -> ctypes.CDLL:
+    """Load the library once, bind every function, and check its ABI version."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    if not os.path.isfile(path):
+        raise LibraryUnavailable(
+            f"{path} does not exist: the CUDA library was not built (nvcc missing at install "
+            f"time?); run 'python build.py' or reinstall; only the CPU path is available")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise LibraryUnavailable(f"{path} could not be loaded: {e}") from None
+    _bind(lib)
+    version = lib.og_abi_version()
+    if version != ABI_VERSION:
+        raise LibraryUnavailable(
+            f"{path} has ABI version {version}, this binding expects {ABI_VERSION}: rebuild the library")
+    _lib = lib
+    return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    def fn(name, restype, *argtypes):
+        f = getattr(lib, name)
+        f.restype = restype
+        f.argtypes = list(argtypes)
+
+    # int32_t og_abi_version(void);
+    fn("og_abi_version", c_int32)
+    # const char *og_last_error(void);
+    fn("og_last_error", c_char_p)
+    # void og_config_default(og_config *cfg);
+    fn("og_config_default", None, POINTER(OgConfig))
+    # og_status og_device_count(int32_t *count);
+    fn("og_device_count", c_int32, POINTER(c_int32))
+    # og_status og_init(const og_config *cfg, og_engine **out);
+    fn("og_init", c_int32, POINTER(OgConfig), POINTER(Handle))
+    # og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,
+    #                         const int64_t *shape, const void *data);
+    fn("og_set_weight", c_int32, Handle, c_char_p, c_int32, c_int32, POINTER(c_int64), c_void_p)
+    # og_status og_precheck(og_engine *e);
+    fn("og_precheck", c_int32, Handle)
+    # og_status og_begin_step(og_engine *e, int32_t token);
+    fn("og_begin_step", c_int32, Handle, c_int32)
+    # og_status og_enqueue(og_engine *e, void *stream);
+    fn("og_enqueue", c_int32, Handle, c_void_p)
+    # og_status og_run(og_engine *e);
+    fn("og_run", c_int32, Handle)
+    # og_status og_end_step(og_engine *e);
+    fn("og_end_step", c_int32, Handle)
+    # og_status og_step(og_engine *e, int32_t token, const float **logits);
+    fn("og_step", c_int32, Handle, c_int32, POINTER(POINTER(c_float)))
+    # og_status og_reset(og_engine *e);
+    fn("og_reset", c_int32, Handle)
+    # og_status og_get_position(og_engine *e, int32_t *position);
+    fn("og_get_position", c_int32, Handle, POINTER(c_int32))
+    # og_status og_step_record_ptr(og_engine *e, og_step_record **record);
+    fn("og_step_record_ptr", c_int32, Handle, POINTER(POINTER(OgStepRecord)))
+    # og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
+    fn("og_logits", c_int32, Handle, POINTER(POINTER(c_float)), POINTER(c_int32))
+    # og_status og_stream(og_engine *e, void **stream);
+    fn("og_stream", c_int32, Handle, POINTER(c_void_p))
+    # og_status og_get_stats(og_engine *e, og_stats *stats);
+    fn("og_get_stats", c_int32, Handle, POINTER(OgStats))
+    # og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
+    fn("og_copy_kv_cache", c_int32, Handle, c_void_p, c_uint64)
+    # og_status og_free(og_engine *e);
+    fn("og_free", c_int32, Handle)
+
+
+def last_error() -> str:
+    lib = load_library()
+    msg = lib.og_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def check(status: int, call: str = "") -> None:
+    """Raise LibraryError with the library's message unless status is OG_OK."""
+    if status != OG_OK:
+        raise LibraryError(status, last_error(), call)
+
+
+def header_abi_version(header_path: str) -> int:
+    """OG_ABI_VERSION as written in onegraph.h (tests compare it with the library's)."""
+    with open(header_path, encoding="utf-8") as f:
+        m = re.search(r"#define\s+OG_ABI_VERSION\s+(\d+)", f.read())
+    if not m:
+        raise ValueError(f"{header_path}: no OG_ABI_VERSION define")
+    return int(m.group(1))

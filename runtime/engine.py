@@ -1,0 +1,392 @@
+"""The Engine: load a model, decode tokens on the GPU (graph or non-graph) or on the CPU.
+
+    with Engine.from_pretrained("path/to/model", kv="int8") as engine:
+        tokens = engine.generate([1, 2, 3], max_new_tokens=32)
+        print(engine.stats())
+
+GPU path: the library (cuda/onegraph.h through runtime/capi.py) holds every weight, the
+KV cache and all intermediates on the device; a token costs one host->device copy (the
+step record) and one device->host copy (the logits). With graph=True the body is
+captured once (runtime/graph.py) and replayed for every token.
+
+CPU path: the numpy reference decoder (runtime/reference.py), used when no GPU or no
+library is usable, or when the hit-only precheck fails (a weight is not resident). The
+switch replays the sequence so far on the CPU from a clean start, so the tokens that
+follow are the ones an uninterrupted run would produce (up to the stated numerics bounds).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from . import capi
+from .config import ModelConfig
+from .sampling import SamplingParams, generate as _generate
+
+log = logging.getLogger("onegraph")
+
+BACKENDS = ("auto", "gpu", "cpu")
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses (bad token, full context, ...); state is unchanged."""
+
+
+def _kv_code(kv: str) -> int:
+    if kv not in capi.KV_DTYPES:
+        raise ValueError(f"kv={kv!r} is not one of {sorted(capi.KV_DTYPES)}")
+    return capi.KV_DTYPES[kv]
+
+
+def library_status() -> tuple[bool, str]:
+    """(usable, reason): whether the CUDA library loads and sees a device."""
+    try:
+        lib = capi.load_library()
+    except capi.LibraryUnavailable as e:
+        return False, str(e)
+    count = ctypes.c_int32(0)
+    status = lib.og_device_count(ctypes.byref(count))
+    if status != capi.OG_OK or count.value <= 0:
+        return False, capi.last_error() or "no CUDA device"
+    return True, f"{count.value} CUDA device(s)"
+
+
+class GpuSession:
+    """One og_engine handle: weights uploaded, KV cache on the device, optional graph."""
+
+    def __init__(self, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *,
+                 kv: str, max_seq_len: int, device: int = 0,
+                 omit_weights: Iterable[str] = ()):
+        self.lib = capi.load_library()
+        self.config = config
+        self.handle = capi.Handle()
+        self._moe_mask = None
+        cfg = self._og_config(config, kv, max_seq_len, device)
+        capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
+        self.graph = None
+        try:
+            skip = set(omit_weights)
+            for name, array in tensors:
+                if name not in skip:
+                    self.set_weight(name, array)
+            rec = ctypes.POINTER(capi.OgStepRecord)()
+            capi.check(self.lib.og_step_record_ptr(self.handle, ctypes.byref(rec)), "og_step_record_ptr")
+            self.step_record = rec.contents
+            ptr = ctypes.POINTER(ctypes.c_float)()
+            n = ctypes.c_int32()
+            capi.check(self.lib.og_logits(self.handle, ctypes.byref(ptr), ctypes.byref(n)), "og_logits")
+            # A view of the pinned logits buffer the body copies into; copied out per step.
+            self.logits_view = np.ctypeslib.as_array(ptr, shape=(n.value,))
+        except BaseException:
+            self.close()
+            raise
+
+    def _og_config(self, c: ModelConfig, kv: str, max_seq_len: int, device: int) -> capi.OgConfig:
+        cfg = capi.OgConfig()
+        self.lib.og_config_default(ctypes.byref(cfg))
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                    "moe_intermediate_size"):
+            setattr(cfg, key, getattr(c, key))
+        cfg.intermediate_size = c.intermediate_size
+        cfg.rms_norm_eps = c.rms_norm_eps
+        cfg.rope_theta = c.rope_theta
+        cfg.rope_linear_factor = c.rope_linear_factor
+        cfg.qk_norm = int(c.has_qk_norm)
+        cfg.tie_word_embeddings = int(c.tie_word_embeddings)
+        cfg.norm_topk_prob = int(c.norm_topk_prob)
+        if c.is_moe:
+            mask = (ctypes.c_uint8 * c.num_hidden_layers)(
+                *[int(c.is_moe_layer(l)) for l in range(c.num_hidden_layers)])
+            self._moe_mask = mask  # keep alive until og_init has copied it
+            cfg.layer_is_moe = ctypes.cast(mask, ctypes.POINTER(ctypes.c_uint8))
+        cfg.max_seq_len = max_seq_len
+        cfg.kv_dtype = _kv_code(kv)
+        cfg.device_ordinal = device
+        return cfg
+
+    def set_weight(self, name: str, array: np.ndarray) -> None:
+        import ml_dtypes
+        if array.dtype == ml_dtypes.bfloat16:
+            code = capi.OG_DTYPE_BF16
+        elif array.dtype == np.float32:
+            code = capi.OG_DTYPE_F32
+        elif array.ndim == 1:
+            array, code = array.astype(np.float32), capi.OG_DTYPE_F32
+        else:  # fp16 / fp64 matrices: the library stores matrices as bf16
+            array, code = array.astype(np.float32).astype(ml_dtypes.bfloat16), capi.OG_DTYPE_BF16
+        array = np.ascontiguousarray(array)
+        shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+        capi.check(self.lib.og_set_weight(self.handle, name.encode(), code, array.ndim, shape,
+                                          array.ctypes.data_as(ctypes.c_void_p)), f"og_set_weight({name})")
+
+    # ---- one step ------------------------------------------------------------------
+    def begin(self, token: int) -> None:
+        capi.check(self.lib.og_begin_step(self.handle, int(token)), "og_begin_step")
+
+    def run_nongraph(self) -> None:
+        capi.check(self.lib.og_run(self.handle), "og_run")
+
+    def end(self) -> np.ndarray:
+        capi.check(self.lib.og_end_step(self.handle), "og_end_step")
+        return self.logits_view.copy()
+
+    def capture(self):
+        from .graph import DecodeGraph
+
+        def enqueue(stream: int) -> None:
+            capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
+
+        if self.graph is None:
+            self.graph = DecodeGraph(enqueue)
+        return self.graph
+
+    def precheck(self) -> None:
+        capi.check(self.lib.og_precheck(self.handle), "og_precheck")
+
+    @property
+    def position(self) -> int:
+        pos = ctypes.c_int32()
+        capi.check(self.lib.og_get_position(self.handle, ctypes.byref(pos)), "og_get_position")
+        return pos.value
+
+    def reset(self) -> None:
+        capi.check(self.lib.og_reset(self.handle), "og_reset")
+
+    def stats(self) -> dict:
+        s = capi.OgStats()
+        capi.check(self.lib.og_get_stats(self.handle, ctypes.byref(s)), "og_get_stats")
+        return s.as_dict()
+
+    def kv_cache_bytes(self) -> bytes:
+        n = self.stats()["kv_cache_bytes"]
+        buf = (ctypes.c_uint8 * n)()
+        capi.check(self.lib.og_copy_kv_cache(self.handle, buf, n), "og_copy_kv_cache")
+        return bytes(buf)
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
+        if self.handle:
+            capi.check(self.lib.og_free(self.handle), "og_free")
+            self.handle = capi.Handle()
+
+
+class Engine:
+    """Batch-1 decode of one sequence. Use from_pretrained() or from_tensors()."""
+
+    def __init__(self, config: ModelConfig, tensor_source: Callable[[], Iterable[tuple[str, np.ndarray]]], *,
+                 kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
+                 omit_weights: Iterable[str] = ()):
+        if device not in BACKENDS:
+            raise ValueError(f"device={device!r} is not one of {BACKENDS}")
+        _kv_code(kv)
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len={max_seq_len} must be positive")
+        self.config = config
+        self.kv = kv
+        self.max_seq_len = max_seq_len
+        self.use_graph = graph
+        self._tensor_source = tensor_source
+        self._history: list[int] = []  # tokens in the KV cache, for the CPU switch
+        self._gpu: GpuSession | None = None
+        self._cpu = None
+        self._graph_failed_at: int | None = None
+        self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0}
+        self.fallback_reason: str | None = None
+        if device in ("auto", "gpu"):
+            usable, reason = library_status()
+            if usable:
+                self._gpu = GpuSession(config, tensor_source(), kv=kv, max_seq_len=max_seq_len,
+                                       omit_weights=omit_weights)
+            elif device == "gpu":
+                raise EngineError(f"device='gpu' was asked for but the GPU path is unusable: {reason}")
+            else:
+                self._switch_to_cpu(f"GPU path unusable: {reason}")
+        else:
+            self._switch_to_cpu(None)
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, *, kv: str = "int8", max_seq_len: int = 4096, graph: bool = True,
+                        device: str = "auto", progress: bool = False, **kwargs) -> "Engine":
+        from .loader import load_model
+        model = load_model(path, progress=progress)
+        names = list(model.config.tensor_shapes())
+        return cls(model.config, lambda: ((n, model.tensors[n]) for n in names), kv=kv,
+                   max_seq_len=min(max_seq_len, model.config.max_position_embeddings), graph=graph,
+                   device=device, **kwargs)
+
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, tensors: Mapping[str, np.ndarray] | Callable, **kwargs) -> "Engine":
+        """From in-memory tensors (a mapping) or a zero-argument callable yielding (name, array)
+        pairs, e.g. lambda: synth.iter_tensors(config) to upload without touching disk."""
+        if callable(tensors):
+            return cls(config, tensors, **kwargs)
+        names = list(config.tensor_shapes())
+        return cls(config, lambda: ((n, tensors[n]) for n in names), **kwargs)
+
+    # ---- state -----------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        if self._gpu is None:
+            return "cpu"
+        return "gpu-graph" if self.use_graph else "gpu"
+
+    @property
+    def position(self) -> int:
+        return len(self._history)
+
+    def _switch_to_cpu(self, reason: str | None) -> None:
+        """Continue on the numpy reference: rebuild its KV cache from a clean start."""
+        from .reference import ReferenceDecoder
+        if reason:
+            log.warning("onegraph: continuing on the CPU reference path: %s", reason)
+            self.fallback_reason = reason
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        tensors = dict(self._tensor_source())
+        self._cpu = ReferenceDecoder(self.config, tensors, kv_dtype=self.kv, max_seq_len=self.max_seq_len)
+        for token in self._history:
+            self._cpu.step(token)
+
+    def _validate(self, token: int) -> None:
+        if not isinstance(token, (int, np.integer)) or not 0 <= int(token) < self.config.vocab_size:
+            raise EngineError(f"token id {token!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        if len(self._history) >= self.max_seq_len:
+            raise EngineError(f"the context is full: {len(self._history)} tokens = max_seq_len; call reset()")
+
+    # ---- decoding --------------------------------------------------------------------
+    def step(self, token: int) -> np.ndarray:
+        """Feed one token; return the fp32 logits [vocab_size] for the next position."""
+        self._validate(token)
+        t0 = time.perf_counter()
+        if self._gpu is not None:
+            try:
+                logits = self._gpu_step(int(token))
+            except capi.LibraryError as e:
+                if e.status != capi.OG_E_MISSING_WEIGHT:
+                    raise
+                self._switch_to_cpu(f"hit-only precheck failed ({e}); the GPU state was left unchanged")
+                logits = self._cpu.step(int(token))
+                self._timing["cpu_steps"] += 1
+        else:
+            logits = self._cpu.step(int(token))
+            self._timing["cpu_steps"] += 1
+        self._history.append(int(token))
+        self._timing["tokens"] += 1
+        self._timing["seconds"] += time.perf_counter() - t0
+        return logits
+
+    def _gpu_step(self, token: int) -> np.ndarray:
+        gpu = self._gpu
+        gpu.begin(token)  # validates and prechecks; on error nothing has changed
+        if self.use_graph and self._graph_failed_at is None:
+            try:
+                graph = gpu.capture()
+                graph.replay()
+                self._timing["graph_steps"] += 1
+                return gpu.end()
+            except Exception as e:  # capture or launch failed: this step runs un-captured
+                from .graph import GraphError
+                if not isinstance(e, (GraphError, capi.LibraryError)):
+                    raise
+                log.warning("onegraph: graph path failed (%s); running this step on the non-graph path", e)
+                self._graph_failed_at = len(self._history)
+                if gpu.graph is not None:
+                    gpu.graph.close()
+                    gpu.graph = None
+        elif self._graph_failed_at is not None and len(self._history) - self._graph_failed_at >= 16:
+            self._graph_failed_at = None  # try to capture again on the next step
+        gpu.run_nongraph()
+        self._timing["nongraph_steps"] += 1
+        return gpu.end()
+
+    def prefill(self, tokens: list[int]) -> np.ndarray:
+        if len(tokens) == 0:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(self._history) + len(tokens) > self.max_seq_len:
+            raise EngineError(f"prompt of {len(tokens)} tokens does not fit: {len(self._history)} in the "
+                              f"cache, max_seq_len {self.max_seq_len}")
+        for t in tokens:
+            if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
+                raise EngineError(f"prompt token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        logits = None
+        for t in tokens:
+            logits = self.step(t)
+        return logits
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop_token_ids: Iterable[int] | None = None, on_token=None) -> list[int]:
+        """Prompt then new tokens (greedy by default); returns only the new tokens."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if len(prompt_ids) == 0:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(self._history) + len(prompt_ids) + max(0, max_new_tokens - 1) > self.max_seq_len:
+            raise EngineError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                              f"max_seq_len {self.max_seq_len} (with {len(self._history)} tokens already cached)")
+        for t in prompt_ids:
+            if not 0 <= t < self.config.vocab_size:
+                raise EngineError(f"prompt token id {t} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+        return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
+                         stop_token_ids=stops, on_token=on_token)
+
+    def reset(self) -> None:
+        """Start a new sequence (the KV cache is reused from position 0)."""
+        if self._gpu is not None:
+            self._gpu.reset()
+        if self._cpu is not None:
+            self._cpu.reset()
+        self._history.clear()
+
+    def set_graph(self, enabled: bool) -> None:
+        self.use_graph = bool(enabled)
+
+    def stats(self) -> dict:
+        t = dict(self._timing)
+        t["backend"] = self.backend
+        t["tokens_per_s"] = t["tokens"] / t["seconds"] if t["seconds"] > 0 else 0.0
+        if self._gpu is not None:
+            lib = self._gpu.stats()
+            t["library"] = lib
+            gpu_steps = t["graph_steps"] + t["nongraph_steps"]
+            if gpu_steps:
+                # Non-graph steps are counted by the library per enqueue; graph replays copy
+                # what the captured graph holds (one H2D and one D2H node, see graph.py).
+                graph_h2d = graph_d2h = 0
+                if self._gpu.graph is not None and t["graph_steps"]:
+                    dirs = self._gpu.graph.memcpy_directions()
+                    graph_h2d, graph_d2h = dirs.get("HostToDevice", 0), dirs.get("DeviceToHost", 0)
+                captures = 1 if self._gpu.graph is not None else 0
+                h2d = lib["h2d_copies"] - captures * graph_h2d + t["graph_steps"] * graph_h2d
+                d2h = lib["d2h_copies"] - captures * graph_d2h + t["graph_steps"] * graph_d2h
+                t["h2d_per_token"] = h2d / gpu_steps
+                t["d2h_per_token"] = d2h / gpu_steps
+        if self.fallback_reason:
+            t["fallback_reason"] = self.fallback_reason
+        return t
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+        self._cpu = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

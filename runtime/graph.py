@@ -1,0 +1,134 @@
+"""The graph path: capture the library's body once with cuda-python, replay it per token.
+
+    stream = cudaStreamCreateWithFlags(non-blocking)
+    cudaStreamBeginCapture(stream, global mode)
+    og_enqueue(engine, stream)          # the same body the non-graph path runs
+    graph = cudaStreamEndCapture(stream)
+    exec  = cudaGraphInstantiate(graph)
+    per token: og_begin_step -> cudaGraphLaunch(exec, stream) -> cudaStreamSynchronize -> og_end_step
+
+Global capture mode makes any unsafe CUDA call from any thread during the capture (an
+allocation, a synchronization) fail the capture instead of silently escaping it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+
+class GraphError(RuntimeError):
+    """A CUDA runtime call of the graph path failed; the message names the call."""
+
+
+def _runtime():
+    try:
+        from cuda.bindings import runtime
+    except ImportError:  # older cuda-python layout
+        from cuda import cudart as runtime  # type: ignore
+    return runtime
+
+
+def _check(result, call: str):
+    """cuda-python returns (err, *values); raise GraphError unless err is cudaSuccess."""
+    rt = _runtime()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != rt.cudaError_t.cudaSuccess:
+        name = rt.cudaGetErrorName(err)[1]
+        text = rt.cudaGetErrorString(err)[1]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        raise GraphError(f"{call} failed: {name}: {text}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def device_count() -> int:
+    """CUDA devices visible to cuda-python (0 when the driver is missing)."""
+    rt = _runtime()
+    err, count = rt.cudaGetDeviceCount()
+    return int(count) if err == rt.cudaError_t.cudaSuccess else 0
+
+
+class DecodeGraph:
+    """One captured decode step. `enqueue(stream_handle: int)` must enqueue the whole body."""
+
+    def __init__(self, enqueue: Callable[[int], None]):
+        rt = _runtime()
+        self._rt = rt
+        self.graph = None
+        self.exec = None
+        self.stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+        try:
+            self._capture(enqueue)
+        except BaseException:
+            self.close()
+            raise
+
+    def _capture(self, enqueue: Callable[[int], None]) -> None:
+        rt = self._rt
+        _check(rt.cudaStreamBeginCapture(self.stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal),
+               "cudaStreamBeginCapture")
+        try:
+            enqueue(int(self.stream))
+        except BaseException:
+            # End the capture so the stream is usable again; the partial graph is discarded.
+            err, graph = rt.cudaStreamEndCapture(self.stream)
+            if err == rt.cudaError_t.cudaSuccess and graph is not None:
+                rt.cudaGraphDestroy(graph)
+            raise
+        self.graph = _check(rt.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
+        self.exec = _check(rt.cudaGraphInstantiate(self.graph, 0), "cudaGraphInstantiate")
+
+    def launch(self) -> None:
+        _check(self._rt.cudaGraphLaunch(self.exec, self.stream), "cudaGraphLaunch")
+
+    def synchronize(self) -> None:
+        _check(self._rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
+    def replay(self) -> None:
+        self.launch()
+        self.synchronize()
+
+    def node_types(self) -> Counter:
+        """How many nodes of each type the captured graph holds, e.g. {'Kernel': 170, 'Memcpy': 2}."""
+        rt = self._rt
+        _, count = _check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
+        nodes, _ = _check(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
+        kinds = Counter()
+        for node in nodes:
+            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
+            kinds[kind.name.replace("cudaGraphNodeType", "")] += 1
+        return kinds
+
+    def memcpy_directions(self) -> Counter:
+        """The captured memcpy nodes by direction name (e.g. {'HostToDevice': 1, 'DeviceToHost': 1})."""
+        rt = self._rt
+        _, count = _check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
+        nodes, _ = _check(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
+        directions = Counter()
+        for node in nodes:
+            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
+            if kind != rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+                continue
+            params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
+            directions[params.kind.name.replace("cudaMemcpy", "")] += 1
+        return directions
+
+    def close(self) -> None:
+        rt = self._rt
+        if self.exec is not None:
+            rt.cudaGraphExecDestroy(self.exec)
+            self.exec = None
+        if self.graph is not None:
+            rt.cudaGraphDestroy(self.graph)
+            self.graph = None
+        if self.stream is not None:
+            rt.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
