@@ -1,0 +1,92 @@
+"""The Engine's contract on the CPU path (runs everywhere, including CI without a GPU)."""
+import numpy as np
+import pytest
+
+from gpu_support import synthetic
+from runtime.engine import Engine, EngineError, library_status
+from runtime.reference import ReferenceDecoder
+from runtime.sampling import SamplingParams
+
+PROMPT = [3, 17, 99, 250, 4, 61, 200, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return synthetic("tiny-dense")
+
+
+def test_cpu_engine_generates_the_reference_tokens(tiny):
+    config, tensors = tiny
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    logits = ref.prefill(PROMPT)
+    expected = []
+    for _ in range(16):
+        t = int(np.argmax(logits))
+        expected.append(t)
+        logits = ref.step(t)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as engine:
+        assert engine.backend == "cpu"
+        assert engine.generate(PROMPT, 16, stop_token_ids=()) == expected
+        st = engine.stats()
+        assert st["tokens"] == len(PROMPT) + 15 and st["cpu_steps"] == st["tokens"]
+
+
+def test_auto_device_without_gpu_falls_back_with_a_reason(tiny):
+    usable, _ = library_status()
+    if usable:
+        pytest.skip("a GPU is usable here; the fallback is exercised on machines without one")
+    config, tensors = tiny
+    with Engine.from_tensors(config, tensors, device="auto", max_seq_len=32) as engine:
+        assert engine.backend == "cpu"
+        assert engine.fallback_reason and "GPU path unusable" in engine.fallback_reason
+    with pytest.raises(EngineError, match="device='gpu'"):
+        Engine.from_tensors(config, tensors, device="gpu", max_seq_len=32)
+
+
+def test_bad_requests_are_refused_and_change_nothing(tiny):
+    config, tensors = tiny
+    with Engine.from_tensors(config, tensors, device="cpu", max_seq_len=12) as engine:
+        engine.prefill([1, 2, 3])
+        before = engine.step(4)
+        engine.reset()
+        engine.prefill([1, 2, 3])
+        for bad in (-1, config.vocab_size, 2.5):
+            with pytest.raises(EngineError, match="outside the vocabulary"):
+                engine.step(bad)
+        with pytest.raises(EngineError, match="empty prompt"):
+            engine.generate([], 4)
+        with pytest.raises(EngineError, match="exceeds max_seq_len"):
+            engine.generate([1] * 8, 8)
+        with pytest.raises(EngineError, match="does not fit"):
+            engine.prefill([1] * 10)
+        assert engine.position == 3
+        np.testing.assert_array_equal(engine.step(4), before)
+
+
+def test_context_full_is_an_error_until_reset(tiny):
+    config, tensors = tiny
+    with Engine.from_tensors(config, tensors, device="cpu", max_seq_len=4) as engine:
+        engine.prefill([1, 2, 3, 4])
+        with pytest.raises(EngineError, match="context is full"):
+            engine.step(5)
+        engine.reset()
+        engine.step(5)
+        assert engine.position == 1
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    config, tensors = tiny
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    runs = []
+    for _ in range(2):
+        with Engine.from_tensors(config, tensors, device="cpu", max_seq_len=64) as engine:
+            runs.append(engine.generate(PROMPT, 12, params, stop_token_ids=()))
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_invalid_engine_options(tiny):
+    config, tensors = tiny
+    with pytest.raises(ValueError, match="kv="):
+        Engine.from_tensors(config, tensors, device="cpu", kv="fp8")
+    with pytest.raises(ValueError, match="device="):
+        Engine.from_tensors(config, tensors, device="tpu")

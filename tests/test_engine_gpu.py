@@ -1,0 +1,155 @@
+"""End-to-end decode on the GPU against the numpy reference, graph vs non-graph, transfers,
+and the hit-only contract. Skipped without a usable GPU and library."""
+import numpy as np
+import pytest
+
+from gpu_support import rel_l2, require_gpu, synthetic
+from runtime import capi
+from runtime.engine import Engine, GpuSession
+from runtime.reference import ReferenceDecoder
+
+pytestmark = pytest.mark.gpu
+
+# Logits relative L2 error, GPU vs reference, per KV format. With fp32 KV the two differ
+# only in the order of fp32 sums (GEMV trees vs numpy's), ~1e-6 per operation, grown by
+# depth. With bf16 / int8 KV the same values are rounded on both sides, but a value that
+# lands on a rounding boundary can round one way on the GPU and the other in numpy: one
+# quantization step (1/127 of the head's max for int8, 2^-8 relative for bf16) on that
+# element. Such flips are rare, so the logits move by far less than that step.
+LOGITS_BOUND = {"fp32": 1e-4, "bf16": 1e-2, "int8": 1e-2}
+PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
+
+
+def _decode(step, prompt, n):
+    """Greedy: returns (generated tokens, logits of every generated position)."""
+    logits = None
+    for t in prompt:
+        logits = step(t)
+    tokens, all_logits = [], []
+    for _ in range(n):
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        all_logits.append(logits)
+        logits = step(token)
+    return tokens, all_logits
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu():
+    require_gpu()
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-llama"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_greedy_matches_reference(preset, kv):
+    config, tensors = synthetic(preset)
+    ref = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=128)
+    ref_tokens, ref_logits = _decode(ref.step, PROMPT, 64)
+    with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=128, device="gpu") as engine:
+        tokens, logits = _decode(engine.step, PROMPT, 64)
+    assert tokens == ref_tokens
+    worst = max(rel_l2(g, r) for g, r in zip(logits, ref_logits))
+    assert worst < LOGITS_BOUND[kv], f"worst logits rel L2 {worst:.3g}"
+
+
+def test_graph_replay_is_bit_identical_to_nongraph():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu") as engine:
+        engine.set_graph(True)
+        graph_tokens, graph_logits = _decode(engine.step, PROMPT, 64)
+        engine.reset()
+        engine.set_graph(False)
+        plain_tokens, plain_logits = _decode(engine.step, PROMPT, 64)
+        assert engine.stats()["graph_steps"] == len(PROMPT) + 64
+    assert graph_tokens == plain_tokens
+    for g, p in zip(graph_logits, plain_logits):
+        assert np.array_equal(g, p)
+
+
+def test_one_copy_each_way_per_token():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu") as engine:
+        engine.set_graph(False)
+        engine.prefill(PROMPT)
+        lib = engine.stats()["library"]
+        assert lib["h2d_copies"] == len(PROMPT) and lib["d2h_copies"] == len(PROMPT)
+        engine.set_graph(True)
+        engine.step(5)
+        graph = engine._gpu.graph
+        kinds = graph.node_types()
+        assert kinds["Memcpy"] == 2, kinds
+        assert graph.memcpy_directions() == {"HostToDevice": 1, "DeviceToHost": 1}
+        st = engine.stats()
+        assert st["h2d_per_token"] == 1.0 and st["d2h_per_token"] == 1.0
+
+
+def test_hit_only_missing_weight_changes_nothing_then_cpu_fallback_matches():
+    config, tensors = synthetic("tiny-dense")
+    missing = "model.layers.1.mlp.down_proj.weight"
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=64, omit_weights={missing})
+    try:
+        kv_before, pos_before = session.kv_cache_bytes(), session.position
+        for attempt in (lambda: session.begin(5), session.run_nongraph):
+            with pytest.raises(capi.LibraryError) as err:
+                attempt()
+            assert err.value.status == capi.OG_E_MISSING_WEIGHT
+            assert missing in str(err.value)
+        assert session.kv_cache_bytes() == kv_before
+        assert session.position == pos_before
+        # Once the weight is resident the same handle decodes normally.
+        session.set_weight(missing, tensors[missing])
+        session.begin(5)
+        session.run_nongraph()
+        session.end()
+        assert session.position == pos_before + 1
+    finally:
+        session.close()
+
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu") as full:
+        gpu_tokens = full.generate(PROMPT, 32, stop_token_ids=())
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu",
+                             omit_weights={missing}) as partial:
+        tokens = partial.generate(PROMPT, 32, stop_token_ids=())
+        assert partial.backend == "cpu" and "precheck" in partial.fallback_reason
+    assert tokens == gpu_tokens
+
+
+def test_bad_tokens_and_full_context_leave_state_unchanged():
+    config, tensors = synthetic("tiny-dense")
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=4)
+    try:
+        for token in (-1, config.vocab_size):
+            with pytest.raises(capi.LibraryError) as err:
+                session.begin(token)
+            assert err.value.status == capi.OG_E_TOKEN_OUT_OF_RANGE
+        for t in range(4):
+            session.begin(t)
+            session.run_nongraph()
+            session.end()
+        kv_before = session.kv_cache_bytes()
+        with pytest.raises(capi.LibraryError) as err:
+            session.begin(1)
+        assert err.value.status == capi.OG_E_CONTEXT_FULL
+        assert session.kv_cache_bytes() == kv_before and session.position == 4
+        session.reset()
+        session.begin(1)
+        session.run_nongraph()
+        session.end()
+        assert session.position == 1
+    finally:
+        session.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_qwen3_0_6b_shape_matches_reference(kv):
+    config, tensors = synthetic("qwen3-0.6b")
+    ref = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=96)
+    ref_tokens, ref_logits = _decode(ref.step, PROMPT, 64)
+    del ref
+    with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=96, device="gpu") as engine:
+        tokens, logits = _decode(engine.step, PROMPT, 64)
+    assert tokens == ref_tokens
+    worst = max(rel_l2(g, r) for g, r in zip(logits, ref_logits))
+    print(f"qwen3-0.6b kv={kv}: worst logits rel L2 {worst:.3g}")
+    assert worst < LOGITS_BOUND[kv]
