@@ -18,9 +18,9 @@ python3 -c "import numpy, safetensors, ml_dtypes, cuda.bindings; print('python d
 { python3 build.py --arch sm_90 && python3 build.py --arch sm_90 --debug --out build/debug; } > "$OUT/build.log" 2>&1
 note "build: rc=$?"
 
-markers=""
-[ "$MODE" = quick ] && markers="-m not slow"
-timeout 420 python3 -m pytest -q -rs -x --durations=15 ${markers:+"$markers"} tests > "$OUT/pytest.log" 2>&1
+markers=()
+[ "$MODE" = quick ] && markers=(-m "not slow")
+timeout 420 python3 -m pytest -q -rs --durations=15 "${markers[@]}" tests > "$OUT/pytest.log" 2>&1
 note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log")"
 
 if command -v compute-sanitizer > /dev/null; then
