@@ -1,0 +1,629 @@
+// moe.cu — the mixture-of-experts FFN of one Qwen3-MoE decode step (batch 1), on the GPU.
+//
+// What it computes, for one token whose normed hidden state is x_normed [H] fp32:
+//   launch_moe_topk:    p = softmax(router_logits [E]) in fp32; the top_k largest p in
+//                       descending order (ties -> lower expert index) -> selected_experts
+//                       [top_k] int32, selected_weights [top_k] fp32 (divided by their sum,
+//                       summed in selection order, when norm_topk_prob).
+//   launch_moe_gate_up_swiglu:
+//                       act [top_k, I] fp32, act[j,i] = silu(gate_e[i].x) * (up_e[i].x),
+//                       e = selected_experts[j], silu(g) = g / (1 + expf(-g)).
+//                       gate_up_weights bf16 [E, 2I, round_up(H, 8)] (gate rows, then up).
+//   launch_moe_down_weighted_residual:
+//                       x [H] += sum over j in selection order of w_j * (down_e[r] . act[j]).
+//                       down_weights bf16 [E, H, round_up(I, 8)].
+// Rows are padded with zeros to a multiple of 8 elements so that every row starts on a
+// 16-byte boundary and each thread can read 8 bf16 with one 16-byte load.
+//
+// Design (batch-1 decode is bound by weight bandwidth: at the 30B-A3B shape, H = 2048,
+// I = 768, top_k = 8, one layer's experts read 8 x 3 x 768 x 2048 x 2 B = 75.5 MB per token,
+// 50.3 MB in gate/up and 25.2 MB in down):
+//   - One warp per output (gate/up pair, or down row), lanes striding over 16-byte chunks
+//     so that a warp reads 512 contiguous bytes per load instruction. Each lane keeps
+//     several loads in flight (gate and up rows together; several experts together in
+//     down) and the next item's first loads are issued before the current item's shuffle
+//     reduction, and the block's first loads before the shared-memory staging.
+//   - The vector a row is dotted with (x for gate/up, act for down) is staged once per
+//     block in shared memory, split into low and high 16-byte halves of each 8-element
+//     chunk so that a warp's 16-byte shared loads hit distinct banks.
+//   - Grids are persistent (at most what fits on the device at once, balanced so that
+//     every warp does the same number of items) and depend only on the shapes and the
+//     device, never on the token's expert ids, which the kernels read on the device:
+//     a captured graph replays unchanged.
+//   - Every output is computed by one warp in a fixed order (per lane in chunk order,
+//     then an xor-butterfly across lanes; experts combined in selection order), with no
+//     atomics: results are bit-identical from run to run and between graph replay and
+//     direct launch.
+// Expert ids are trusted: the launchers do not know E, and launch_moe_topk only produces
+// ids in [0, E).
+#include "moe.cuh"
+#include "moe_testing.h"
+
+#include <climits>
+#include <cstddef>
+#include <mutex>
+
+namespace {
+
+constexpr int kMaxExperts = 512;   // launch_moe_topk: one warp, up to 16 logits per lane
+constexpr int kMaxTopK = 32;       // one selected expert per lane of a warp
+constexpr int kThreads = 256;      // gate/up and down blocks
+constexpr int kWarps = kThreads / 32;
+constexpr int kGateUpUnroll = 4;   // 16-byte chunks per lane per batch, for gate and for up
+constexpr int kDownDepth = 8;      // 16-byte loads per lane per batch in down
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic shared memory without opting in
+
+// Weights are read once per token: skip L1 (keep it for the staged vectors' neighbours)
+// and ask L2 to fetch whole 256-byte sectors groups, since a warp streams rows anyway.
+__device__ __forceinline__ uint4 load_weights(const uint4 *p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// acc + (8 bf16 in w) . (lo, hi), one fma per element in element order. A bf16 is the
+// high half of an fp32: element 2k is the low 16 bits of word k (little endian).
+__device__ __forceinline__ float dot8(uint4 w, float4 lo, float4 hi, float acc) {
+    acc = fmaf(__uint_as_float(w.x << 16), lo.x, acc);
+    acc = fmaf(__uint_as_float(w.x & 0xffff0000u), lo.y, acc);
+    acc = fmaf(__uint_as_float(w.y << 16), lo.z, acc);
+    acc = fmaf(__uint_as_float(w.y & 0xffff0000u), lo.w, acc);
+    acc = fmaf(__uint_as_float(w.z << 16), hi.x, acc);
+    acc = fmaf(__uint_as_float(w.z & 0xffff0000u), hi.y, acc);
+    acc = fmaf(__uint_as_float(w.w << 16), hi.z, acc);
+    acc = fmaf(__uint_as_float(w.w & 0xffff0000u), hi.w, acc);
+    return acc;
+}
+
+// Xor butterfly: every lane ends with the same bits (each step adds the same two values,
+// and fp32 addition is commutative), so any lane may write the result.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+    return v;
+}
+
+// ---- top-k ------------------------------------------------------------------------------
+
+// Does candidate a (value, index) beat b? Larger probability wins, ties go to the lower
+// index, an empty candidate (index INT_MAX) always loses. NaN compares as below every
+// probability so that this is a total order: all lanes of the butterfly agree on the
+// winner and an index is always a real, unpicked expert.
+__device__ __forceinline__ bool topk_beats(float av, int ai, float bv, int bi) {
+    if (ai == INT_MAX) return false;
+    if (bi == INT_MAX) return true;
+    av = (av != av) ? -1.0f : av;
+    bv = (bv != bv) ? -1.0f : bv;
+    return av > bv || (av == bv && ai < bi);
+}
+
+// One warp. Lane l owns logits l, l + 32, ... (VPL of them, in registers, indexed only
+// by unrolled constants). k rounds of a warp argmax over the unpicked probabilities.
+template <int VPL>
+__global__ void __launch_bounds__(32)
+moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, int norm,
+                int32_t *__restrict__ selected, float *__restrict__ weights) {
+    const int lane = threadIdx.x;
+    float p[VPL];
+    unsigned unavailable = 0;  // bit v: slot v is past E or already picked
+    float m = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < VPL; ++v) {
+        const int i = lane + 32 * v;
+        if (i < num_experts) {
+            p[v] = logits[i];
+            m = fmaxf(m, p[v]);
+        } else {
+            p[v] = 0.0f;
+            unavailable |= 1u << v;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, off));
+    float s = 0.0f;
+#pragma unroll
+    for (int v = 0; v < VPL; ++v) {
+        if (!(unavailable & (1u << v))) {
+            p[v] = expf(p[v] - m);
+            s += p[v];
+        }
+    }
+    s = warp_sum(s);
+    // Selection is judged on these fp32 probabilities (what the reference ranks), not
+    // on the logits: two logits may differ while their probabilities round equal.
+#pragma unroll
+    for (int v = 0; v < VPL; ++v) p[v] = p[v] / s;
+
+    int my_index = 0;      // lane r keeps round r's winner
+    float my_weight = 0.0f;
+    for (int r = 0; r < top_k; ++r) {
+        float bv = 0.0f;
+        int bi = INT_MAX;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {  // ascending index within the lane
+            if (!(unavailable & (1u << v)) && topk_beats(p[v], lane + 32 * v, bv, bi)) {
+                bv = p[v];
+                bi = lane + 32 * v;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(kFullMask, bv, off);
+            const int oi = __shfl_xor_sync(kFullMask, bi, off);
+            if (topk_beats(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        // top_k <= E, so a real expert always remains and bi < E here.
+        if (lane == r) {
+            my_index = bi;
+            my_weight = bv;
+        }
+        if (lane == (bi & 31)) unavailable |= 1u << (bi >> 5);
+    }
+    if (norm) {
+        float total = 0.0f;  // selection order, the same on every lane
+        for (int r = 0; r < top_k; ++r) total += __shfl_sync(kFullMask, my_weight, r);
+        my_weight = my_weight / total;
+    }
+    if (lane < top_k) {
+        selected[lane] = my_index;
+        weights[lane] = my_weight;
+    }
+}
+
+// ---- gate/up + SwiGLU -----------------------------------------------------------------------
+
+template <int U>
+__global__ void __launch_bounds__(kThreads)
+moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
+                          const float *__restrict__ x, const int32_t *__restrict__ selected,
+                          int top_k, int hidden, int inter, float *__restrict__ act) {
+    extern __shared__ float4 smem[];
+    const int nch = (hidden + 7) >> 3;  // 16-byte chunks per weight row (= padded H / 8)
+    float4 *x_lo = smem;                // x[8c .. 8c+3]
+    float4 *x_hi = smem + nch;          // x[8c+4 .. 8c+7]
+    const int lane = threadIdx.x & 31;
+    const int pairs = top_k * inter;
+    const int stride = gridDim.x * kWarps;
+    const uint4 *base = reinterpret_cast<const uint4 *>(weights);
+
+    uint4 wg[U], wu[U];
+    const uint4 *g_row = base;
+    const uint4 *u_row = base;
+    auto locate = [&](int pair) {
+        const int j = pair / inter;
+        const int i = pair - j * inter;
+        const int e = __ldg(selected + j);
+        g_row = base + ((size_t)e * 2 * inter + i) * nch;
+        u_row = g_row + (size_t)inter * nch;
+    };
+    auto load = [&](int c0) {
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int c = c0 + lane + 32 * k;
+            if (c < nch) {
+                wg[k] = load_weights(g_row + c);
+                wu[k] = load_weights(u_row + c);
+            } else {
+                wg[k] = make_uint4(0u, 0u, 0u, 0u);
+                wu[k] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+
+    int p = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (p < pairs) {  // first weights in flight while x is staged
+        locate(p);
+        load(0);
+    }
+    // Zeros past H: the weights' pad columns are zero, and 0 * 0 keeps the sums exact.
+    for (int c = threadIdx.x; c < nch; c += kThreads) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int h = 8 * c + k;
+            v[k] = h < hidden ? x[h] : 0.0f;
+        }
+        x_lo[c] = make_float4(v[0], v[1], v[2], v[3]);
+        x_hi[c] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    __syncthreads();
+
+    while (p < pairs) {
+        float ag = 0.0f, au = 0.0f;
+        for (int c0 = 0;;) {
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int c = c0 + lane + 32 * k;
+                if (c < nch) {
+                    const float4 lo = x_lo[c];
+                    const float4 hi = x_hi[c];
+                    ag = dot8(wg[k], lo, hi, ag);
+                    au = dot8(wu[k], lo, hi, au);
+                }
+            }
+            c0 += 32 * U;
+            if (c0 >= nch) break;
+            load(c0);
+        }
+        const int next = p + stride;
+        if (next < pairs) {  // next pair's loads overlap this pair's reduction
+            locate(next);
+            load(0);
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) act[p] = ag / (1.0f + expf(-ag)) * au;
+        p = next;
+    }
+}
+
+// ---- down + weighted residual ----------------------------------------------------------------
+
+// Work of one row, flattened: item q = (expert j, lane chunk t), q = j * cpl + t, where a
+// lane's t-th chunk of a row is c = lane + 32 t and cpl = ceil(chunks / 32). Batches of D
+// items are loaded together, so loads from several experts are in flight at once, and
+// consumed in q order: an expert's dot is complete (and reduced across the warp) at its
+// last item, and added to y in selection order.
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restrict__ act,
+                const int32_t *__restrict__ selected, const float *__restrict__ sel_weights,
+                int top_k, int hidden, int inter, float *__restrict__ x) {
+    extern __shared__ float4 smem[];
+    const int nch = (inter + 7) >> 3;  // 16-byte chunks per row (= padded I / 8)
+    const int n = top_k * nch;
+    float4 *a_lo = smem;      // [top_k][nch]: act[j][8c .. 8c+3]
+    float4 *a_hi = smem + n;  // [top_k][nch]: act[j][8c+4 .. 8c+7]
+    const int lane = threadIdx.x & 31;
+    const int cpl = (nch + 31) >> 5;
+    const int items = top_k * cpl;
+    const int stride = gridDim.x * kWarps;
+    const uint4 *base = reinterpret_cast<const uint4 *>(weights);
+    const size_t expert_chunks = (size_t)hidden * nch;
+    // Lane j holds expert j's id and weight (top_k <= 32); items fetch them by shuffle.
+    const int e_lane = lane < top_k ? __ldg(selected + lane) : 0;
+    const float w_lane = lane < top_k ? __ldg(sel_weights + lane) : 0.0f;
+
+    uint4 w[D];
+    auto load = [&](int row, int q0) {
+        int j = q0 / cpl;
+        int t = q0 - j * cpl;
+        const uint4 *row_base = base + (size_t)row * nch;
+#pragma unroll
+        for (int k = 0; k < D; ++k) {
+            const int e = __shfl_sync(kFullMask, e_lane, j & 31);
+            const int c = lane + 32 * t;
+            if (q0 + k < items && c < nch)
+                w[k] = load_weights(row_base + (size_t)e * expert_chunks + c);
+            else
+                w[k] = make_uint4(0u, 0u, 0u, 0u);
+            if (++t == cpl) {
+                t = 0;
+                ++j;
+            }
+        }
+    };
+
+    int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (r < hidden) load(r, 0);  // first weights in flight while act is staged
+    for (int q = threadIdx.x; q < n; q += kThreads) {
+        const int j = q / nch;
+        const int c = q - j * nch;
+        const float *src = act + (size_t)j * inter;
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int i = 8 * c + k;
+            v[k] = i < inter ? src[i] : 0.0f;  // pad: finite zeros against zero weights
+        }
+        a_lo[q] = make_float4(v[0], v[1], v[2], v[3]);
+        a_hi[q] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    __syncthreads();
+
+    while (r < hidden) {
+        float y = 0.0f, acc = 0.0f;
+        for (int q0 = 0;;) {
+            int j = q0 / cpl;
+            int t = q0 - j * cpl;
+#pragma unroll
+            for (int k = 0; k < D; ++k) {
+                if (q0 + k < items) {  // warp-uniform
+                    const int c = lane + 32 * t;
+                    if (c < nch) acc = dot8(w[k], a_lo[j * nch + c], a_hi[j * nch + c], acc);
+                    if (t == cpl - 1) {  // expert j complete: warp-uniform
+                        const float s = warp_sum(acc);
+                        const float wj = __shfl_sync(kFullMask, w_lane, j);
+                        // Explicit roundings: w_j * s, then + y, as the reference does.
+                        y = __fadd_rn(y, __fmul_rn(wj, s));
+                        acc = 0.0f;
+                    }
+                }
+                if (++t == cpl) {
+                    t = 0;
+                    ++j;
+                }
+            }
+            q0 += D;
+            if (q0 >= items) break;
+            load(r, q0);
+        }
+        const int next = r + stride;
+        if (next < hidden) load(next, 0);  // overlaps the store below
+        if (lane == 0) x[r] = __fadd_rn(x[r], y);
+        r = next;
+    }
+}
+
+// ---- launch helpers ---------------------------------------------------------------------------
+
+struct OccupancyEntry {
+    const void *fn;
+    int device;
+    size_t smem;
+    int blocks_per_sm;
+};
+struct SmemAttrEntry {
+    const void *fn;
+    int device;
+    size_t bytes;
+};
+std::mutex g_launch_mutex;
+OccupancyEntry g_occupancy[32];
+int g_occupancy_next = 0;
+SmemAttrEntry g_smem_attr[32];
+int g_smem_attr_next = 0;
+
+// Raise fn's dynamic shared-memory limit when smem needs more than the default; the limit
+// only ever grows so that an earlier, larger launch keeps working. Caller holds the mutex.
+cudaError_t ensure_smem_limit(const void *fn, int device, size_t smem) {
+    if (smem <= kDefaultSmem) return cudaSuccess;
+    int optin = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    if (smem > (size_t)optin) return cudaErrorInvalidValue;
+    SmemAttrEntry *slot = nullptr;
+    for (SmemAttrEntry &a : g_smem_attr)
+        if (a.fn == fn && a.device == device) slot = &a;
+    if (slot && slot->bytes >= smem) return cudaSuccess;
+    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+    if (!slot) {
+        slot = &g_smem_attr[g_smem_attr_next];
+        g_smem_attr_next = (g_smem_attr_next + 1) % 32;
+    }
+    *slot = SmemAttrEntry{fn, device, smem};
+    return cudaSuccess;
+}
+
+// A persistent grid for work_warps warp-sized items: no more blocks than fit on the device
+// at once, and as few as keep every warp at the same number of rounds. Host queries only
+// (no stream work), so this is safe while the stream is being captured.
+cudaError_t persistent_grid(const void *fn, size_t smem, long long work_warps, int *grid) {
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    int per_sm = -1;
+    {
+        std::lock_guard<std::mutex> lock(g_launch_mutex);
+        err = ensure_smem_limit(fn, device, smem);
+        if (err != cudaSuccess) return err;
+        for (const OccupancyEntry &o : g_occupancy)
+            if (o.fn == fn && o.device == device && o.smem == smem) per_sm = o.blocks_per_sm;
+        if (per_sm < 0) {
+            err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem);
+            if (err != cudaSuccess) return err;
+            g_occupancy[g_occupancy_next] = OccupancyEntry{fn, device, smem, per_sm};
+            g_occupancy_next = (g_occupancy_next + 1) % 32;
+        }
+    }
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    const long long max_blocks = (long long)sms * per_sm;
+    const long long work_blocks = (work_warps + kWarps - 1) / kWarps;
+    const long long rounds = (work_blocks + max_blocks - 1) / max_blocks;
+    *grid = (int)((work_blocks + rounds - 1) / rounds);
+    return cudaSuccess;
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+}  // namespace
+
+// ---- launchers --------------------------------------------------------------------------------
+
+cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top_k,
+                            int norm_topk_prob, int32_t *selected_experts,
+                            float *selected_weights, cudaStream_t stream) {
+    if (!router_logits || !selected_experts || !selected_weights) return cudaErrorInvalidValue;
+    if (num_experts < 1 || num_experts > kMaxExperts) return cudaErrorInvalidValue;
+    if (top_k < 1 || top_k > kMaxTopK || top_k > num_experts) return cudaErrorInvalidValue;
+    const int norm = norm_topk_prob ? 1 : 0;
+    if (num_experts <= 32)
+        moe_topk_kernel<1><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
+                                                 selected_experts, selected_weights);
+    else if (num_experts <= 64)
+        moe_topk_kernel<2><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
+                                                 selected_experts, selected_weights);
+    else if (num_experts <= 128)
+        moe_topk_kernel<4><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
+                                                 selected_experts, selected_weights);
+    else if (num_experts <= 256)
+        moe_topk_kernel<8><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
+                                                 selected_experts, selected_weights);
+    else
+        moe_topk_kernel<16><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
+                                                  selected_experts, selected_weights);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_moe_gate_up_swiglu(const __nv_bfloat16 *gate_up_weights,
+                                      const float *x_normed, const int32_t *selected_experts,
+                                      int top_k, int hidden, int moe_inter, float *act,
+                                      cudaStream_t stream) {
+    if (!gate_up_weights || !x_normed || !selected_experts || !act) return cudaErrorInvalidValue;
+    if (!aligned16(gate_up_weights)) return cudaErrorInvalidValue;
+    if (top_k < 1 || top_k > kMaxTopK || hidden < 1 || moe_inter < 1) return cudaErrorInvalidValue;
+    if ((long long)top_k * moe_inter > INT_MAX) return cudaErrorInvalidValue;
+    const int nch = (hidden + 7) / 8;
+    const size_t smem = (size_t)2 * nch * sizeof(float4);
+    const void *fn = reinterpret_cast<const void *>(&moe_gate_up_swiglu_kernel<kGateUpUnroll>);
+    int grid = 0;
+    cudaError_t err = persistent_grid(fn, smem, (long long)top_k * moe_inter, &grid);
+    if (err != cudaSuccess) return err;
+    moe_gate_up_swiglu_kernel<kGateUpUnroll><<<grid, kThreads, smem, stream>>>(
+        gate_up_weights, x_normed, selected_experts, top_k, hidden, moe_inter, act);
+    return cudaGetLastError();
+}
+
+cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
+                                              const float *act,
+                                              const int32_t *selected_experts,
+                                              const float *selected_weights, int top_k,
+                                              int hidden, int moe_inter, float *x,
+                                              cudaStream_t stream) {
+    if (!down_weights || !act || !selected_experts || !selected_weights || !x)
+        return cudaErrorInvalidValue;
+    if (!aligned16(down_weights)) return cudaErrorInvalidValue;
+    if (top_k < 1 || top_k > kMaxTopK || hidden < 1 || moe_inter < 1) return cudaErrorInvalidValue;
+    const int nch = (moe_inter + 7) / 8;
+    const size_t smem = (size_t)2 * top_k * nch * sizeof(float4);
+    const void *fn = reinterpret_cast<const void *>(&moe_down_kernel<kDownDepth>);
+    int grid = 0;
+    cudaError_t err = persistent_grid(fn, smem, hidden, &grid);
+    if (err != cudaSuccess) return err;
+    moe_down_kernel<kDownDepth><<<grid, kThreads, smem, stream>>>(
+        down_weights, act, selected_experts, selected_weights, top_k, hidden, moe_inter, x);
+    return cudaGetLastError();
+}
+
+// ---- test entry points (moe_testing.h) -----------------------------------------------------
+
+namespace {
+
+// Device buffer freed on every path out of a test entry point.
+struct DeviceBuffer {
+    void *ptr = nullptr;
+    DeviceBuffer() = default;
+    DeviceBuffer(const DeviceBuffer &) = delete;
+    DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+    ~DeviceBuffer() {
+        if (ptr) cudaFree(ptr);
+    }
+    cudaError_t upload(const void *src, size_t bytes) {
+        cudaError_t err = cudaMalloc(&ptr, bytes);
+        if (err != cudaSuccess) {
+            ptr = nullptr;
+            return err;
+        }
+        return cudaMemcpy(ptr, src, bytes, cudaMemcpyHostToDevice);
+    }
+    template <typename T>
+    T *as() const { return static_cast<T *>(ptr); }
+};
+
+struct TestStream {
+    cudaStream_t s = nullptr;
+    TestStream() = default;
+    TestStream(const TestStream &) = delete;
+    TestStream &operator=(const TestStream &) = delete;
+    ~TestStream() {
+        if (s) cudaStreamDestroy(s);
+    }
+};
+
+og_status to_status(cudaError_t err) {
+    if (err == cudaSuccess) return OG_OK;
+    if (err == cudaErrorInvalidValue) return OG_E_INVALID_ARGUMENT;
+    return OG_E_CUDA;
+}
+
+#define OG_TRY(expr)                                   \
+    do {                                               \
+        cudaError_t og_try_err_ = (expr);              \
+        if (og_try_err_ != cudaSuccess) return OG_E_CUDA; \
+    } while (0)
+
+bool experts_in_range(const int32_t *sel, int top_k, int num_experts) {
+    for (int j = 0; j < top_k; ++j)
+        if (sel[j] < 0 || sel[j] >= num_experts) return false;
+    return true;
+}
+
+}  // namespace
+
+extern "C" OG_API og_status og_test_moe_topk(const float *logits, int E, int top_k, int norm,
+                                             int32_t *sel_out, float *w_out) {
+    if (!logits || !sel_out || !w_out) return OG_E_INVALID_ARGUMENT;
+    if (E < 1 || E > kMaxExperts || top_k < 1 || top_k > kMaxTopK || top_k > E)
+        return OG_E_INVALID_ARGUMENT;
+    DeviceBuffer d_logits, d_sel, d_w;
+    OG_TRY(d_logits.upload(logits, sizeof(float) * E));
+    OG_TRY(d_sel.upload(sel_out, sizeof(int32_t) * top_k));  // incoming (poisoned) contents
+    OG_TRY(d_w.upload(w_out, sizeof(float) * top_k));
+    TestStream stream;
+    OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+    og_status st = to_status(launch_moe_topk(d_logits.as<float>(), E, top_k, norm,
+                                             d_sel.as<int32_t>(), d_w.as<float>(), stream.s));
+    if (st != OG_OK) return st;
+    OG_TRY(cudaStreamSynchronize(stream.s));
+    OG_TRY(cudaMemcpy(sel_out, d_sel.ptr, sizeof(int32_t) * top_k, cudaMemcpyDeviceToHost));
+    OG_TRY(cudaMemcpy(w_out, d_w.ptr, sizeof(float) * top_k, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
+
+extern "C" OG_API og_status og_test_moe_gate_up_swiglu(const uint16_t *gate_up_bf16, int E,
+                                                       int H, int I, const float *x,
+                                                       const int32_t *sel, int top_k,
+                                                       float *act_out) {
+    if (!gate_up_bf16 || !x || !sel || !act_out) return OG_E_INVALID_ARGUMENT;
+    if (E < 1 || H < 1 || I < 1 || top_k < 1 || top_k > kMaxTopK) return OG_E_INVALID_ARGUMENT;
+    if (!experts_in_range(sel, top_k, E)) return OG_E_INVALID_ARGUMENT;
+    const size_t stride = ((size_t)H + 7) / 8 * 8;
+    DeviceBuffer d_w, d_x, d_sel, d_act;
+    OG_TRY(d_w.upload(gate_up_bf16, sizeof(uint16_t) * (size_t)E * 2 * I * stride));
+    OG_TRY(d_x.upload(x, sizeof(float) * H));
+    OG_TRY(d_sel.upload(sel, sizeof(int32_t) * top_k));
+    OG_TRY(d_act.upload(act_out, sizeof(float) * (size_t)top_k * I));
+    TestStream stream;
+    OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+    og_status st = to_status(launch_moe_gate_up_swiglu(
+        d_w.as<__nv_bfloat16>(), d_x.as<float>(), d_sel.as<int32_t>(), top_k, H, I,
+        d_act.as<float>(), stream.s));
+    if (st != OG_OK) return st;
+    OG_TRY(cudaStreamSynchronize(stream.s));
+    OG_TRY(cudaMemcpy(act_out, d_act.ptr, sizeof(float) * (size_t)top_k * I,
+                      cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
+
+extern "C" OG_API og_status og_test_moe_down(const uint16_t *down_bf16, int E, int H, int I,
+                                             const float *act, const int32_t *sel,
+                                             const float *w, int top_k, float *x_inout) {
+    if (!down_bf16 || !act || !sel || !w || !x_inout) return OG_E_INVALID_ARGUMENT;
+    if (E < 1 || H < 1 || I < 1 || top_k < 1 || top_k > kMaxTopK) return OG_E_INVALID_ARGUMENT;
+    if (!experts_in_range(sel, top_k, E)) return OG_E_INVALID_ARGUMENT;
+    const size_t stride = ((size_t)I + 7) / 8 * 8;
+    DeviceBuffer d_w, d_act, d_sel, d_sw, d_x;
+    OG_TRY(d_w.upload(down_bf16, sizeof(uint16_t) * (size_t)E * H * stride));
+    OG_TRY(d_act.upload(act, sizeof(float) * (size_t)top_k * I));
+    OG_TRY(d_sel.upload(sel, sizeof(int32_t) * top_k));
+    OG_TRY(d_sw.upload(w, sizeof(float) * top_k));
+    OG_TRY(d_x.upload(x_inout, sizeof(float) * H));
+    TestStream stream;
+    OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+    og_status st = to_status(launch_moe_down_weighted_residual(
+        d_w.as<__nv_bfloat16>(), d_act.as<float>(), d_sel.as<int32_t>(), d_sw.as<float>(),
+        top_k, H, I, d_x.as<float>(), stream.s));
+    if (st != OG_OK) return st;
+    OG_TRY(cudaStreamSynchronize(stream.s));
+    OG_TRY(cudaMemcpy(x_inout, d_x.ptr, sizeof(float) * H, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
