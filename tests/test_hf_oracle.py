@@ -99,8 +99,11 @@ def test_reference_matches_transformers(name, tmp_path):
     config, tensors = make_model(name, seed=sum(map(ord, name)))
     save_hf_folder(config, tensors, tmp_path)
     model_class = getattr(transformers, ARCH_CLASSES[config.architecture])
-    hf = model_class.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
+    hf, loading = model_class.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager",
+                                              output_loading_info=True)
     hf.eval()
+    # every parameter came from our file (nothing randomly initialized, nothing left over)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     # the bf16 checkpoint reached HF unchanged (bf16 -> fp32 is exact)
     hf_state = hf.state_dict()
     np.testing.assert_array_equal(hf_state["model.embed_tokens.weight"].numpy(),

@@ -29,8 +29,8 @@ BF16_KV_REL_L2 = 1.5e-2
 # An int8 KV cache has absolute error <= scale/2 = max|row|/254 per element: RMS about 0.5% of
 # a Gaussian row of 16..24 values; the logits move ~1e-2 (measured at most 2.3e-2, same runs).
 INT8_KV_REL_L2 = 4e-2
-# ROUTING: cache noise also perturbs MoE router logits: where two experts are close at the top-k boundary
-# it may legitimately swap them, a discrete change that no continuous bound covers and that
+# ROUTING: cache noise also perturbs MoE router logits: where two experts are close at the top-k
+# boundary it may legitimately swap them, a discrete change that no continuous bound covers and that
 # stays in the cache for every later token. MoE models are held to the bounds above while their
 # routing equals the float64 run's; full MoE runs are checked against a float64 model that
 # rounds its cache the same way (next bound).
@@ -181,8 +181,8 @@ def rel_l2(a, b) -> float:
 
 
 # name -> (config, weight seed). The MoE seeds are ones where neither quantized cache changes the
-# routing within STEPS tokens (about half of all seeds; see ROUTING below), so that the bound
-# covers whole runs.
+# routing within STEPS tokens (about a quarter of the seeds tried; see ROUTING above), so that
+# the bounds cover whole runs.
 MODELS = {
     "qwen3": (lambda: tiny_config("qwen3"), 1),
     "llama": (lambda: tiny_config("llama"), 2),
