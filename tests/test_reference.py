@@ -274,6 +274,16 @@ def test_quantized_kv_matches_float64_with_same_rounding(model, kv_dtype, monkey
     assert greedy_tokens(ours) == greedy_tokens(expected)
 
 
+def test_experts_on_demand_equal_experts_converted_at_init():
+    config = tiny_config("qwen3_moe")
+    tensors = tiny_tensors(config, seed=8)
+    at_init = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=8)
+    on_demand = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=8, experts_fp32=False)
+    assert isinstance(on_demand.layers[1].experts_down, reference.ExpertsOnDemand)
+    for t in (3, 1, 4, 1, 5):
+        np.testing.assert_array_equal(on_demand.step(t), at_init.step(t))
+
+
 def test_moe_model_uses_moe_and_dense_layers():
     config = tiny_config("qwen3_moe")
     assert [config.is_moe_layer(l) for l in range(3)] == [False, True, True]
