@@ -52,6 +52,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from statistics import NormalDist
@@ -67,6 +68,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 # Part of what a seed means: changing either changes every model's bytes.
 CHUNK_ELEMENTS = 1 << 20
 TABLE_BITS = 16
+_BLOCK_ELEMENTS = 1 << 16     # a multiple of 4: whole 64-bit words per block
+_LOOKAHEAD_CHUNKS_PER_WORKER = 4
 SYNTH_FORMAT_VERSION = 1
 
 LOGIT_STD = 4.0
@@ -179,9 +182,13 @@ def _fill_chunk(out_bits: np.ndarray, key: list[int], chunk: int, table: np.ndar
     """Fill out_bits (uint16, 1-D) with chunk ``chunk`` of the tensor keyed by ``key``."""
     n = out_bits.size
     bits = np.random.PCG64(np.random.SeedSequence(key, spawn_key=(chunk,)))
-    words = bits.random_raw((n + 3) // 4).view(np.uint16)[:n]
-    # mode="clip" skips the bounds check (every uint16 is a valid index), ~30% faster.
-    np.take(table, words, out=out_bits, mode="clip")
+    # Draw in cache-sized blocks (the raw words stay in L2 until gathered); consecutive
+    # random_raw calls continue one stream, so the block size does not change the values.
+    for begin in range(0, n, _BLOCK_ELEMENTS):
+        count = min(_BLOCK_ELEMENTS, n - begin)
+        words = bits.random_raw((count + 3) // 4).view(np.uint16)[:count]
+        # mode="clip" skips the bounds check (every uint16 is a valid index), ~30% faster.
+        np.take(table, words, out=out_bits[begin:begin + count], mode="clip")
 
 
 def _submit_tensor(pool: ThreadPoolExecutor | None, config: ModelConfig, name: str, shape, seed: int):
@@ -212,8 +219,9 @@ def iter_tensors(config: ModelConfig, seed: int = 0, names=None, workers: int | 
     """Yield (name, bf16 array) for every tensor of ``config.tensor_shapes()`` (or ``names``),
     in that order, lazily. Values depend only on (seed, name), see the module docstring.
 
-    While the caller handles one tensor the next one is already being generated, so at most
-    two tensors are in memory; each yielded array is the caller's to keep or drop.
+    While the caller handles one tensor, the following ones are being generated: at least one
+    tensor and about 4 chunks per worker ahead, so memory holds the current tensor plus that
+    lookahead; each yielded array is the caller's to keep or drop.
     """
     shapes = config.tensor_shapes()
     order = list(shapes) if names is None else list(names)
@@ -222,15 +230,20 @@ def iter_tensors(config: ModelConfig, seed: int = 0, names=None, workers: int | 
             raise KeyError(f"tensor '{name}' is not part of this model (config {config.source})")
     workers = workers or os.cpu_count() or 1
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="synth") if workers > 1 else None
+    lookahead_values = workers * _LOOKAHEAD_CHUNKS_PER_WORKER * CHUNK_ELEMENTS
+    pending: deque = deque()  # (name, array, futures), in yield order
+    pending_values = 0
     try:
-        pending = None
         for name in order:
-            current = (name, *_submit_tensor(pool, config, name, shapes[name], seed))
-            if pending is not None:
-                yield _finish(pending)
-            pending = current
-        if pending is not None:
-            yield _finish(pending)
+            arr, futures = _submit_tensor(pool, config, name, shapes[name], seed)
+            pending.append((name, arr, futures))
+            pending_values += arr.size
+            while len(pending) > 1 and pending_values - pending[0][1].size >= lookahead_values:
+                done = pending.popleft()
+                pending_values -= done[1].size
+                yield _finish(done)
+        while pending:
+            yield _finish(pending.popleft())
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -292,7 +305,8 @@ def write_model(config: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
     """Write a Hugging Face model folder: config.json, generation_config.json and
     model.safetensors, or shards model-0000i-of-0000n.safetensors + model.safetensors.index.json
     when the weights exceed max_shard_bytes. Streams tensor by tensor (headers are computed from
-    the shapes first), so memory holds at most two tensors. Returns the paths written.
+    the shapes first), so memory holds one tensor plus the generation lookahead, never the
+    model. Returns the paths written.
 
     ``out_dir`` must be empty or absent unless ``overwrite``, in which case weight files of a
     previous model there are removed first (a stale shard would make the folder inconsistent).
