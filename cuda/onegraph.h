@@ -61,6 +61,8 @@ typedef int32_t og_status;
 #define OG_E_CONTEXT_FULL     -10  /* position == max_seq_len: the KV cache has no free row     */
 #define OG_E_UNSUPPORTED      -11  /* a config value the library does not implement            */
 #define OG_E_BAD_STATE        -12  /* call out of order (e.g. end_step without begin_step)      */
+#define OG_E_BAD_FILE         -13  /* a packed model file is malformed or unreadable; the message
+                                       names the file and the byte offset or tensor             */
 
 /* ---- element types ----------------------------------------------------------------- */
 #define OG_DTYPE_F32  0
@@ -207,6 +209,29 @@ OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacit
 /* Release everything. Safe on a partially initialized engine; a second og_free of the
  * same handle returns OG_E_INVALID_HANDLE. */
 OG_API og_status og_free(og_engine *e);
+
+/* ---- packed model files (cuda/packed_file.c) -----------------------------------------
+ * One safetensors file written by `onegraph pack` (runtime/pack.py): the tensors the library
+ * uploads, by Hugging Face name, and the config in its __metadata__. The format and every
+ * check the parser makes are described in cuda/packed_file.h. */
+
+/* Parse and check a packed file without touching a GPU (reads only the header): OG_OK, or
+ * OG_E_BAD_FILE (unreadable or malformed; the message names the byte offset or tensor),
+ * OG_E_UNSUPPORTED (a newer format_version, or a weights format not implemented yet),
+ * OG_E_INVALID_ARGUMENT (path is NULL). */
+OG_API og_status og_packed_validate(const char *path);
+
+/* Validate the file, og_init an engine from its config (kv_dtype: OG_KV_*; max_seq_len > 0
+ * is used as given, <= 0 means min(4096, max_position_embeddings)), map the file, upload
+ * every tensor with og_set_weight and og_precheck. On any failure everything is released,
+ * *out is NULL and the status is the failing step's (OG_E_BAD_FILE, OG_E_NO_DEVICE,
+ * OG_E_WEIGHT_MISMATCH, OG_E_MISSING_WEIGHT, ...), with the file named in the message. */
+OG_API og_status og_open_packed(const char *path, int32_t kv_dtype, int32_t max_seq_len,
+                                og_engine **out);
+
+/* Greedy choice: *token = the index of the largest of logits[0, n), ties to the lowest
+ * index (as numpy.argmax). OG_E_INVALID_ARGUMENT for NULL pointers, n < 1, or a NaN. */
+OG_API og_status og_argmax(const float *logits, int32_t n, int32_t *token);
 
 #ifdef __cplusplus
 }

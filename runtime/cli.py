@@ -129,6 +129,13 @@ def _prod(shape):
     return n
 
 
+def cmd_pack(args) -> int:
+    from .pack import pack_model
+    path = pack_model(args.model, args.out, weights=args.weights, progress=True)
+    print(f"{path} ({os.path.getsize(path)} bytes)")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import main as bench_main
     return bench_main(args.bench_args)
@@ -177,6 +184,12 @@ def main(argv=None) -> int:
     sp = sub.add_parser("bench", help="benchmark graph vs non-graph (see 'onegraph bench -h')", add_help=False)
     sp.add_argument("bench_args", nargs=argparse.REMAINDER)
     sp.set_defaults(func=cmd_bench)
+
+    sp = sub.add_parser("pack", help="write one packed safetensors file (weights + config) for C and other languages")
+    sp.add_argument("--model", required=True, help="Hugging Face model folder")
+    sp.add_argument("--out", required=True, help="packed file to write")
+    sp.add_argument("--weights", default="bf16", help="weights format: bf16 (int8 and q4 are planned)")
+    sp.set_defaults(func=cmd_pack)
 
     args = p.parse_args(argv)
     try:
