@@ -223,7 +223,7 @@ def test_numpy_forward_matches_transformers(tmp_path):
     transformers reads the generated folders (dense+MoE mixed layers)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    for preset in ("tiny-moe", "tiny-llama"):
+    for preset in ("tiny-moe", "tiny-llama", "tiny-tied"):
         cfg = synth.preset_config(preset)
         folder = tmp_path / preset
         synth.write_model(cfg, folder, seed=2)
