@@ -160,6 +160,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        raw = _classic_keys(raw, source)
         archs = raw.get("architectures")
         if not archs or not isinstance(archs, list):
             raise ConfigError(f"{source}: key 'architectures' is missing or not a list (got {archs!r})")
@@ -304,6 +305,26 @@ class ModelConfig:
         for t in self.eos_token_ids:
             if not 0 <= t < self.vocab_size:
                 bad("eos_token_id", self.eos_token_id, f"is outside the vocabulary 0..{self.vocab_size - 1}")
+
+
+def _classic_keys(raw: dict, source: str) -> dict:
+    """transformers >= 5 saves num_experts as 'num_local_experts' and rope_theta/rope_scaling
+    inside one 'rope_parameters' object; read them as the classic keys (which win if both)."""
+    if "num_local_experts" not in raw and "rope_parameters" not in raw:
+        return raw
+    raw = dict(raw)
+    if "num_local_experts" in raw:
+        raw.setdefault("num_experts", raw["num_local_experts"])
+    rope = raw.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_parameters={rope!r} must be an object")
+        if "rope_theta" in rope:
+            raw.setdefault("rope_theta", rope["rope_theta"])
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if raw.get("rope_scaling") is None and _rope_type(scaling) != "default":
+            raw["rope_scaling"] = scaling
+    return raw
 
 
 def _rope_type(rope_scaling: dict) -> str:

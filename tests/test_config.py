@@ -163,3 +163,15 @@ def test_optional_keys_take_hf_defaults():
 def test_linear_rope_scaling_accepted():
     cfg = ModelConfig.from_dict(qwen3(rope_scaling={"rope_type": "linear", "factor": 2.0}))
     assert cfg.rope_linear_factor == 2.0
+
+
+def test_transformers_v5_key_names():
+    """transformers >= 5 saves 'num_local_experts' and a 'rope_parameters' object."""
+    classic = moe(rope_theta=5e5)
+    v5 = {k: v for k, v in classic.items() if k not in ("num_experts", "rope_theta")}
+    v5.update(num_local_experts=8, rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+    assert ModelConfig.from_dict(v5, source="v5") == ModelConfig.from_dict(classic, source="v5")
+    linear = dict(v5, rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0})
+    assert ModelConfig.from_dict(linear).rope_linear_factor == 2.0
+    rejects(dict(v5, rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}), "rope_scaling", "yarn")
+    rejects(dict(v5, rope_parameters=5e5), "rope_parameters=500000.0")

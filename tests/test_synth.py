@@ -235,6 +235,13 @@ def test_numpy_forward_matches_transformers(tmp_path):
         # float32 in transformers (its MoE kernels take no float64): ~1e-6 relative error.
         np.testing.assert_allclose(ours[-1], hf_logits[-1], rtol=0, atol=1e-4)
         assert np.argmax(ours[-1]) == np.argmax(hf_logits[-1])
+    # A folder saved by transformers (its own key names and tensor order) loads unchanged.
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-moe", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_model(tmp_path / "saved")
+    assert saved.config.num_experts == 8 and saved.config.rope_theta == 1e6
+    for name, expected in synth.iter_tensors(synth.preset_config("tiny-moe"), seed=2):
+        assert np.array_equal(bits(saved.tensors[name]), bits(expected)), name
 
 
 # ---- writing folders -----------------------------------------------------------------------------
