@@ -1,0 +1,988 @@
+// engine.cu — the C ABI of onegraph.h: configuration, device buffers, weight upload,
+// the hit-only precheck, and the decode body (og_enqueue).
+//
+// The body reads like llama2.c's forward(): H2D step record -> embedding -> per layer
+// (attention block, FFN block) -> final norm + lm_head -> D2H logits. Kernels per layer:
+//   dense: [RMSNorm+QKV GEMV] [QK-norm+RoPE+KV write] [attention] [O GEMV + residual]
+//          [RMSNorm+gate/up GEMV+SwiGLU] [down GEMV + residual]                      = 6
+//   MoE:   the same attention block (4), then [RMSNorm+router GEMV (writes normed)]
+//          [top-k] [experts gate/up+SwiGLU] [experts down, weighted sum + residual]  = 8
+// plus the embedding gather and [final RMSNorm+lm_head GEMV] per token.
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kernels.cuh"
+#include "moe.cuh"
+#include "packed_file.h"
+
+namespace og {
+
+// ---- errors ---------------------------------------------------------------------------
+namespace {
+thread_local std::string t_last_error;
+}
+
+og_status set_error(og_status status, const char *fmt, ...) {
+    char buffer[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buffer, sizeof buffer, fmt, args);
+    va_end(args);
+    t_last_error = buffer;
+    return status;
+}
+
+og_status cuda_failure(cudaError_t err, const char *what, const char *file, int line) {
+    (void)cudaGetLastError();  // clear a non-sticky error so later calls are not blamed
+    const char *base = strrchr(file, '/');
+    return set_error(err == cudaErrorMemoryAllocation ? OG_E_OUT_OF_MEMORY : OG_E_CUDA,
+                     "%s failed: %s (%s:%d)", what, cudaGetErrorString(err),
+                     base ? base + 1 : file, line);
+}
+
+og_status require_device(void) {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return set_error(OG_E_NO_DEVICE, "no CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (count <= 0) return set_error(OG_E_NO_DEVICE, "no CUDA device: the driver reports none");
+    return OG_OK;
+}
+
+cudaError_t allow_dynamic_smem(const void *kernel, size_t smem_bytes) {
+    if (smem_bytes <= 48 * 1024) return cudaSuccess;
+    int device = 0, optin = 0;
+    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
+    OG_CUDA_RETURN_IF(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (smem_bytes > (size_t)optin) return cudaErrorInvalidValue;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+}
+
+cudaError_t current_sm_count(int *sm_count) {
+    int device = 0;
+    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
+    return cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+}
+
+}  // namespace og
+
+using namespace og;
+
+// ---- the engine -----------------------------------------------------------------------
+namespace {
+
+constexpr size_t kArenaAlign = 256;
+
+struct LayerWeights {
+    bool is_moe = false;
+    float *input_layernorm = nullptr;          // (H)
+    __nv_bfloat16 *qkv = nullptr;              // (q + 2kv, ldH): q_proj | k_proj | v_proj
+    float *q_norm = nullptr, *k_norm = nullptr;  // (hd) each, qk_norm only
+    __nv_bfloat16 *o_proj = nullptr;           // (H, ldQ)
+    float *post_attention_layernorm = nullptr; // (H)
+    __nv_bfloat16 *gate_up = nullptr;          // dense: (2I, ldH): gate_proj | up_proj
+    __nv_bfloat16 *down = nullptr;             // dense: (H, ldI)
+    __nv_bfloat16 *router = nullptr;           // MoE: (E, ldH) mlp.gate
+    __nv_bfloat16 *expert_gate_up = nullptr;   // MoE: (E, 2Im, ldH)
+    __nv_bfloat16 *expert_down = nullptr;      // MoE: (E, H, ldIm)
+    void *k_cache = nullptr, *v_cache = nullptr;     // (n_kv, max_seq, hd) kv dtype
+    float *k_scales = nullptr, *v_scales = nullptr;  // (n_kv, max_seq), int8 only
+};
+
+// One entry per Hugging Face tensor the config uses, in config.py's tensor_shapes order.
+struct WeightSlot {
+    std::string name;
+    bool is_matrix;
+    int64_t rows, cols;                // vectors: rows == 1, cols == length
+    __nv_bfloat16 *matrix = nullptr;   // first row in the device matrix, ld elements apart
+    int64_t ld = 0;
+    float *vector = nullptr;
+};
+
+struct Dims {
+    int V, H, I, L, n_heads, n_kv, hd, q_size, kv_size, qkv_rows, E, top_k, Im, max_seq, kv_dtype;
+    int ldH, ldQ, ldI, ldIm;
+    bool any_dense, any_moe;
+};
+
+// Offsets from a base address; laid out twice: to size the arena, then for real.
+struct ArenaCursor {
+    uintptr_t base;
+    size_t used = 0;
+    template <class T>
+    T *take(size_t count) {
+        used = (size_t)round_up((int64_t)used, kArenaAlign);
+        T *p = reinterpret_cast<T *>(base + used);
+        used += count * sizeof(T);
+        return p;
+    }
+};
+
+}  // namespace
+
+struct og_engine {
+    og_config cfg;                       // copy; cfg.layer_is_moe points at layer_is_moe
+    std::vector<uint8_t> layer_is_moe;   // [L]
+    Dims d;
+    int device = 0;
+    bool pdl = false;
+    cudaStream_t stream = nullptr;
+
+    char *arena = nullptr;               // every device buffer below lives in it
+    size_t arena_bytes = 0, weight_bytes = 0, kv_values_bytes = 0, kv_scales_bytes = 0;
+    og_step_record *step_host = nullptr; // pinned
+    float *logits_host = nullptr;        // pinned (V)
+
+    // weights
+    __nv_bfloat16 *embed_tokens = nullptr;  // (V, ldH)
+    std::vector<LayerWeights> layers;
+    float *final_norm = nullptr;            // (H) model.norm
+    __nv_bfloat16 *lm_head = nullptr;       // (V, ldH); == embed_tokens when tied
+    // KV cache: values (L, 2, n_kv, max_seq, hd) then scales (L, 2, n_kv, max_seq)
+    char *kv_values = nullptr;
+    float *kv_scales = nullptr;
+    // run state (names as in runtime/reference.py)
+    og_step_record *step = nullptr;      // device copy of the step record
+    float *inv_freq = nullptr;           // (hd/2)
+    float *x = nullptr;                  // (H) hidden state, the residual stream
+    float *normed = nullptr;             // (H) RMSNorm output read by the MoE experts
+    float *qkv = nullptr;                // (q + 2kv)
+    float *attn_out = nullptr;           // (q)
+    float *act = nullptr;                // (I) silu(gate) * up
+    float *logits = nullptr;             // (V)
+    float *attn_partials = nullptr;      // split-KV scratch
+    unsigned *attn_counters = nullptr;   // (n_kv)
+    float *router_logits = nullptr;      // (E)
+    int32_t *selected_experts = nullptr; // (top_k)
+    float *selected_weights = nullptr;   // (top_k)
+    float *moe_act = nullptr;            // (top_k, Im)
+
+    GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
+    AttentionPlan plan_attention;
+
+    std::vector<WeightSlot> slots;
+    std::unordered_map<std::string, size_t> slot_index;
+    std::vector<uint8_t> resident;       // per slot
+    size_t n_missing = 0;
+
+    int32_t position = 0;
+    bool step_pending = false;
+    og_stats stats = {};
+};
+
+namespace {
+
+std::mutex g_registry_mutex;
+std::unordered_set<og_engine *> &registry() {
+    static std::unordered_set<og_engine *> live;
+    return live;
+}
+
+bool is_live(og_engine *e) {
+    if (e == nullptr) return false;
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    return registry().count(e) != 0;
+}
+
+#define OG_CHECK_HANDLE(e)                                                            \
+    do {                                                                              \
+        if (!is_live(e))                                                              \
+            return set_error(OG_E_INVALID_HANDLE, "%s: %s", __func__,                 \
+                             (e) == nullptr ? "NULL engine handle"                    \
+                                            : "not a live engine handle (already freed?)"); \
+    } while (0)
+
+og_status use_device(og_engine *e) {
+    int current = -1;
+    OG_CUDA_TRY(cudaGetDevice(&current));
+    if (current != e->device) OG_CUDA_TRY(cudaSetDevice(e->device));
+    return OG_OK;
+}
+
+const char *dtype_name(int32_t dtype) {
+    switch (dtype) {
+        case OG_DTYPE_F32: return "f32";
+        case OG_DTYPE_BF16: return "bf16";
+        case OG_DTYPE_I8: return "i8";
+    }
+    return "unknown dtype";
+}
+
+std::string shape_text(int32_t ndim, const int64_t *shape) {
+    std::string s = "[";
+    for (int32_t i = 0; i < ndim; ++i) {
+        if (i) s += ", ";
+        s += std::to_string((long long)shape[i]);
+    }
+    return s + "]";
+}
+
+// ---- configuration -------------------------------------------------------------------
+bool layer_moe(const og_config *c, int layer) {
+    if (c->num_experts <= 0) return false;
+    return c->layer_is_moe == nullptr ? true : c->layer_is_moe[layer] != 0;
+}
+
+og_status validate_config(const og_config *c) {
+    if (c->abi_version != OG_ABI_VERSION)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.abi_version=%d but the library implements ABI %d "
+                         "(start from og_config_default)",
+                         c->abi_version, OG_ABI_VERSION);
+    const struct { const char *name; int32_t value; } positive[] = {
+        {"vocab_size", c->vocab_size},
+        {"hidden_size", c->hidden_size},
+        {"num_hidden_layers", c->num_hidden_layers},
+        {"num_attention_heads", c->num_attention_heads},
+        {"num_key_value_heads", c->num_key_value_heads},
+        {"head_dim", c->head_dim},
+        {"max_seq_len", c->max_seq_len},
+    };
+    for (const auto &f : positive)
+        if (f.value <= 0)
+            return set_error(OG_E_INVALID_ARGUMENT, "og_config.%s=%d must be positive", f.name,
+                             f.value);
+    if (c->num_attention_heads % c->num_key_value_heads != 0)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.num_key_value_heads=%d must divide num_attention_heads=%d "
+                         "(grouped-query attention)",
+                         c->num_key_value_heads, c->num_attention_heads);
+    if (c->head_dim % 2 != 0)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.head_dim=%d must be even (rotary embedding rotates pairs)",
+                         c->head_dim);
+    if (c->head_dim > 256)
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_config.head_dim=%d is not supported (attention supports even "
+                         "head_dim up to 256)",
+                         c->head_dim);
+    if (!(c->rms_norm_eps > 0.f) || !isfinite(c->rms_norm_eps))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_config.rms_norm_eps=%g must be positive",
+                         (double)c->rms_norm_eps);
+    if (!(c->rope_theta > 0.f) || !isfinite(c->rope_theta))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_config.rope_theta=%g must be positive",
+                         (double)c->rope_theta);
+    if (!(c->rope_linear_factor > 0.f) || !isfinite(c->rope_linear_factor))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.rope_linear_factor=%g must be positive",
+                         (double)c->rope_linear_factor);
+    const struct { const char *name; int32_t value; } flags[] = {
+        {"qk_norm", c->qk_norm},
+        {"tie_word_embeddings", c->tie_word_embeddings},
+        {"norm_topk_prob", c->norm_topk_prob},
+    };
+    for (const auto &f : flags)
+        if (f.value != 0 && f.value != 1)
+            return set_error(OG_E_INVALID_ARGUMENT, "og_config.%s=%d must be 0 or 1", f.name,
+                             f.value);
+    if (c->kv_dtype != OG_KV_F32 && c->kv_dtype != OG_KV_BF16 && c->kv_dtype != OG_KV_INT8)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.kv_dtype=%d is not OG_KV_F32 (0), OG_KV_BF16 (1) or "
+                         "OG_KV_INT8 (2)",
+                         c->kv_dtype);
+    if (c->device_ordinal < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_config.device_ordinal=%d must be >= 0",
+                         c->device_ordinal);
+    if (c->num_experts < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_config.num_experts=%d must be >= 0",
+                         c->num_experts);
+    bool any_dense = false, any_moe = false;
+    for (int l = 0; l < c->num_hidden_layers; ++l) {
+        if (c->num_experts == 0 && c->layer_is_moe != nullptr && c->layer_is_moe[l] != 0)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_config.layer_is_moe[%d]=%d but num_experts=0", l,
+                             (int)c->layer_is_moe[l]);
+        (layer_moe(c, l) ? any_moe : any_dense) = true;
+    }
+    if (any_dense && c->intermediate_size <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.intermediate_size=%d must be positive (some layers are dense)",
+                         c->intermediate_size);
+    if (any_moe) {
+        if (c->num_experts_per_tok <= 0 || c->num_experts_per_tok > c->num_experts)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_config.num_experts_per_tok=%d must be in [1, num_experts=%d]",
+                             c->num_experts_per_tok, c->num_experts);
+        if (c->moe_intermediate_size <= 0)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_config.moe_intermediate_size=%d must be positive",
+                             c->moe_intermediate_size);
+    }
+    return OG_OK;
+}
+
+Dims derive_dims(const og_engine *e) {
+    const og_config &c = e->cfg;
+    Dims d;
+    d.V = c.vocab_size;
+    d.H = c.hidden_size;
+    d.L = c.num_hidden_layers;
+    d.n_heads = c.num_attention_heads;
+    d.n_kv = c.num_key_value_heads;
+    d.hd = c.head_dim;
+    d.q_size = d.n_heads * d.hd;
+    d.kv_size = d.n_kv * d.hd;
+    d.qkv_rows = d.q_size + 2 * d.kv_size;
+    d.any_dense = d.any_moe = false;
+    for (int l = 0; l < d.L; ++l) (e->layer_is_moe[l] ? d.any_moe : d.any_dense) = true;
+    d.I = d.any_dense ? c.intermediate_size : 0;
+    d.E = d.any_moe ? c.num_experts : 0;
+    d.top_k = d.any_moe ? c.num_experts_per_tok : 0;
+    d.Im = d.any_moe ? c.moe_intermediate_size : 0;
+    d.max_seq = c.max_seq_len;
+    d.kv_dtype = c.kv_dtype;
+    d.ldH = padded_cols(d.H);
+    d.ldQ = padded_cols(d.q_size);
+    d.ldI = padded_cols(d.I > 0 ? d.I : 1);
+    d.ldIm = padded_cols(d.Im > 0 ? d.Im : 1);
+    return d;
+}
+
+size_t kv_elem_bytes(int kv_dtype) {
+    return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1;
+}
+
+// Assign every device pointer from `base`; returns the arena size.
+size_t layout_arena(og_engine *e, uintptr_t base) {
+    const Dims &d = e->d;
+    ArenaCursor a{base};
+    // weights
+    e->embed_tokens = a.take<__nv_bfloat16>((size_t)d.V * d.ldH);
+    e->layers.assign(d.L, LayerWeights());
+    for (int l = 0; l < d.L; ++l) {
+        LayerWeights &w = e->layers[l];
+        w.is_moe = e->layer_is_moe[l] != 0;
+        w.input_layernorm = a.take<float>(d.H);
+        w.qkv = a.take<__nv_bfloat16>((size_t)d.qkv_rows * d.ldH);
+        if (e->cfg.qk_norm) {
+            w.q_norm = a.take<float>(d.hd);
+            w.k_norm = a.take<float>(d.hd);
+        }
+        w.o_proj = a.take<__nv_bfloat16>((size_t)d.H * d.ldQ);
+        w.post_attention_layernorm = a.take<float>(d.H);
+        if (w.is_moe) {
+            w.router = a.take<__nv_bfloat16>((size_t)d.E * d.ldH);
+            w.expert_gate_up = a.take<__nv_bfloat16>((size_t)d.E * 2 * d.Im * d.ldH);
+            w.expert_down = a.take<__nv_bfloat16>((size_t)d.E * d.H * d.ldIm);
+        } else {
+            w.gate_up = a.take<__nv_bfloat16>((size_t)2 * d.I * d.ldH);
+            w.down = a.take<__nv_bfloat16>((size_t)d.H * d.ldI);
+        }
+    }
+    e->final_norm = a.take<float>(d.H);
+    e->lm_head = e->cfg.tie_word_embeddings ? e->embed_tokens
+                                            : a.take<__nv_bfloat16>((size_t)d.V * d.ldH);
+    e->weight_bytes = (size_t)round_up((int64_t)a.used, kArenaAlign);
+
+    // KV cache
+    const size_t head_rows = (size_t)d.n_kv * d.max_seq;  // rows of one (layer, K|V)
+    const size_t esize = kv_elem_bytes(d.kv_dtype);
+    e->kv_values_bytes = (size_t)d.L * 2 * head_rows * d.hd * esize;
+    e->kv_scales_bytes = d.kv_dtype == OG_KV_INT8 ? (size_t)d.L * 2 * head_rows * sizeof(float) : 0;
+    e->kv_values = a.take<char>(e->kv_values_bytes);
+    e->kv_scales = a.take<float>(e->kv_scales_bytes / sizeof(float));
+    for (int l = 0; l < d.L; ++l) {
+        LayerWeights &w = e->layers[l];
+        w.k_cache = e->kv_values + (2 * (size_t)l) * head_rows * d.hd * esize;
+        w.v_cache = e->kv_values + (2 * (size_t)l + 1) * head_rows * d.hd * esize;
+        if (d.kv_dtype == OG_KV_INT8) {
+            w.k_scales = e->kv_scales + (2 * (size_t)l) * head_rows;
+            w.v_scales = e->kv_scales + (2 * (size_t)l + 1) * head_rows;
+        }
+    }
+
+    // activations and scratch
+    e->step = a.take<og_step_record>(1);
+    e->inv_freq = a.take<float>(d.hd / 2);
+    e->x = a.take<float>(d.H);
+    e->normed = a.take<float>(d.H);
+    e->qkv = a.take<float>(d.qkv_rows);
+    e->attn_out = a.take<float>(d.q_size);
+    e->act = a.take<float>(d.I > 0 ? d.I : 1);
+    e->logits = a.take<float>(d.V);
+    e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
+    e->attn_counters = a.take<unsigned>(d.n_kv);
+    if (d.any_moe) {
+        e->router_logits = a.take<float>(d.E);
+        e->selected_experts = a.take<int32_t>(d.top_k);
+        e->selected_weights = a.take<float>(d.top_k);
+        e->moe_act = a.take<float>((size_t)d.top_k * d.Im);
+    }
+    return (size_t)round_up((int64_t)a.used, kArenaAlign);
+}
+
+void add_matrix(og_engine *e, std::string name, int64_t rows, int64_t cols,
+                __nv_bfloat16 *dst, int64_t ld) {
+    WeightSlot s;
+    s.name = std::move(name);
+    s.is_matrix = true;
+    s.rows = rows;
+    s.cols = cols;
+    s.matrix = dst;
+    s.ld = ld;
+    e->slots.push_back(std::move(s));
+}
+
+void add_vector(og_engine *e, std::string name, int64_t length, float *dst) {
+    WeightSlot s;
+    s.name = std::move(name);
+    s.is_matrix = false;
+    s.rows = 1;
+    s.cols = length;
+    s.vector = dst;
+    e->slots.push_back(std::move(s));
+}
+
+// The tensor table: HF name -> device region (fused layouts assembled by row offset).
+void build_weight_table(og_engine *e) {
+    const Dims &d = e->d;
+    add_matrix(e, "model.embed_tokens.weight", d.V, d.H, e->embed_tokens, d.ldH);
+    for (int l = 0; l < d.L; ++l) {
+        const LayerWeights &w = e->layers[l];
+        const std::string p = "model.layers." + std::to_string(l) + ".";
+        add_vector(e, p + "input_layernorm.weight", d.H, w.input_layernorm);
+        add_matrix(e, p + "self_attn.q_proj.weight", d.q_size, d.H, w.qkv, d.ldH);
+        add_matrix(e, p + "self_attn.k_proj.weight", d.kv_size, d.H,
+                   w.qkv + (size_t)d.q_size * d.ldH, d.ldH);
+        add_matrix(e, p + "self_attn.v_proj.weight", d.kv_size, d.H,
+                   w.qkv + (size_t)(d.q_size + d.kv_size) * d.ldH, d.ldH);
+        add_matrix(e, p + "self_attn.o_proj.weight", d.H, d.q_size, w.o_proj, d.ldQ);
+        if (e->cfg.qk_norm) {
+            add_vector(e, p + "self_attn.q_norm.weight", d.hd, w.q_norm);
+            add_vector(e, p + "self_attn.k_norm.weight", d.hd, w.k_norm);
+        }
+        add_vector(e, p + "post_attention_layernorm.weight", d.H, w.post_attention_layernorm);
+        if (w.is_moe) {
+            add_matrix(e, p + "mlp.gate.weight", d.E, d.H, w.router, d.ldH);
+            for (int x = 0; x < d.E; ++x) {
+                const std::string q = p + "mlp.experts." + std::to_string(x) + ".";
+                __nv_bfloat16 *gate_up = w.expert_gate_up + (size_t)x * 2 * d.Im * d.ldH;
+                add_matrix(e, q + "gate_proj.weight", d.Im, d.H, gate_up, d.ldH);
+                add_matrix(e, q + "up_proj.weight", d.Im, d.H, gate_up + (size_t)d.Im * d.ldH,
+                           d.ldH);
+                add_matrix(e, q + "down_proj.weight", d.H, d.Im,
+                           w.expert_down + (size_t)x * d.H * d.ldIm, d.ldIm);
+            }
+        } else {
+            add_matrix(e, p + "mlp.gate_proj.weight", d.I, d.H, w.gate_up, d.ldH);
+            add_matrix(e, p + "mlp.up_proj.weight", d.I, d.H, w.gate_up + (size_t)d.I * d.ldH,
+                       d.ldH);
+            add_matrix(e, p + "mlp.down_proj.weight", d.H, d.I, w.down, d.ldI);
+        }
+    }
+    add_vector(e, "model.norm.weight", d.H, e->final_norm);
+    if (!e->cfg.tie_word_embeddings)
+        add_matrix(e, "lm_head.weight", d.V, d.H, e->lm_head, d.ldH);
+    e->slot_index.reserve(e->slots.size());
+    for (size_t i = 0; i < e->slots.size(); ++i) e->slot_index.emplace(e->slots[i].name, i);
+    e->resident.assign(e->slots.size(), 0);
+    e->n_missing = e->slots.size();
+}
+
+// Release everything; safe on a partially built engine. Errors are ignored (and cleared).
+void destroy(og_engine *e) {
+    if (e == nullptr) return;
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != e->device) cudaSetDevice(e->device);
+    if (e->stream) {
+        cudaStreamSynchronize(e->stream);
+        cudaStreamDestroy(e->stream);
+    }
+    if (e->arena) cudaFree(e->arena);
+    if (e->step_host) cudaFreeHost(e->step_host);
+    if (e->logits_host) cudaFreeHost(e->logits_host);
+    (void)cudaGetLastError();
+    delete e;
+}
+
+og_status plan_kernels(og_engine *e) {
+    const Dims &d = e->d;
+    int smem_optin = 0;
+    OG_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                       e->device));
+    // A GEMV stages its input vector in shared memory.
+    const struct { const char *name; int cols; } inputs[] = {
+        {"hidden_size", d.H},
+        {"num_attention_heads * head_dim", d.q_size},
+        {"intermediate_size", d.I},
+    };
+    for (const auto &in : inputs)
+        if ((size_t)padded_cols(in.cols) * sizeof(float) > (size_t)smem_optin)
+            return set_error(OG_E_UNSUPPORTED,
+                             "og_config.%s=%d is too large: a GEMV input of %d floats does not "
+                             "fit in the %d bytes of shared memory of a block",
+                             in.name, in.cols, in.cols, smem_optin);
+    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.qkv_rows, d.H, &e->plan_qkv));
+    OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.q_size, &e->plan_o));
+    if (d.any_dense) {
+        OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up));
+        OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down));
+    }
+    if (d.any_moe) OG_CUDA_TRY(gemv_plan(kGemvNorm, d.E, d.H, &e->plan_router));
+    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head));
+    const cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0,
+                                           &e->plan_attention);
+    if (err == cudaErrorInvalidValue) {
+        (void)cudaGetLastError();
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_config: attention with num_attention_heads=%d, "
+                         "num_key_value_heads=%d, head_dim=%d does not fit in shared memory",
+                         d.n_heads, d.n_kv, d.hd);
+    }
+    OG_CUDA_TRY(err);
+    return OG_OK;
+}
+
+og_status init_engine(og_engine *e) {
+    OG_CUDA_TRY(cudaSetDevice(e->device));
+    cudaDeviceProp prop;
+    OG_CUDA_TRY(cudaGetDeviceProperties(&prop, e->device));
+    const char *pdl_env = getenv("ONEGRAPH_PDL");
+    e->pdl = prop.major >= 9 && !(pdl_env != nullptr && strcmp(pdl_env, "0") == 0);
+    e->d = derive_dims(e);
+    og_status status = plan_kernels(e);
+    if (status != OG_OK) return status;
+
+    e->arena_bytes = layout_arena(e, 0);
+    OG_CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
+    OG_CUDA_TRY(cudaMalloc((void **)&e->arena, e->arena_bytes));
+    layout_arena(e, reinterpret_cast<uintptr_t>(e->arena));
+    // Zeros everywhere: pad columns of the weights, the KV cache, the attention counters.
+    OG_CUDA_TRY(cudaMemsetAsync(e->arena, 0, e->arena_bytes, e->stream));
+    OG_CUDA_TRY(cudaHostAlloc((void **)&e->step_host, sizeof(og_step_record), cudaHostAllocDefault));
+    OG_CUDA_TRY(cudaHostAlloc((void **)&e->logits_host, (size_t)e->d.V * sizeof(float),
+                              cudaHostAllocDefault));
+    memset(e->step_host, 0, sizeof(og_step_record));
+    memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
+
+    std::vector<float> inv_freq(e->d.hd / 2);
+    rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,
+                  inv_freq.data());
+    OG_CUDA_TRY(cudaMemcpyAsync(e->inv_freq, inv_freq.data(), inv_freq.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+
+    build_weight_table(e);
+    e->stats.device_bytes = e->arena_bytes;
+    e->stats.weight_bytes = e->weight_bytes;
+    e->stats.kv_cache_bytes = e->kv_values_bytes + e->kv_scales_bytes;
+    return OG_OK;
+}
+
+og_status precheck(og_engine *e) {
+    if (e->n_missing == 0) return OG_OK;
+    for (size_t i = 0; i < e->slots.size(); ++i)
+        if (!e->resident[i])
+            return set_error(OG_E_MISSING_WEIGHT,
+                             "weight %s is not resident (%zu of %zu required tensors missing)",
+                             e->slots[i].name.c_str(), e->n_missing, e->slots.size());
+    return OG_OK;
+}
+
+og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *data) {
+    if (s.is_matrix) {
+        const size_t row_bytes = (size_t)s.cols * sizeof(__nv_bfloat16);
+        if (s.ld == s.cols) {
+            OG_CUDA_TRY(cudaMemcpyAsync(s.matrix, data, row_bytes * s.rows,
+                                        cudaMemcpyHostToDevice, e->stream));
+        } else {  // rows land at the padded stride; the pad columns keep their zeros
+            OG_CUDA_TRY(cudaMemcpy2DAsync(s.matrix, (size_t)s.ld * sizeof(__nv_bfloat16), data,
+                                          row_bytes, row_bytes, s.rows, cudaMemcpyHostToDevice,
+                                          e->stream));
+        }
+    } else {
+        std::vector<float> values(s.cols);
+        if (dtype == OG_DTYPE_F32) {
+            memcpy(values.data(), data, values.size() * sizeof(float));
+        } else {
+            const uint16_t *bits = static_cast<const uint16_t *>(data);
+            for (int64_t i = 0; i < s.cols; ++i) {
+                const uint32_t w = (uint32_t)bits[i] << 16;
+                memcpy(&values[i], &w, sizeof w);
+            }
+        }
+        OG_CUDA_TRY(cudaMemcpyAsync(s.vector, values.data(), values.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, e->stream));
+    }
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
+
+// THE BODY: one decode step, enqueued on `stream`.
+og_status enqueue_body(og_engine *e, cudaStream_t stream) {
+    const Dims &d = e->d;
+    const og_config &c = e->cfg;
+    const bool pdl = e->pdl;
+    OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host, sizeof(og_step_record),
+                                cudaMemcpyHostToDevice, stream));
+    OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->step, e->x, stream, false));
+
+    for (int l = 0; l < d.L; ++l) {
+        const LayerWeights &w = e->layers[l];
+        // ---- attention block: x += o_proj(attention(rope(qkv_proj(rmsnorm(x))))) ----
+        GemvArgs qkv_proj = {w.qkv, d.qkv_rows, d.H, e->x, w.input_layernorm, c.rms_norm_eps,
+                             e->qkv, nullptr};
+        OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
+
+        RopeKvArgs rope = {};
+        rope.qkv = e->qkv;
+        rope.q_norm = w.q_norm;
+        rope.k_norm = w.k_norm;
+        rope.eps = c.rms_norm_eps;
+        rope.inv_freq = e->inv_freq;
+        rope.step = e->step;
+        rope.n_heads = d.n_heads;
+        rope.n_kv_heads = d.n_kv;
+        rope.head_dim = d.hd;
+        rope.max_seq_len = d.max_seq;
+        rope.kv_dtype = d.kv_dtype;
+        rope.k_cache = w.k_cache;
+        rope.v_cache = w.v_cache;
+        rope.k_scales = w.k_scales;
+        rope.v_scales = w.v_scales;
+        OG_CUDA_TRY(launch_qk_norm_rope_kv(rope, stream, pdl));
+
+        AttentionArgs attn = {};
+        attn.q = e->qkv;
+        attn.k_cache = w.k_cache;
+        attn.v_cache = w.v_cache;
+        attn.k_scales = w.k_scales;
+        attn.v_scales = w.v_scales;
+        attn.step = e->step;
+        attn.n_heads = d.n_heads;
+        attn.n_kv_heads = d.n_kv;
+        attn.head_dim = d.hd;
+        attn.max_seq_len = d.max_seq;
+        attn.kv_dtype = d.kv_dtype;
+        attn.partials = e->attn_partials;
+        attn.counters = e->attn_counters;
+        attn.out = e->attn_out;
+        OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
+
+        GemvArgs o_proj = {w.o_proj, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x, nullptr};
+        OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
+
+        // ---- FFN block: x += mlp(rmsnorm(x)) ----
+        if (w.is_moe) {
+            GemvArgs router = {w.router, d.E, d.H, e->x, w.post_attention_layernorm,
+                               c.rms_norm_eps, e->router_logits, e->normed};
+            OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
+            OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
+                                        e->selected_experts, e->selected_weights, stream));
+            OG_CUDA_TRY(launch_moe_gate_up_swiglu(w.expert_gate_up, e->normed,
+                                                  e->selected_experts, d.top_k, d.H, d.Im,
+                                                  e->moe_act, stream));
+            OG_CUDA_TRY(launch_moe_down_weighted_residual(w.expert_down, e->moe_act,
+                                                          e->selected_experts,
+                                                          e->selected_weights, d.top_k, d.H,
+                                                          d.Im, e->x, stream));
+        } else {
+            GemvArgs gate_up = {w.gate_up, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
+                                c.rms_norm_eps, e->act, nullptr};
+            OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
+            GemvArgs down = {w.down, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr};
+            OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
+        }
+    }
+
+    // ---- logits = lm_head(rmsnorm(x)) ----
+    GemvArgs lm_head = {e->lm_head, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps, e->logits,
+                        nullptr};
+    OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
+    OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+    e->stats.enqueues += 1;
+    e->stats.h2d_copies += 1;
+    e->stats.d2h_copies += 1;
+    return OG_OK;
+}
+
+}  // namespace
+
+// ---- the C ABI -------------------------------------------------------------------------
+extern "C" {
+
+OG_API int32_t og_abi_version(void) { return OG_ABI_VERSION; }
+
+OG_API const char *og_last_error(void) { return t_last_error.c_str(); }
+
+// packed_file.c reports its errors through here (declared in packed_file.h).
+void og_set_last_error_message(const char *message) {
+    t_last_error = message != nullptr ? message : "";
+}
+
+OG_API void og_config_default(og_config *cfg) {
+    if (cfg == nullptr) return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->abi_version = OG_ABI_VERSION;
+    cfg->rms_norm_eps = 1e-6f;
+    cfg->rope_theta = 1e6f;
+    cfg->rope_linear_factor = 1.0f;
+    cfg->kv_dtype = OG_KV_INT8;
+    cfg->max_seq_len = 4096;
+    cfg->device_ordinal = 0;
+}
+
+OG_API og_status og_device_count(int32_t *count) {
+    if (count == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_device_count: count is NULL");
+    *count = 0;
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return set_error(OG_E_NO_DEVICE, "no CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (n <= 0) return set_error(OG_E_NO_DEVICE, "no CUDA device: the driver reports none");
+    *count = n;
+    return OG_OK;
+}
+
+OG_API og_status og_init(const og_config *cfg, og_engine **out) {
+    if (out == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_init: out is NULL");
+    *out = nullptr;
+    if (cfg == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_init: cfg is NULL");
+    og_status status = validate_config(cfg);
+    if (status != OG_OK) return status;
+    status = require_device();
+    if (status != OG_OK) return status;
+    int count = 0;
+    OG_CUDA_TRY(cudaGetDeviceCount(&count));
+    if (cfg->device_ordinal >= count)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_config.device_ordinal=%d but there are %d CUDA devices",
+                         cfg->device_ordinal, count);
+
+    og_engine *e = new (std::nothrow) og_engine();
+    if (e == nullptr) return set_error(OG_E_OUT_OF_MEMORY, "og_init: host allocation failed");
+    try {
+        e->cfg = *cfg;
+        e->layer_is_moe.resize(cfg->num_hidden_layers);
+        for (int l = 0; l < cfg->num_hidden_layers; ++l) e->layer_is_moe[l] = layer_moe(cfg, l);
+        e->cfg.layer_is_moe = e->layer_is_moe.data();
+        e->device = cfg->device_ordinal;
+        status = init_engine(e);
+    } catch (const std::bad_alloc &) {
+        status = set_error(OG_E_OUT_OF_MEMORY, "og_init: host allocation failed");
+    }
+    if (status != OG_OK) {
+        destroy(e);
+        return status;
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        registry().insert(e);
+    }
+    *out = e;
+    return OG_OK;
+}
+
+OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,
+                               const int64_t *shape, const void *data) {
+    OG_CHECK_HANDLE(e);
+    if (name == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_set_weight: name is NULL");
+    const auto found = e->slot_index.find(name);
+    if (found == e->slot_index.end())
+        return set_error(OG_E_UNKNOWN_WEIGHT, "%s: not a tensor of this model's config", name);
+    const size_t index = found->second;
+    const WeightSlot &s = e->slots[index];
+    if (ndim < 0 || (ndim > 0 && shape == nullptr))
+        return set_error(OG_E_INVALID_ARGUMENT, "%s: shape is NULL or ndim=%d is negative", name,
+                         ndim);
+    if (dtype != OG_DTYPE_F32 && dtype != OG_DTYPE_BF16 && dtype != OG_DTYPE_I8)
+        return set_error(OG_E_INVALID_ARGUMENT, "%s: dtype=%d is not an OG_DTYPE_* value", name,
+                         dtype);
+    const std::string got = shape_text(ndim, shape) + " (" + dtype_name(dtype) + ")";
+    if (s.is_matrix) {
+        const int64_t want[2] = {s.rows, s.cols};
+        if (dtype != OG_DTYPE_BF16 || ndim != 2 || shape[0] != s.rows || shape[1] != s.cols)
+            return set_error(OG_E_WEIGHT_MISMATCH, "%s: expected shape %s (bf16), got %s", name,
+                             shape_text(2, want).c_str(), got.c_str());
+    } else {
+        const int64_t want[1] = {s.cols};
+        if ((dtype != OG_DTYPE_BF16 && dtype != OG_DTYPE_F32) || ndim != 1 || shape[0] != s.cols)
+            return set_error(OG_E_WEIGHT_MISMATCH, "%s: expected shape %s (bf16 or f32), got %s",
+                             name, shape_text(1, want).c_str(), got.c_str());
+    }
+    if (data == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "%s: data is NULL", name);
+    og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    status = upload(e, s, dtype, data);
+    if (status != OG_OK) {
+        // The device copy may be partial: the tensor no longer counts as resident.
+        if (e->resident[index]) {
+            e->resident[index] = 0;
+            e->n_missing += 1;
+        }
+        return status;
+    }
+    if (!e->resident[index]) {
+        e->resident[index] = 1;
+        e->n_missing -= 1;
+    }
+    return OG_OK;
+}
+
+OG_API og_status og_precheck(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    return precheck(e);
+}
+
+OG_API og_status og_begin_step(og_engine *e, int32_t token) {
+    OG_CHECK_HANDLE(e);
+    if (token < 0 || token >= e->d.V)
+        return set_error(OG_E_TOKEN_OUT_OF_RANGE, "token %d is outside the vocabulary [0, %d)",
+                         token, e->d.V);
+    if (e->position >= e->d.max_seq)
+        return set_error(OG_E_CONTEXT_FULL,
+                         "position %d: the KV cache is full (max_seq_len=%d); og_reset starts a "
+                         "new sequence",
+                         e->position, e->d.max_seq);
+    const og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    e->step_host->token = token;
+    e->step_host->position = e->position;
+    e->step_host->reserved[0] = 0;
+    e->step_host->reserved[1] = 0;
+    e->step_pending = true;
+    return OG_OK;
+}
+
+OG_API og_status og_enqueue(og_engine *e, void *stream) {
+    OG_CHECK_HANDLE(e);
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    return enqueue_body(e, stream != nullptr ? static_cast<cudaStream_t>(stream) : e->stream);
+}
+
+OG_API og_status og_run(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    if (!e->step_pending)
+        return set_error(OG_E_BAD_STATE, "og_run: no step begun (call og_begin_step first)");
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    status = enqueue_body(e, e->stream);
+    if (status != OG_OK) return status;
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
+
+OG_API og_status og_end_step(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    if (!e->step_pending)
+        return set_error(OG_E_BAD_STATE, "og_end_step: no step begun (call og_begin_step first)");
+    e->position += 1;
+    e->step_pending = false;
+    e->stats.steps += 1;
+    return OG_OK;
+}
+
+OG_API og_status og_step(og_engine *e, int32_t token, const float **logits) {
+    og_status status = og_begin_step(e, token);
+    if (status != OG_OK) return status;
+    status = og_run(e);
+    if (status != OG_OK) {
+        e->step_pending = false;
+        return status;
+    }
+    status = og_end_step(e);
+    if (status != OG_OK) return status;
+    if (logits != nullptr) *logits = e->logits_host;
+    return OG_OK;
+}
+
+OG_API og_status og_reset(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    e->position = 0;
+    e->step_pending = false;
+    return OG_OK;
+}
+
+OG_API og_status og_get_position(og_engine *e, int32_t *position) {
+    OG_CHECK_HANDLE(e);
+    if (position == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_get_position: position is NULL");
+    *position = e->position;
+    return OG_OK;
+}
+
+OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record) {
+    OG_CHECK_HANDLE(e);
+    if (record == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_step_record_ptr: record is NULL");
+    *record = e->step_host;
+    return OG_OK;
+}
+
+OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size) {
+    OG_CHECK_HANDLE(e);
+    if (logits == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_logits: logits is NULL");
+    *logits = e->logits_host;
+    if (vocab_size != nullptr) *vocab_size = e->d.V;
+    return OG_OK;
+}
+
+OG_API og_status og_stream(og_engine *e, void **stream) {
+    OG_CHECK_HANDLE(e);
+    if (stream == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_stream: stream is NULL");
+    *stream = e->stream;
+    return OG_OK;
+}
+
+OG_API og_status og_get_stats(og_engine *e, og_stats *stats) {
+    OG_CHECK_HANDLE(e);
+    if (stats == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_get_stats: stats is NULL");
+    *stats = e->stats;
+    return OG_OK;
+}
+
+OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes) {
+    OG_CHECK_HANDLE(e);
+    if (host_dst == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_copy_kv_cache: host_dst is NULL");
+    const uint64_t needed = e->kv_values_bytes + e->kv_scales_bytes;
+    if (capacity_bytes < needed)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_copy_kv_cache: capacity_bytes=%llu < kv_cache_bytes=%llu",
+                         (unsigned long long)capacity_bytes, (unsigned long long)needed);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    char *dst = static_cast<char *>(host_dst);
+    OG_CUDA_TRY(cudaMemcpyAsync(dst, e->kv_values, e->kv_values_bytes, cudaMemcpyDeviceToHost,
+                                e->stream));
+    if (e->kv_scales_bytes > 0)
+        OG_CUDA_TRY(cudaMemcpyAsync(dst + e->kv_values_bytes, e->kv_scales, e->kv_scales_bytes,
+                                    cudaMemcpyDeviceToHost, e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
+
+OG_API og_status og_free(og_engine *e) {
+    if (e == nullptr) return set_error(OG_E_INVALID_HANDLE, "og_free: NULL engine handle");
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        if (registry().erase(e) == 0)
+            return set_error(OG_E_INVALID_HANDLE,
+                             "og_free: not a live engine handle (already freed?)");
+    }
+    destroy(e);
+    return OG_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,233 @@
+// gemv.cu — bf16 matrix x fp32 vector, the kernel that carries almost all of decode's
+// memory traffic. Modes (kernels.cuh): plain, RMSNorm fused in front, residual add, and
+// RMSNorm + gate/up + SwiGLU.
+//
+//   weight: [rows, ld] bf16, ld = padded_cols(cols) (zeros in the pad columns)
+//   x:      [cols] fp32, staged in shared memory as [ld] (zeros in the pad), normalized
+//           there when the mode has a norm:  n[i] = x[i] * (1 / sqrt(mean(x^2) + eps)) * w[i]
+//   y:      [rows] fp32 (or [rows / 2] for SwiGLU)
+//
+// Work split: 256 threads = 8 warps per block; a warp owns a task = a pair of rows
+// (r, r+1), or for SwiGLU the pair (gate row i, up row I + i), so the two rows share
+// every shared-memory read of x. Lane l reads 16-byte chunks l, l+32, ... of both rows,
+// four chunks of each in flight per step (64 bytes per row per lane), accumulates in
+// fp32 and the warp reduces with shuffles. The grid is at most what fits on the GPU at
+// once and warps stride over the tasks, so each block stages x once. Before waiting on
+// the previous kernel (PDL), each warp prefetches its first rows into L2.
+#include "kernels.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvWarps = kGemvThreads / kWarpSize;
+constexpr int kGemvUnroll = 4;  // 16-byte chunks per row per lane in flight
+
+struct GemvParams {
+    const __nv_bfloat16 *weight;
+    const float *x;
+    const float *norm_weight;
+    float *y;
+    float *normed_out;
+    int rows, cols, ld, n_tasks, out_rows;
+    float eps;
+};
+
+__host__ __device__ constexpr bool mode_has_norm(int mode) {
+    return mode == kGemvNorm || mode == kGemvNormSwiglu;
+}
+
+__device__ __forceinline__ float dot8(uint4 w, float4 xa, float4 xb, float acc) {
+    acc = fmaf(bf16_lo(w.x), xa.x, acc);
+    acc = fmaf(bf16_hi(w.x), xa.y, acc);
+    acc = fmaf(bf16_lo(w.y), xa.z, acc);
+    acc = fmaf(bf16_hi(w.y), xa.w, acc);
+    acc = fmaf(bf16_lo(w.z), xb.x, acc);
+    acc = fmaf(bf16_hi(w.z), xb.y, acc);
+    acc = fmaf(bf16_lo(w.w), xb.z, acc);
+    acc = fmaf(bf16_hi(w.w), xb.w, acc);
+    return acc;
+}
+
+// Rows of task `task`: (r0, r1). r1 == r0 for the last task of an odd row count.
+template <int MODE>
+__device__ __forceinline__ void task_rows(const GemvParams &p, int task, int &r0, int &r1) {
+    if (MODE == kGemvNormSwiglu) {
+        r0 = task;
+        r1 = task + p.out_rows;
+    } else {
+        r0 = 2 * task;
+        r1 = min(r0 + 1, p.rows - 1);
+    }
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(kGemvThreads) gemv_bf16_kernel(const GemvParams p) {
+    extern __shared__ float4 x_smem4[];              // [ld / 4]
+    float *x_smem = reinterpret_cast<float *>(x_smem4);
+    __shared__ float scratch[kGemvWarps];
+
+    const int warp = threadIdx.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    const int n_chunks = p.ld / 8;                   // 16-byte chunks per row
+    const int task_stride = gridDim.x * kGemvWarps;
+    int task = blockIdx.x * kGemvWarps + warp;
+
+    // Weights do not depend on earlier kernels: start pulling this warp's first rows
+    // into L2 before waiting for them.
+    if (lane == 0 && task < p.n_tasks) {
+        int r0, r1;
+        task_rows<MODE>(p, task, r0, r1);
+        const uint32_t row_bytes = (uint32_t)p.ld * 2u;
+        if (r1 == r0 + 1) {
+            prefetch_l2(p.weight + (size_t)r0 * p.ld, 2u * row_bytes);
+        } else {
+            prefetch_l2(p.weight + (size_t)r0 * p.ld, row_bytes);
+            if (r1 != r0) prefetch_l2(p.weight + (size_t)r1 * p.ld, row_bytes);
+        }
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+
+    // Stage x (zeros in the pad columns so that 0-weight * pad stays 0).
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) {
+        const float v = i < p.cols ? p.x[i] : 0.f;
+        x_smem[i] = v;
+        sum_sq = fmaf(v, v, sum_sq);
+    }
+    if (mode_has_norm(MODE)) {
+        const float total = block_sum<kGemvThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+        for (int i = threadIdx.x; i < p.cols; i += kGemvThreads) {
+            const float n = x_smem[i] * inv_rms * p.norm_weight[i];
+            x_smem[i] = n;
+            if (write_normed) p.normed_out[i] = n;
+        }
+    }
+    __syncthreads();
+
+    // Bank-conflict-free reads of x: a quarter-warp's 8 lanes read 8 chunks of 32 bytes
+    // in two 16-byte halves; lanes 4..7 of each quarter take their halves in the other
+    // order so the 8 accesses of one instruction cover 128 distinct bytes.
+    const int swap_halves = (lane >> 2) & 1;
+
+    for (; task < p.n_tasks; task += task_stride) {
+        int r0, r1;
+        task_rows<MODE>(p, task, r0, r1);
+        const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
+        const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int base = lane; base < n_chunks; base += kWarpSize * kGemvUnroll) {
+            uint4 v0[kGemvUnroll], v1[kGemvUnroll];
+#pragma unroll
+            for (int u = 0; u < kGemvUnroll; ++u) {
+                const int c = base + u * kWarpSize;
+                if (c < n_chunks) {
+                    v0[u] = __ldcs(w0 + c);
+                    v1[u] = __ldcs(w1 + c);
+                } else {
+                    v0[u] = make_uint4(0u, 0u, 0u, 0u);
+                    v1[u] = v0[u];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kGemvUnroll; ++u) {
+                const int c = base + u * kWarpSize;
+                if (c < n_chunks) {
+                    const float4 first = x_smem4[2 * c + swap_halves];
+                    const float4 second = x_smem4[2 * c + 1 - swap_halves];
+                    const float4 xa = swap_halves ? second : first;
+                    const float4 xb = swap_halves ? first : second;
+                    acc0 = dot8(v0[u], xa, xb, acc0);
+                    acc1 = dot8(v1[u], xa, xb, acc1);
+                }
+            }
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            if (MODE == kGemvNormSwiglu) {
+                const float silu = acc0 / (1.0f + expf(-acc0));
+                p.y[task] = silu * acc1;
+            } else if (MODE == kGemvResidual) {
+                p.y[r0] += acc0;
+                if (r1 != r0) p.y[r1] += acc1;
+            } else {
+                p.y[r0] = acc0;
+                if (r1 != r0) p.y[r1] = acc1;
+            }
+        }
+    }
+}
+
+const void *gemv_kernel_for(GemvMode mode) {
+    switch (mode) {
+        case kGemvPlain: return (const void *)gemv_bf16_kernel<kGemvPlain>;
+        case kGemvNorm: return (const void *)gemv_bf16_kernel<kGemvNorm>;
+        case kGemvResidual: return (const void *)gemv_bf16_kernel<kGemvResidual>;
+        case kGemvNormSwiglu: return (const void *)gemv_bf16_kernel<kGemvNormSwiglu>;
+    }
+    return nullptr;
+}
+
+int gemv_tasks(GemvMode mode, int rows) {
+    return mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2);
+}
+
+}  // namespace
+
+cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
+    const void *kernel = gemv_kernel_for(mode);
+    if (kernel == nullptr || rows <= 0 || cols <= 0 || plan == nullptr ||
+        (mode == kGemvNormSwiglu && rows % 2 != 0))
+        return cudaErrorInvalidValue;
+    const size_t smem_bytes = (size_t)padded_cols(cols) * sizeof(float);
+    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
+    int blocks_per_sm = 0;
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                                    kGemvThreads, smem_bytes));
+    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    const int needed = ceil_div(gemv_tasks(mode, rows), kGemvWarps);
+    plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    plan->smem_bytes = (int)smem_bytes;
+    return cudaSuccess;
+}
+
+cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
+                        cudaStream_t stream, bool pdl) {
+    if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
+    GemvParams p;
+    p.weight = args.weight;
+    p.x = args.x;
+    p.norm_weight = args.norm_weight;
+    p.y = args.y;
+    p.normed_out = args.normed_out;
+    p.rows = args.rows;
+    p.cols = args.cols;
+    p.ld = padded_cols(args.cols);
+    p.n_tasks = gemv_tasks(mode, args.rows);
+    p.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+    p.eps = args.eps;
+    const dim3 grid(plan.grid), block(kGemvThreads);
+    switch (mode) {
+        case kGemvPlain:
+            return launch_kernel(gemv_bf16_kernel<kGemvPlain>, grid, block, plan.smem_bytes,
+                                 stream, pdl, p);
+        case kGemvNorm:
+            return launch_kernel(gemv_bf16_kernel<kGemvNorm>, grid, block, plan.smem_bytes,
+                                 stream, pdl, p);
+        case kGemvResidual:
+            return launch_kernel(gemv_bf16_kernel<kGemvResidual>, grid, block,
+                                 plan.smem_bytes, stream, pdl, p);
+        case kGemvNormSwiglu:
+            return launch_kernel(gemv_bf16_kernel<kGemvNormSwiglu>, grid, block,
+                                 plan.smem_bytes, stream, pdl, p);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace og

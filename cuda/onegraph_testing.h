@@ -1,0 +1,87 @@
+/*
+ * onegraph_testing.h — kernel-level test entry points of libonegraph.
+ *
+ * Each og_test_* function takes host arrays, allocates device buffers, copies the inputs
+ * up, launches one kernel family exactly as the decode body does, synchronizes, copies
+ * the outputs back, frees everything and returns an og_status (og_last_error() says why
+ * on failure; OG_E_NO_DEVICE without a GPU). They exist so the tests can hold every
+ * kernel against a numpy reference over awkward sizes; they are not part of the stable
+ * ABI (no version promise) and are not fast.
+ *
+ * bf16 arrays are passed as uint16 bit patterns. Matrices are passed unpadded
+ * ([rows, cols] contiguous); the entry points pad rows to the library's layout.
+ */
+#ifndef ONEGRAPH_TESTING_H
+#define ONEGRAPH_TESTING_H
+
+#include <stdint.h>
+
+#include "onegraph.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* x[i] = float(table[token, i]); table [vocab, hidden] bf16, x [hidden]. The token is
+ * read from a device step record, as in the body. */
+OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
+                                   int32_t token, float *x);
+
+/* y[r] = W[r] . x;  W [rows, cols] bf16, x [cols], y [rows]. */
+OG_API og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
+                              const float *x, float *y);
+
+/* n = x * (1 / sqrt(mean(x^2) + eps)) * norm_weight;  y[r] = W[r] . n.
+ * normed (may be NULL) receives n [cols]. */
+OG_API og_status og_test_gemv_rmsnorm(const uint16_t *weight, int32_t rows, int32_t cols,
+                                      const float *x, const float *norm_weight, float eps,
+                                      float *y, float *normed);
+
+/* y[r] += W[r] . x  (y is input and output). */
+OG_API og_status og_test_gemv_residual(const uint16_t *weight, int32_t rows, int32_t cols,
+                                       const float *x, float *y);
+
+/* n = rmsnorm(x) * norm_weight; gate_up [2 * inter, cols] bf16 (gate rows then up rows);
+ * act[i] = silu(gate[i] . n) * (up[i] . n), silu(g) = g / (1 + exp(-g)); act [inter]. */
+OG_API og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t inter,
+                                             int32_t cols, const float *x,
+                                             const float *norm_weight, float eps, float *act);
+
+/* The RoPE table the engine uploads: inv_freq[i] = float(1 / theta^(2i/hd) / factor),
+ * i < head_dim / 2, computed in float64. Host only (no device needed). */
+OG_API og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
+                                       float *inv_freq);
+
+/* QK-norm + RoPE + KV write for one token at `position`.
+ *   qkv       [n_heads*hd + 2*n_kv*hd] in/out: the q part is replaced by the normed,
+ *             rotated q; the k and v parts are left as they were.
+ *   q_norm, k_norm  [hd] each, or both NULL (no QK-norm, as for Llama).
+ *   inv_freq  [hd / 2] (og_test_rope_inv_freq).
+ *   k_cache, v_cache  [n_kv, max_seq_len, hd] of kv_dtype (f32 / bf16 bits / int8),
+ *             in/out: only row `position` of each head should change.
+ *   k_scales, v_scales [n_kv, max_seq_len] fp32 in/out (OG_KV_INT8; NULL otherwise). */
+OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_kv_heads,
+                                         int32_t head_dim, const float *q_norm,
+                                         const float *k_norm, float eps, const float *inv_freq,
+                                         int32_t position, int32_t max_seq_len,
+                                         int32_t kv_dtype, void *k_cache, void *v_cache,
+                                         float *k_scales, float *v_scales);
+
+/* Decode attention of one query over the first visible_len rows of a KV cache.
+ *   q [n_heads * hd]; caches and scales as for og_test_qk_norm_rope_kv (scales NULL
+ *   unless OG_KV_INT8); out [n_heads * hd].
+ *   split_len: positions per split block, 0 = what the engine would choose; it is rounded
+ *   up to a multiple of 32. *split_len_out and *n_splits_out (each may be NULL) receive
+ *   the split length and split count used.
+ *   Fails with OG_E_CUDA if the kernel leaves its split counters non-zero. */
+OG_API og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
+                                   const float *k_scales, const float *v_scales,
+                                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                   int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
+                                   int32_t split_len, float *out, int32_t *split_len_out,
+                                   int32_t *n_splits_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ONEGRAPH_TESTING_H */

@@ -1,0 +1,132 @@
+// rope_kv.cu — per-head QK-norm, rotary embedding and the KV-cache write, fused.
+//
+//   qkv:   [n_heads*hd | n_kv*hd | n_kv*hd] fp32, the fused QKV GEMV's output
+//   grid:  n_heads + n_kv blocks; block b < n_heads owns query head b, block
+//          n_heads + h owns KV head h (its k and its v)
+//   query head:  q = rope(rmsnorm(q) * q_norm)             written back in place
+//   KV head:     k = rope(rmsnorm(k) * k_norm), v as is    stored at cache row `position`
+//
+// rmsnorm over head_dim: x * (1 / sqrt(mean(x^2) + eps)) (skipped when q_norm is NULL).
+// rope (rotate-half): angle_i = float(position) * inv_freq[i], i < hd/2, sincosf;
+//   out[i]      = x[i] * cos - x[i + hd/2] * sin
+//   out[i+hd/2] = x[i + hd/2] * cos + x[i] * sin
+// Cache element types: fp32; bf16 (round to nearest even); int8 with one fp32 scale per
+// (row, head): scale = max|x| / 127, q = rint(x / scale) clamped to [-127, 127],
+// q = 0 and scale = 0 when max|x| == 0.
+#include <math.h>
+
+#include "kernels.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kRopeThreads = 128;
+constexpr int kMaxHeadDim = 256;
+
+__device__ __forceinline__ void store_cache_row(const float *values, int head_dim, int kv_dtype,
+                                                void *cache_row, float *scale_out,
+                                                float *scratch) {
+    if (kv_dtype == OG_KV_F32) {
+        float *dst = static_cast<float *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) dst[i] = values[i];
+    } else if (kv_dtype == OG_KV_BF16) {
+        __nv_bfloat16 *dst = static_cast<__nv_bfloat16 *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
+            dst[i] = __float2bfloat16_rn(values[i]);
+    } else {
+        float amax = 0.f;
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
+            amax = fmaxf(amax, fabsf(values[i]));
+        amax = block_max<kRopeThreads>(amax, scratch);
+        const float scale = amax / 127.0f;
+        int8_t *dst = static_cast<int8_t *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) {
+            int q = 0;
+            if (amax > 0.f) {
+                q = __float2int_rn(values[i] / scale);
+                q = max(-127, min(127, q));
+            }
+            dst[i] = (int8_t)q;
+        }
+        if (threadIdx.x == 0 && scale_out != nullptr) *scale_out = amax > 0.f ? scale : 0.f;
+    }
+}
+
+__global__ void __launch_bounds__(kRopeThreads) qk_norm_rope_kv_kernel(const RopeKvArgs a) {
+    __shared__ float head[kMaxHeadDim];
+    __shared__ float scratch[kRopeThreads / kWarpSize];
+    pdl_wait();
+    pdl_launch_dependents();
+
+    const int hd = a.head_dim;
+    const int half = hd / 2;
+    const int q_size = a.n_heads * hd;
+    const int kv_size = a.n_kv_heads * hd;
+    const bool is_query = (int)blockIdx.x < a.n_heads;
+    const int kv_head = (int)blockIdx.x - a.n_heads;
+    float *src = is_query ? a.qkv + (size_t)blockIdx.x * hd : a.qkv + q_size + (size_t)kv_head * hd;
+    const float *norm_weight = is_query ? a.q_norm : a.k_norm;
+    const int position = a.step->position;
+
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x; i < hd; i += kRopeThreads) {
+        const float v = src[i];
+        head[i] = v;
+        sum_sq = fmaf(v, v, sum_sq);
+    }
+    if (norm_weight != nullptr) {
+        const float total = block_sum<kRopeThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)hd + a.eps);
+        for (int i = threadIdx.x; i < hd; i += kRopeThreads)
+            head[i] = head[i] * inv_rms * norm_weight[i];
+    }
+    __syncthreads();
+
+    // Rotate pairs (i, i + half); each thread owns whole pairs, so in place is safe.
+    const float pos = (float)position;
+    for (int i = threadIdx.x; i < half; i += kRopeThreads) {
+        float sin_a, cos_a;
+        sincosf(pos * a.inv_freq[i], &sin_a, &cos_a);
+        const float x1 = head[i];
+        const float x2 = head[i + half];
+        head[i] = x1 * cos_a - x2 * sin_a;
+        head[i + half] = x2 * cos_a + x1 * sin_a;
+    }
+    __syncthreads();
+
+    if (is_query) {
+        for (int i = threadIdx.x; i < hd; i += kRopeThreads) src[i] = head[i];
+        return;
+    }
+    // Unreachable through og_begin_step's check; never write outside the cache.
+    if (position < 0 || position >= a.max_seq_len) return;
+
+    const size_t row = (size_t)kv_head * a.max_seq_len + position;
+    const size_t elem_bytes = a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1;
+    char *k_row = static_cast<char *>(a.k_cache) + row * hd * elem_bytes;
+    char *v_row = static_cast<char *>(a.v_cache) + row * hd * elem_bytes;
+    store_cache_row(head, hd, a.kv_dtype, k_row, a.k_scales ? a.k_scales + row : nullptr, scratch);
+    __syncthreads();  // head[] is reused for v
+    const float *v_src = a.qkv + q_size + kv_size + (size_t)kv_head * hd;
+    for (int i = threadIdx.x; i < hd; i += kRopeThreads) head[i] = v_src[i];
+    __syncthreads();
+    store_cache_row(head, hd, a.kv_dtype, v_row, a.v_scales ? a.v_scales + row : nullptr, scratch);
+}
+
+}  // namespace
+
+void rope_inv_freq(int head_dim, double theta, double linear_factor, float *inv_freq) {
+    for (int i = 0; i < head_dim / 2; ++i) {
+        const double exponent = (double)(2 * i) / (double)head_dim;
+        inv_freq[i] = (float)(1.0 / pow(theta, exponent) / linear_factor);
+    }
+}
+
+cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, bool pdl) {
+    if (args.head_dim <= 0 || args.head_dim > kMaxHeadDim || args.head_dim % 2 != 0)
+        return cudaErrorInvalidValue;
+    const dim3 grid(args.n_heads + args.n_kv_heads), block(kRopeThreads);
+    return launch_kernel(qk_norm_rope_kv_kernel, grid, block, 0, stream, pdl, args);
+}
+
+}  // namespace og

@@ -1,0 +1,292 @@
+// testing.cu — the og_test_* entry points of onegraph_testing.h: host arrays in, one
+// kernel family launched as the body launches it, host arrays out.
+//
+// Output arrays are copied to the device before the launch as well, so a caller that
+// fills them with NaN sees any element a kernel failed to write.
+#include <string.h>
+
+#include <vector>
+
+#include "kernels.cuh"
+#include "onegraph_testing.h"
+
+using namespace og;
+
+namespace {
+
+// A device allocation freed when it goes out of scope (so early returns do not leak).
+struct DeviceBuffer {
+    void *ptr = nullptr;
+    DeviceBuffer() = default;
+    DeviceBuffer(const DeviceBuffer &) = delete;
+    DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+    ~DeviceBuffer() {
+        if (ptr) cudaFree(ptr);
+    }
+    template <class T>
+    T *as() const {
+        return static_cast<T *>(ptr);
+    }
+};
+
+og_status alloc(DeviceBuffer &b, size_t bytes) {
+    OG_CUDA_TRY(cudaMalloc(&b.ptr, bytes > 0 ? bytes : 1));
+    return OG_OK;
+}
+
+og_status alloc_copy(DeviceBuffer &b, const void *host, size_t bytes) {
+    og_status s = alloc(b, bytes);
+    if (s != OG_OK) return s;
+    if (host != nullptr && bytes > 0) OG_CUDA_TRY(cudaMemcpy(b.ptr, host, bytes, cudaMemcpyHostToDevice));
+    return OG_OK;
+}
+
+og_status copy_back(void *host, const DeviceBuffer &b, size_t bytes) {
+    if (host != nullptr && bytes > 0) OG_CUDA_TRY(cudaMemcpy(host, b.ptr, bytes, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
+
+// Upload a [rows, cols] bf16 matrix into the library's [rows, padded_cols(cols)] layout.
+og_status upload_matrix(DeviceBuffer &b, const uint16_t *host, int rows, int cols) {
+    const size_t ld = (size_t)padded_cols(cols);
+    og_status s = alloc(b, (size_t)rows * ld * 2);
+    if (s != OG_OK) return s;
+    OG_CUDA_TRY(cudaMemset(b.ptr, 0, (size_t)rows * ld * 2));
+    OG_CUDA_TRY(cudaMemcpy2D(b.ptr, ld * 2, host, (size_t)cols * 2, (size_t)cols * 2, rows,
+                             cudaMemcpyHostToDevice));
+    return OG_OK;
+}
+
+og_status upload_step(DeviceBuffer &b, int32_t token, int32_t position) {
+    og_step_record record = {};
+    record.token = token;
+    record.position = position;
+    return alloc_copy(b, &record, sizeof record);
+}
+
+og_status finish_launch(cudaError_t launch_err, const char *what) {
+    if (launch_err != cudaSuccess) return cuda_failure(launch_err, what, __FILE__, __LINE__);
+    OG_CUDA_TRY(cudaDeviceSynchronize());
+    return OG_OK;
+}
+
+size_t kv_elem_bytes(int kv_dtype) {
+    return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1;
+}
+
+bool mode_needs_norm(GemvMode mode) { return mode == kGemvNorm || mode == kGemvNormSwiglu; }
+
+#define OG_TRY(expr)                      \
+    do {                                  \
+        const og_status og_s_ = (expr);   \
+        if (og_s_ != OG_OK) return og_s_; \
+    } while (0)
+
+og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int rows, int cols,
+                      const float *x, const float *norm_weight, float eps, float *y,
+                      int y_len, float *normed) {
+    if (weight == nullptr || x == nullptr || y == nullptr || rows <= 0 || cols <= 0 ||
+        (mode_needs_norm(mode) && norm_weight == nullptr))
+        return set_error(OG_E_INVALID_ARGUMENT, "%s: NULL array or non-positive size", fn);
+    OG_TRY(require_device());
+    DeviceBuffer d_w, d_x, d_norm, d_y, d_normed;
+    OG_TRY(upload_matrix(d_w, weight, rows, cols));
+    OG_TRY(alloc_copy(d_x, x, (size_t)cols * 4));
+    if (norm_weight != nullptr) OG_TRY(alloc_copy(d_norm, norm_weight, (size_t)cols * 4));
+    OG_TRY(alloc_copy(d_y, y, (size_t)y_len * 4));
+    if (normed != nullptr) OG_TRY(alloc_copy(d_normed, normed, (size_t)cols * 4));
+    GemvPlan plan;
+    OG_CUDA_TRY(gemv_plan(mode, rows, cols, &plan));
+    GemvArgs args = {d_w.as<__nv_bfloat16>(), rows, cols, d_x.as<float>(),
+                     d_norm.as<float>(), eps, d_y.as<float>(), d_normed.as<float>()};
+    OG_TRY(finish_launch(launch_gemv(mode, plan, args, 0, false), "launch_gemv"));
+    OG_TRY(copy_back(y, d_y, (size_t)y_len * 4));
+    if (normed != nullptr) OG_TRY(copy_back(normed, d_normed, (size_t)cols * 4));
+    return OG_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
+                                   int32_t token, float *x) {
+    if (table == nullptr || x == nullptr || vocab <= 0 || hidden <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_embedding: NULL array or non-positive size");
+    if (token < 0 || token >= vocab)
+        return set_error(OG_E_TOKEN_OUT_OF_RANGE, "og_test_embedding: token %d outside [0, %d)",
+                         token, vocab);
+    OG_TRY(require_device());
+    DeviceBuffer d_table, d_step, d_x;
+    OG_TRY(upload_matrix(d_table, table, vocab, hidden));
+    OG_TRY(upload_step(d_step, token, 0));
+    OG_TRY(alloc_copy(d_x, x, (size_t)hidden * 4));
+    OG_TRY(finish_launch(launch_embedding(d_table.as<__nv_bfloat16>(), vocab, hidden,
+                                          d_step.as<og_step_record>(), d_x.as<float>(), 0, false),
+                         "launch_embedding"));
+    return copy_back(x, d_x, (size_t)hidden * 4);
+}
+
+OG_API og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
+                              const float *x, float *y) {
+    return gemv_common("og_test_gemv", kGemvPlain, weight, rows, cols, x, nullptr, 0.f, y, rows,
+                       nullptr);
+}
+
+OG_API og_status og_test_gemv_rmsnorm(const uint16_t *weight, int32_t rows, int32_t cols,
+                                      const float *x, const float *norm_weight, float eps,
+                                      float *y, float *normed) {
+    return gemv_common("og_test_gemv_rmsnorm", kGemvNorm, weight, rows, cols, x, norm_weight,
+                       eps, y, rows, normed);
+}
+
+OG_API og_status og_test_gemv_residual(const uint16_t *weight, int32_t rows, int32_t cols,
+                                       const float *x, float *y) {
+    return gemv_common("og_test_gemv_residual", kGemvResidual, weight, rows, cols, x, nullptr,
+                       0.f, y, rows, nullptr);
+}
+
+OG_API og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t inter,
+                                             int32_t cols, const float *x,
+                                             const float *norm_weight, float eps, float *act) {
+    if (inter <= 0 || inter > (1 << 29))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_rmsnorm_swiglu: inter=%d", inter);
+    return gemv_common("og_test_gemv_rmsnorm_swiglu", kGemvNormSwiglu, gate_up, 2 * inter, cols,
+                       x, norm_weight, eps, act, inter, nullptr);
+}
+
+OG_API og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
+                                       float *inv_freq) {
+    if (inv_freq == nullptr || head_dim <= 0 || head_dim % 2 != 0 || !(theta > 0) ||
+        !(linear_factor > 0))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_rope_inv_freq: bad argument");
+    rope_inv_freq(head_dim, theta, linear_factor, inv_freq);
+    return OG_OK;
+}
+
+OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_kv_heads,
+                                         int32_t head_dim, const float *q_norm,
+                                         const float *k_norm, float eps, const float *inv_freq,
+                                         int32_t position, int32_t max_seq_len,
+                                         int32_t kv_dtype, void *k_cache, void *v_cache,
+                                         float *k_scales, float *v_scales) {
+    const bool int8 = kv_dtype == OG_KV_INT8;
+    if (qkv == nullptr || inv_freq == nullptr || k_cache == nullptr || v_cache == nullptr ||
+        n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 ||
+        head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 || position < 0 ||
+        position >= max_seq_len || (q_norm == nullptr) != (k_norm == nullptr) ||
+        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && !int8) ||
+        (int8 && (k_scales == nullptr || v_scales == nullptr)))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_qk_norm_rope_kv: bad argument");
+    OG_TRY(require_device());
+    const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
+    const size_t rows = (size_t)n_kv_heads * max_seq_len;
+    const size_t cache_bytes = rows * head_dim * kv_elem_bytes(kv_dtype);
+    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_k, d_v, d_ks, d_vs;
+    OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
+    if (q_norm != nullptr) {
+        OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
+        OG_TRY(alloc_copy(d_kn, k_norm, (size_t)head_dim * 4));
+    }
+    OG_TRY(alloc_copy(d_freq, inv_freq, (size_t)head_dim / 2 * 4));
+    OG_TRY(upload_step(d_step, 0, position));
+    OG_TRY(alloc_copy(d_k, k_cache, cache_bytes));
+    OG_TRY(alloc_copy(d_v, v_cache, cache_bytes));
+    if (int8) {
+        OG_TRY(alloc_copy(d_ks, k_scales, rows * 4));
+        OG_TRY(alloc_copy(d_vs, v_scales, rows * 4));
+    }
+    RopeKvArgs a = {};
+    a.qkv = d_qkv.as<float>();
+    a.q_norm = d_qn.as<float>();
+    a.k_norm = d_kn.as<float>();
+    a.eps = eps;
+    a.inv_freq = d_freq.as<float>();
+    a.step = d_step.as<og_step_record>();
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.head_dim = head_dim;
+    a.max_seq_len = max_seq_len;
+    a.kv_dtype = kv_dtype;
+    a.k_cache = d_k.ptr;
+    a.v_cache = d_v.ptr;
+    a.k_scales = d_ks.as<float>();
+    a.v_scales = d_vs.as<float>();
+    OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
+    OG_TRY(copy_back(qkv, d_qkv, qkv_len * 4));
+    OG_TRY(copy_back(k_cache, d_k, cache_bytes));
+    OG_TRY(copy_back(v_cache, d_v, cache_bytes));
+    if (int8) {
+        OG_TRY(copy_back(k_scales, d_ks, rows * 4));
+        OG_TRY(copy_back(v_scales, d_vs, rows * 4));
+    }
+    return OG_OK;
+}
+
+OG_API og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
+                                   const float *k_scales, const float *v_scales,
+                                   int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                   int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
+                                   int32_t split_len, float *out, int32_t *split_len_out,
+                                   int32_t *n_splits_out) {
+    const bool int8 = kv_dtype == OG_KV_INT8;
+    if (q == nullptr || k_cache == nullptr || v_cache == nullptr || out == nullptr ||
+        n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 ||
+        head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 || visible_len < 1 ||
+        visible_len > max_seq_len || split_len < 0 ||
+        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && !int8) ||
+        (int8 && (k_scales == nullptr || v_scales == nullptr)))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention: bad argument");
+    OG_TRY(require_device());
+    AttentionPlan plan;
+    OG_CUDA_TRY(attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len,
+                               &plan));
+    const size_t q_len = (size_t)n_heads * head_dim;
+    const size_t rows = (size_t)n_kv_heads * max_seq_len;
+    const size_t cache_bytes = rows * head_dim * kv_elem_bytes(kv_dtype);
+    DeviceBuffer d_q, d_k, d_v, d_ks, d_vs, d_step, d_partials, d_counters, d_out;
+    OG_TRY(alloc_copy(d_q, q, q_len * 4));
+    OG_TRY(alloc_copy(d_k, k_cache, cache_bytes));
+    OG_TRY(alloc_copy(d_v, v_cache, cache_bytes));
+    if (int8) {
+        OG_TRY(alloc_copy(d_ks, k_scales, rows * 4));
+        OG_TRY(alloc_copy(d_vs, v_scales, rows * 4));
+    }
+    OG_TRY(upload_step(d_step, 0, visible_len - 1));
+    const size_t partial_bytes = attention_partial_floats(n_heads, head_dim, plan) * 4;
+    OG_TRY(alloc(d_partials, partial_bytes));
+    OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
+    OG_TRY(alloc(d_counters, (size_t)n_kv_heads * sizeof(unsigned)));
+    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)n_kv_heads * sizeof(unsigned)));
+    OG_TRY(alloc_copy(d_out, out, q_len * 4));
+    AttentionArgs a = {};
+    a.q = d_q.as<float>();
+    a.k_cache = d_k.ptr;
+    a.v_cache = d_v.ptr;
+    a.k_scales = d_ks.as<float>();
+    a.v_scales = d_vs.as<float>();
+    a.step = d_step.as<og_step_record>();
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.head_dim = head_dim;
+    a.max_seq_len = max_seq_len;
+    a.kv_dtype = kv_dtype;
+    a.partials = d_partials.as<float>();
+    a.counters = d_counters.as<unsigned>();
+    a.out = d_out.as<float>();
+    OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
+    OG_TRY(copy_back(out, d_out, q_len * 4));
+    std::vector<unsigned> counters(n_kv_heads);
+    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
+    for (int h = 0; h < n_kv_heads; ++h)
+        if (counters[h] != 0)
+            return set_error(OG_E_CUDA,
+                             "og_test_attention: split counter of KV head %d is %u after the "
+                             "launch (must be reset to 0)",
+                             h, counters[h]);
+    if (split_len_out != nullptr) *split_len_out = plan.split_len;
+    if (n_splits_out != nullptr) *n_splits_out = plan.n_splits;
+    return OG_OK;
+}
+
+}  // extern "C"
