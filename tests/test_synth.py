@@ -65,6 +65,8 @@ def test_preset_overrides():
     cfg = synth.preset_config("qwen3-30b-a3b", num_hidden_layers=2, mlp_only_layers=(1,))
     assert cfg.num_hidden_layers == 2 and cfg.mlp_only_layers == (1,) and cfg.num_experts == 128
     assert cfg.is_moe_layer(0) and not cfg.is_moe_layer(1)
+    small_vocab = synth.preset_config("qwen3-8b", vocab_size=1000)
+    assert small_vocab.eos_token_id is None and synth.preset_config("qwen3-8b").eos_token_id == 151645
 
 
 # ---- the values look i.i.d. normal -------------------------------------------------------------------
