@@ -5,7 +5,7 @@
 //   K, V:     [n_kv, max_seq_len, hd] fp32 / bf16 / int8, int8 with scales [n_kv, max_seq_len]
 //   out:      [n_heads, hd] fp32
 //   visible length len = position + 1 (read from the device step record)
-//   score[t] = (q . dequant(K[t])) * (1 / sqrt(hd)); p = softmax(score) (fp32, max
+//   score[t] = (q . dequant(K[t])) / sqrt(hd); p = softmax(score) (fp32, max
 //   subtracted); out = sum_t p[t] * dequant(V[t]); dequant(int8) = q_int8 * scale.
 //   GQA: query head h reads KV head h * n_kv / n_heads, i.e. the G = n_heads / n_kv
 //   consecutive query heads of a KV head share it.
@@ -32,7 +32,7 @@ constexpr int kHeadGroup = 8;  // query heads accumulated together in registers
 struct AttnParams {
     AttentionArgs a;
     int split_len, n_splits;
-    float inv_sqrt_hd;
+    float sqrt_hd;  // scores are divided by it, as in the reference
 };
 
 // Load N consecutive cache elements starting at element idx (N-aligned) as fp32.
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
             }
 #pragma unroll
             for (int j = 0; j < kHeadGroup; ++j)
-                if (hg + j < group) scores[(hg + j) * S + t] = acc[j] * p.inv_sqrt_hd;
+                if (hg + j < group) scores[(hg + j) * S + t] = acc[j] / p.sqrt_hd;
         }
     }
     __syncthreads();
@@ -417,7 +417,7 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     p.a = args;
     p.split_len = plan.split_len;
     p.n_splits = plan.n_splits;
-    p.inv_sqrt_hd = 1.0f / sqrtf((float)args.head_dim);
+    p.sqrt_hd = (float)sqrt((double)args.head_dim);
     const dim3 grid(args.n_kv_heads, plan.n_splits), block(kAttnThreads);
     const size_t smem = plan.smem_bytes;
 #define OG_ATTN_CASE(KV, HD)                                                                \

@@ -60,7 +60,8 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
                         cudaStream_t stream, bool pdl);
 
 // ---- rope_kv.cu ---------------------------------------------------------------------
-// inv_freq[i] = float(1 / theta^(2i / head_dim) / linear_factor), computed in float64.
+// inv_freq[i] = float(1 / theta^(2i / head_dim)) / float(linear_factor): the power in
+// float64, the division by the 'linear' rope_scaling factor in fp32 (as the reference).
 void rope_inv_freq(int head_dim, double theta, double linear_factor, float *inv_freq);
 
 struct RopeKvArgs {

@@ -47,8 +47,8 @@ OG_API og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t in
                                              int32_t cols, const float *x,
                                              const float *norm_weight, float eps, float *act);
 
-/* The RoPE table the engine uploads: inv_freq[i] = float(1 / theta^(2i/hd) / factor),
- * i < head_dim / 2, computed in float64. Host only (no device needed). */
+/* The RoPE table the engine uploads: inv_freq[i] = float(1 / theta^(2i/hd)) / float(factor),
+ * i < head_dim / 2, the power in float64. Host only (no device needed). */
 OG_API og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
                                        float *inv_freq);
 

@@ -12,7 +12,7 @@
 //   out[i+hd/2] = x[i + hd/2] * cos + x[i] * sin
 // Cache element types: fp32; bf16 (round to nearest even); int8 with one fp32 scale per
 // (row, head): scale = max|x| / 127, q = rint(x / scale) clamped to [-127, 127],
-// q = 0 and scale = 0 when max|x| == 0.
+// q = 0 when scale == 0 (as runtime/reference.py's kv_quantize_int8).
 #include <math.h>
 
 #include "kernels.cuh"
@@ -42,13 +42,13 @@ __device__ __forceinline__ void store_cache_row(const float *values, int head_di
         int8_t *dst = static_cast<int8_t *>(cache_row);
         for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) {
             int q = 0;
-            if (amax > 0.f) {
+            if (scale > 0.f) {  // scale underflows to 0 only for an all-(near-)zero row
                 q = __float2int_rn(values[i] / scale);
                 q = max(-127, min(127, q));
             }
             dst[i] = (int8_t)q;
         }
-        if (threadIdx.x == 0 && scale_out != nullptr) *scale_out = amax > 0.f ? scale : 0.f;
+        if (threadIdx.x == 0 && scale_out != nullptr) *scale_out = scale;
     }
 }
 
@@ -116,9 +116,11 @@ __global__ void __launch_bounds__(kRopeThreads) qk_norm_rope_kv_kernel(const Rop
 }  // namespace
 
 void rope_inv_freq(int head_dim, double theta, double linear_factor, float *inv_freq) {
+    // Same steps as runtime/reference.py: float64 power, cast, then an fp32 division.
+    const float factor = (float)linear_factor;
     for (int i = 0; i < head_dim / 2; ++i) {
         const double exponent = (double)(2 * i) / (double)head_dim;
-        inv_freq[i] = (float)(1.0 / pow(theta, exponent) / linear_factor);
+        inv_freq[i] = (float)(1.0 / pow(theta, exponent)) / factor;
     }
 }
 

@@ -1,0 +1,229 @@
+"""ctypes binding of cuda/onegraph_testing.h (the kernel test entry points), one to one,
+plus thin numpy wrappers the kernel tests call.
+
+Each C declaration is repeated as a comment above its binding; argtypes and restype are
+set once, in `_bind`. The library is loaded through `runtime.capi.load_library()` (which
+checks the ABI version); failures raise `capi.LibraryError` with the library's message.
+The wrappers fill every output with NaN before the call unless the caller passes its own
+buffer, so an element a kernel fails to write shows up.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_double, c_float, c_int32, c_uint16, c_void_p
+
+import numpy as np
+
+from runtime import capi
+
+OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = capi.OG_KV_F32, capi.OG_KV_BF16, capi.OG_KV_INT8
+KV_NUMPY_DTYPES = {OG_KV_F32: np.float32, OG_KV_BF16: np.uint16, OG_KV_INT8: np.int8}
+
+_bound: ctypes.CDLL | None = None
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    def fn(name, *argtypes):
+        f = getattr(lib, name)
+        f.restype = c_int32
+        f.argtypes = list(argtypes)
+
+    P_f32, P_u16, P_i32 = POINTER(c_float), POINTER(c_uint16), POINTER(c_int32)
+
+    # og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
+    #                             int32_t token, float *x);
+    fn("og_test_embedding", P_u16, c_int32, c_int32, c_int32, P_f32)
+    # og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
+    #                        const float *x, float *y);
+    fn("og_test_gemv", P_u16, c_int32, c_int32, P_f32, P_f32)
+    # og_status og_test_gemv_rmsnorm(const uint16_t *weight, int32_t rows, int32_t cols,
+    #                                const float *x, const float *norm_weight, float eps,
+    #                                float *y, float *normed);
+    fn("og_test_gemv_rmsnorm", P_u16, c_int32, c_int32, P_f32, P_f32, c_float, P_f32, P_f32)
+    # og_status og_test_gemv_residual(const uint16_t *weight, int32_t rows, int32_t cols,
+    #                                 const float *x, float *y);
+    fn("og_test_gemv_residual", P_u16, c_int32, c_int32, P_f32, P_f32)
+    # og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t inter,
+    #                                       int32_t cols, const float *x,
+    #                                       const float *norm_weight, float eps, float *act);
+    fn("og_test_gemv_rmsnorm_swiglu", P_u16, c_int32, c_int32, P_f32, P_f32, c_float, P_f32)
+    # og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
+    #                                 float *inv_freq);
+    fn("og_test_rope_inv_freq", c_int32, c_double, c_double, P_f32)
+    # og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_kv_heads,
+    #                                   int32_t head_dim, const float *q_norm,
+    #                                   const float *k_norm, float eps, const float *inv_freq,
+    #                                   int32_t position, int32_t max_seq_len,
+    #                                   int32_t kv_dtype, void *k_cache, void *v_cache,
+    #                                   float *k_scales, float *v_scales);
+    fn("og_test_qk_norm_rope_kv", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
+       P_f32, c_int32, c_int32, c_int32, c_void_p, c_void_p, P_f32, P_f32)
+    # og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
+    #                             const float *k_scales, const float *v_scales,
+    #                             int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+    #                             int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
+    #                             int32_t split_len, float *out, int32_t *split_len_out,
+    #                             int32_t *n_splits_out);
+    fn("og_test_attention", P_f32, c_void_p, c_void_p, P_f32, P_f32, c_int32, c_int32, c_int32,
+       c_int32, c_int32, c_int32, c_int32, P_f32, P_i32, P_i32)
+
+
+def load() -> ctypes.CDLL:
+    """The library with the og_test_* functions bound (raises capi.LibraryUnavailable)."""
+    global _bound
+    if _bound is None:
+        lib = capi.load_library()
+        _bind(lib)
+        _bound = lib
+    return _bound
+
+
+def _check(status: int, call: str) -> None:
+    capi.check(status, call)
+
+
+# ---- numpy helpers ----------------------------------------------------------------------
+def _array(a, dtype) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _p(a: np.ndarray | None, ctype):
+    return None if a is None else a.ctypes.data_as(POINTER(ctype))
+
+
+def _vp(a: np.ndarray | None):
+    return None if a is None else c_void_p(a.ctypes.data)
+
+
+def _out(shape, dtype=np.float32, fill=np.nan) -> np.ndarray:
+    return np.full(shape, fill, dtype=dtype)
+
+
+def bf16_bits(values) -> np.ndarray:
+    """float -> bf16 bit patterns (uint16), round to nearest even (NaN stays NaN)."""
+    f = np.ascontiguousarray(values, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(f)
+    out[nan] = 0x7FC0
+    return out
+
+
+def bf16_to_f32(bits) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> exact float32 values."""
+    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def embedding(table_bits: np.ndarray, token: int) -> np.ndarray:
+    table_bits = _array(table_bits, np.uint16)
+    vocab, hidden = table_bits.shape
+    x = _out(hidden)
+    _check(load().og_test_embedding(_p(table_bits, c_uint16), vocab, hidden, token, _p(x, c_float)),
+           "og_test_embedding")
+    return x
+
+
+def gemv(weight_bits: np.ndarray, x: np.ndarray) -> np.ndarray:
+    weight_bits, x = _array(weight_bits, np.uint16), _array(x, np.float32)
+    rows, cols = weight_bits.shape
+    y = _out(rows)
+    _check(load().og_test_gemv(_p(weight_bits, c_uint16), rows, cols, _p(x, c_float), _p(y, c_float)),
+           "og_test_gemv")
+    return y
+
+
+def gemv_rmsnorm(weight_bits: np.ndarray, x: np.ndarray, norm_weight: np.ndarray, eps: float):
+    """-> (y, normed)."""
+    weight_bits, x = _array(weight_bits, np.uint16), _array(x, np.float32)
+    norm_weight = _array(norm_weight, np.float32)
+    rows, cols = weight_bits.shape
+    y, normed = _out(rows), _out(cols)
+    _check(load().og_test_gemv_rmsnorm(_p(weight_bits, c_uint16), rows, cols, _p(x, c_float),
+                                       _p(norm_weight, c_float), eps, _p(y, c_float),
+                                       _p(normed, c_float)),
+           "og_test_gemv_rmsnorm")
+    return y, normed
+
+
+def gemv_residual(weight_bits: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """-> y + W x (y is not modified)."""
+    weight_bits, x = _array(weight_bits, np.uint16), _array(x, np.float32)
+    out = np.array(y, dtype=np.float32, copy=True, order="C")
+    rows, cols = weight_bits.shape
+    _check(load().og_test_gemv_residual(_p(weight_bits, c_uint16), rows, cols, _p(x, c_float),
+                                        _p(out, c_float)),
+           "og_test_gemv_residual")
+    return out
+
+
+def gemv_rmsnorm_swiglu(gate_up_bits: np.ndarray, x: np.ndarray, norm_weight: np.ndarray,
+                        eps: float) -> np.ndarray:
+    gate_up_bits, x = _array(gate_up_bits, np.uint16), _array(x, np.float32)
+    norm_weight = _array(norm_weight, np.float32)
+    rows, cols = gate_up_bits.shape
+    inter = rows // 2
+    act = _out(inter)
+    _check(load().og_test_gemv_rmsnorm_swiglu(_p(gate_up_bits, c_uint16), inter, cols,
+                                              _p(x, c_float), _p(norm_weight, c_float), eps,
+                                              _p(act, c_float)),
+           "og_test_gemv_rmsnorm_swiglu")
+    return act
+
+
+def rope_inv_freq(head_dim: int, theta: float, linear_factor: float = 1.0) -> np.ndarray:
+    out = _out(head_dim // 2)
+    _check(load().og_test_rope_inv_freq(head_dim, theta, linear_factor, _p(out, c_float)),
+           "og_test_rope_inv_freq")
+    return out
+
+
+def qk_norm_rope_kv(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                    position, k_cache, v_cache, k_scales=None, v_scales=None, kv_dtype=OG_KV_F32):
+    """Runs on copies; -> (qkv, k_cache, v_cache, k_scales, v_scales) after the kernel.
+
+    Caches are [n_kv, max_seq_len, head_dim] arrays of KV_NUMPY_DTYPES[kv_dtype]; scales
+    [n_kv, max_seq_len] fp32 (int8 only)."""
+    qkv = np.array(qkv, dtype=np.float32, copy=True, order="C")
+    dtype = KV_NUMPY_DTYPES[kv_dtype]
+    k_cache = np.array(k_cache, dtype=dtype, copy=True, order="C")
+    v_cache = np.array(v_cache, dtype=dtype, copy=True, order="C")
+    max_seq_len = k_cache.shape[1]
+    if kv_dtype == OG_KV_INT8:
+        k_scales = np.array(k_scales, dtype=np.float32, copy=True, order="C")
+        v_scales = np.array(v_scales, dtype=np.float32, copy=True, order="C")
+    else:
+        k_scales = v_scales = None
+    q_norm = None if q_norm is None else _array(q_norm, np.float32)
+    k_norm = None if k_norm is None else _array(k_norm, np.float32)
+    inv_freq = _array(inv_freq, np.float32)
+    _check(load().og_test_qk_norm_rope_kv(_p(qkv, c_float), n_heads, n_kv_heads, head_dim,
+                                          _p(q_norm, c_float), _p(k_norm, c_float), eps,
+                                          _p(inv_freq, c_float), position, max_seq_len, kv_dtype,
+                                          _vp(k_cache), _vp(v_cache), _p(k_scales, c_float),
+                                          _p(v_scales, c_float)),
+           "og_test_qk_norm_rope_kv")
+    return qkv, k_cache, v_cache, k_scales, v_scales
+
+
+def attention(q, k_cache, v_cache, k_scales, v_scales, n_heads, visible_len, split_len=0,
+              kv_dtype=OG_KV_F32):
+    """-> (out [n_heads * head_dim], split_len used, n_splits)."""
+    dtype = KV_NUMPY_DTYPES[kv_dtype]
+    q = _array(q, np.float32)
+    k_cache, v_cache = _array(k_cache, dtype), _array(v_cache, dtype)
+    n_kv, max_seq_len, head_dim = k_cache.shape
+    if kv_dtype == OG_KV_INT8:
+        k_scales, v_scales = _array(k_scales, np.float32), _array(v_scales, np.float32)
+    else:
+        k_scales = v_scales = None
+    out = _out(n_heads * head_dim)
+    used_split, n_splits = c_int32(0), c_int32(0)
+    _check(load().og_test_attention(_p(q, c_float), _vp(k_cache), _vp(v_cache),
+                                    _p(k_scales, c_float), _p(v_scales, c_float), n_heads, n_kv,
+                                    head_dim, max_seq_len, kv_dtype, visible_len, split_len,
+                                    _p(out, c_float), ctypes.byref(used_split),
+                                    ctypes.byref(n_splits)),
+           "og_test_attention")
+    return out, used_split.value, n_splits.value

@@ -1,0 +1,248 @@
+"""The C library from the outside, on any machine: it builds (or is already built), loads
+through ctypes, reports its ABI version, fills default configs, validates configs before
+touching a device, and fails cleanly without a GPU (OG_E_NO_DEVICE, NULL handle, a clear
+message) and on NULL handles (OG_E_INVALID_HANDLE, never a crash).
+
+Skips with the reason when the library cannot be built here (no nvcc).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+
+from runtime import capi
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEADER = ROOT / "cuda" / "onegraph.h"
+
+
+def _load_build_module():
+    spec = importlib.util.spec_from_file_location("onegraph_build", ROOT / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if not os.environ.get("ONEGRAPH_LIB"):
+        build = _load_build_module()
+        if build.find_nvcc() is None:
+            pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
+        path = build.build_library()  # incremental: returns at once when up to date
+        assert path is not None and pathlib.Path(path).is_file()
+    try:
+        return capi.load_library()
+    except capi.LibraryUnavailable as e:
+        pytest.fail(f"the library was built but does not load: {e}")
+
+
+@pytest.fixture(scope="module")
+def has_gpu(lib) -> bool:
+    count = ctypes.c_int32(-1)
+    return lib.og_device_count(ctypes.byref(count)) == capi.OG_OK and count.value > 0
+
+
+def small_config(lib, **changes) -> capi.OgConfig:
+    """A tiny valid Qwen3-shaped config; `changes` override fields."""
+    cfg = capi.OgConfig()
+    lib.og_config_default(ctypes.byref(cfg))
+    cfg.vocab_size = 64
+    cfg.hidden_size = 32
+    cfg.intermediate_size = 48
+    cfg.num_hidden_layers = 2
+    cfg.num_attention_heads = 4
+    cfg.num_key_value_heads = 2
+    cfg.head_dim = 16
+    cfg.qk_norm = 1
+    cfg.max_seq_len = 64
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def init(lib, cfg) -> tuple[int, capi.Handle]:
+    handle = capi.Handle(12345)  # og_init must overwrite it (NULL on failure)
+    status = lib.og_init(ctypes.byref(cfg), ctypes.byref(handle))
+    return status, handle
+
+
+def test_abi_version_matches_header(lib):
+    assert lib.og_abi_version() == capi.header_abi_version(str(HEADER))
+    assert lib.og_abi_version() == capi.ABI_VERSION
+
+
+def test_config_default(lib):
+    cfg = capi.OgConfig()
+    ctypes.memset(ctypes.byref(cfg), 0x5A, ctypes.sizeof(cfg))
+    lib.og_config_default(ctypes.byref(cfg))
+    assert cfg.abi_version == capi.ABI_VERSION
+    assert cfg.rms_norm_eps == np.float32(1e-6)
+    assert cfg.rope_theta == 1e6
+    assert cfg.rope_linear_factor == 1.0
+    assert cfg.kv_dtype == capi.OG_KV_INT8
+    assert cfg.max_seq_len == 4096
+    assert cfg.device_ordinal == 0
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "qk_norm",
+                 "tie_word_embeddings", "num_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(cfg, name) == 0, name
+    assert not cfg.layer_is_moe  # NULL
+
+
+def test_device_count_without_gpu(lib, has_gpu):
+    if has_gpu:
+        pytest.skip("a GPU is present: the no-device answer cannot be observed")
+    count = ctypes.c_int32(7)
+    assert lib.og_device_count(ctypes.byref(count)) == capi.OG_E_NO_DEVICE
+    assert count.value == 0
+    assert capi.last_error().startswith("no CUDA device: ")
+    assert len(capi.last_error()) > len("no CUDA device: ")  # the driver's reason follows
+
+
+def test_device_count_null_pointer(lib):
+    assert lib.og_device_count(None) == capi.OG_E_INVALID_ARGUMENT
+    assert "count" in capi.last_error()
+
+
+def test_init_without_gpu_returns_no_device_and_null(lib, has_gpu):
+    if has_gpu:
+        pytest.skip("a GPU is present")
+    status, handle = init(lib, small_config(lib))
+    assert status == capi.OG_E_NO_DEVICE
+    assert not handle.value
+    assert "no CUDA device" in capi.last_error()
+
+
+def test_init_null_arguments(lib):
+    cfg = small_config(lib)
+    handle = capi.Handle()
+    assert lib.og_init(None, ctypes.byref(handle)) == capi.OG_E_INVALID_ARGUMENT
+    assert "cfg" in capi.last_error()
+    assert lib.og_init(ctypes.byref(cfg), None) == capi.OG_E_INVALID_ARGUMENT
+    assert "out" in capi.last_error()
+
+
+INVALID_CONFIGS = [
+    # (changes, expected status, text the message must contain)
+    (dict(num_key_value_heads=3), capi.OG_E_INVALID_ARGUMENT, "num_key_value_heads=3"),
+    (dict(kv_dtype=7), capi.OG_E_INVALID_ARGUMENT, "kv_dtype=7"),
+    (dict(head_dim=512), capi.OG_E_UNSUPPORTED, "head_dim=512"),
+    (dict(head_dim=15), capi.OG_E_INVALID_ARGUMENT, "head_dim=15"),
+    (dict(hidden_size=0), capi.OG_E_INVALID_ARGUMENT, "hidden_size=0"),
+    (dict(vocab_size=-5), capi.OG_E_INVALID_ARGUMENT, "vocab_size=-5"),
+    (dict(num_hidden_layers=0), capi.OG_E_INVALID_ARGUMENT, "num_hidden_layers=0"),
+    (dict(max_seq_len=0), capi.OG_E_INVALID_ARGUMENT, "max_seq_len=0"),
+    (dict(abi_version=99), capi.OG_E_INVALID_ARGUMENT, "abi_version=99"),
+    (dict(rms_norm_eps=0.0), capi.OG_E_INVALID_ARGUMENT, "rms_norm_eps"),
+    (dict(rope_theta=-1.0), capi.OG_E_INVALID_ARGUMENT, "rope_theta"),
+    (dict(rope_linear_factor=0.0), capi.OG_E_INVALID_ARGUMENT, "rope_linear_factor"),
+    (dict(qk_norm=2), capi.OG_E_INVALID_ARGUMENT, "qk_norm=2"),
+    (dict(intermediate_size=0), capi.OG_E_INVALID_ARGUMENT, "intermediate_size=0"),
+    (dict(device_ordinal=-1), capi.OG_E_INVALID_ARGUMENT, "device_ordinal=-1"),
+    (dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+     capi.OG_E_INVALID_ARGUMENT, "num_experts_per_tok=5"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0),
+     capi.OG_E_INVALID_ARGUMENT, "moe_intermediate_size=0"),
+]
+
+
+@pytest.mark.parametrize("changes,status,text", INVALID_CONFIGS,
+                         ids=[next(iter(c)) + "=" + str(next(iter(c.values()))) for c, _, _ in INVALID_CONFIGS])
+def test_invalid_config_names_the_field(lib, changes, status, text):
+    got, handle = init(lib, small_config(lib, **changes))
+    assert got == status, capi.last_error()
+    assert not handle.value
+    message = capi.last_error()
+    assert text in message, message
+    assert message.startswith("og_config.")
+
+
+def test_layer_is_moe_without_experts_is_rejected(lib):
+    flags = (ctypes.c_uint8 * 2)(0, 1)
+    cfg = small_config(lib)
+    cfg.layer_is_moe = ctypes.cast(flags, ctypes.POINTER(ctypes.c_uint8))
+    status, handle = init(lib, cfg)
+    assert status == capi.OG_E_INVALID_ARGUMENT
+    assert "layer_is_moe[1]=1" in capi.last_error()
+    assert not handle.value
+
+
+HANDLE_CALLS = {
+    "og_set_weight": lambda lib, h: lib.og_set_weight(h, b"model.norm.weight", capi.OG_DTYPE_F32, 0, None, None),
+    "og_precheck": lambda lib, h: lib.og_precheck(h),
+    "og_begin_step": lambda lib, h: lib.og_begin_step(h, 0),
+    "og_enqueue": lambda lib, h: lib.og_enqueue(h, None),
+    "og_run": lambda lib, h: lib.og_run(h),
+    "og_end_step": lambda lib, h: lib.og_end_step(h),
+    "og_step": lambda lib, h: lib.og_step(h, 0, None),
+    "og_reset": lambda lib, h: lib.og_reset(h),
+    "og_get_position": lambda lib, h: lib.og_get_position(h, ctypes.byref(ctypes.c_int32())),
+    "og_step_record_ptr": lambda lib, h: lib.og_step_record_ptr(
+        h, ctypes.byref(ctypes.POINTER(capi.OgStepRecord)())),
+    "og_logits": lambda lib, h: lib.og_logits(h, ctypes.byref(ctypes.POINTER(ctypes.c_float)()),
+                                              ctypes.byref(ctypes.c_int32())),
+    "og_stream": lambda lib, h: lib.og_stream(h, ctypes.byref(ctypes.c_void_p())),
+    "og_get_stats": lambda lib, h: lib.og_get_stats(h, ctypes.byref(capi.OgStats())),
+    "og_copy_kv_cache": lambda lib, h: lib.og_copy_kv_cache(h, None, 0),
+    "og_free": lambda lib, h: lib.og_free(h),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HANDLE_CALLS))
+def test_null_handle_is_invalid_handle(lib, name):
+    assert HANDLE_CALLS[name](lib, None) == capi.OG_E_INVALID_HANDLE
+    assert "NULL engine handle" in capi.last_error()
+
+
+@pytest.mark.parametrize("name", ["og_precheck", "og_reset", "og_free", "og_begin_step"])
+def test_bogus_handle_is_invalid_handle(lib, name):
+    # A pointer that was never returned by og_init: looked up, never dereferenced.
+    bogus = ctypes.c_void_p(0xDEADBEEF0)
+    assert HANDLE_CALLS[name](lib, bogus) == capi.OG_E_INVALID_HANDLE
+    assert "not a live engine handle" in capi.last_error()
+
+
+def test_last_error_is_per_thread_and_never_null(lib):
+    lib.og_free(None)  # sets this thread's message
+    assert capi.last_error() != ""
+    seen = {}
+
+    def fresh_thread():
+        raw = lib.og_last_error()
+        seen["message"] = raw
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    assert seen["message"] == b""  # a thread that made no failing call: "" (not NULL)
+
+
+def test_rope_table_matches_reference_bit_for_bit(lib):
+    # The table is computed on the host, so this runs without a GPU.
+    from runtime import capi_testing
+    from runtime.reference import rope_inv_freq
+    for head_dim, theta, factor in [(128, 1e6, 1.0), (64, 1e4, 1.0), (16, 5e5, 8.0), (80, 1e6, 4.0),
+                                    (2, 1e4, 1.0)]:
+        got = capi_testing.rope_inv_freq(head_dim, theta, factor)
+        want = rope_inv_freq(head_dim, theta, factor)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_kernel_entry_points_without_gpu(lib, has_gpu):
+    if has_gpu:
+        pytest.skip("a GPU is present")
+    from runtime import capi_testing
+    w = capi_testing.bf16_bits(np.ones((3, 5), np.float32))
+    with pytest.raises(capi.LibraryError) as err:
+        capi_testing.gemv(w, np.ones(5, np.float32))
+    assert err.value.status == capi.OG_E_NO_DEVICE
+    assert "no CUDA device" in str(err.value)
