@@ -1,52 +1,140 @@
-"""`onegraph bench`: graph vs non-graph decode in one run, against the bandwidth floor.
+"""`onegraph bench`: graph vs non-graph decode, peers and the bandwidth floor, in one run.
 
-For a preset (synthetic weights uploaded straight from the generator, no disk) or a model
-folder: feed a prompt of P tokens, then decode N tokens greedily, timing every step.
-Graph and non-graph runs alternate in the same process; the first run of each is a warm-up
-and is excluded. The floor is the bytes a token must read (weights by format, lm_head, the
-KV cache at that context) divided by the device-to-device copy bandwidth measured in the
-same run. Prints one summary table last and writes the full numbers as JSON.
+    onegraph bench --preset qwen3-0.6b --preset qwen3-8b --kv int8 --kv bf16 \\
+        --peers hf-eager,hf-compile --contexts 128,1024,4096,16384,32768 \\
+        --json bench.json --plot bench.png
+
+What one run does, for every model (a preset's synthetic weights streamed straight from the
+generator, or a model folder) and every KV format:
+
+- Decode: a prompt of P random tokens (fed token by token; TTFT = until the first token id is
+  on the host), then N greedy steps, each timed from feeding a token to holding the next
+  token id (the logits copy and the host argmax included). Graph and non-graph alternate in
+  the same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
+  there) and is excluded; later repeats swap the order each time. tok/s = N / the sum of
+  the N step times, the median over repeats; TBT median and p90 pool every timed step.
+- The floor: the bytes one step must read (weights by format, lm_head, the KV cache at the
+  mean visible length of the decode) divided by the device-to-device copy bandwidth measured
+  at the start of the same run (bytes read + written per second). fraction_of_floor =
+  floor_ms / ms_per_token.
+- Peers (--peers, bench/peers.py): Hugging Face transformers on the same weights, prompt,
+  token count and dtype (bf16 weights and KV), each skipped with a reason when torch,
+  transformers or CUDA is absent.
+- Context sweep (--contexts): decode ms/token with the attention reading C rows. By default
+  the step record's position is pinned at C - 1 (og_begin_step fills the pinned record; its
+  position is overwritten before the body copies it to the device), so no C-token prompt is
+  fed; the rows before it hold whatever the cache holds, which changes no timing.
+  --context-fill prefill feeds a real C - 1 token prompt instead (token by token; its time
+  is recorded as fill_s).
+
+Output: the context table, then one summary table last; --json writes the document whose
+fields are listed in DOC_FIELDS, RESULT_FIELDS and SWEEP_FIELDS below (`onegraph bench
+--schema` prints them); --plot writes a PNG (matplotlib, bench/plot.py).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import math
+import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .config import ModelConfig
 
+SCHEMA_VERSION = 1
+
+# ---- bytes one decode step reads ---------------------------------------------------------
+
+WEIGHT_FORMATS = ("bf16", "int8", "q4")
+Q4_GROUP = 32          # q4: one scale per 32 consecutive weights of a row
+NORM_VECTOR_BYTES = 4  # RMSNorm weights are fp32 on the device
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+KV_SCALE_BYTES = {"fp32": 0, "bf16": 0, "int8": 4}  # int8: one fp32 scale per (token, KV head)
 
 
-def weight_bytes_per_token(c: ModelConfig) -> dict[str, int]:
-    """Bytes of weights one decode step reads (bf16 matrices, fp32 norm vectors as stored on
-    the device; padding of rows to 8 elements is ignored here, it is exact for real shapes)."""
-    H, hd = c.hidden_size, c.head_dim
-    parts = {"embedding_row": H * 2, "attention": 0, "ffn": 0, "router": 0, "norms": 0}
+def matrix_bytes(rows: int, cols: int, fmt: str = "bf16", q4_scale_bytes: int = 4) -> int:
+    """Bytes of a [rows, cols] weight matrix in `fmt`: bf16 2 bytes/weight; int8 1 byte/weight
+    + an fp32 scale per row; q4 half a byte/weight + a scale (fp32 = 4 or bf16 = 2 bytes) per
+    group of Q4_GROUP weights (a row's last group padded)."""
+    if fmt == "bf16":
+        return 2 * rows * cols
+    if fmt == "int8":
+        return rows * cols + 4 * rows
+    if fmt == "q4":
+        groups = rows * -(-cols // Q4_GROUP)
+        return groups * (Q4_GROUP // 2 + q4_scale_bytes)
+    raise ValueError(f"weight format {fmt!r} is not one of {WEIGHT_FORMATS}")
+
+
+def weight_bytes_per_token(c: ModelConfig, fmt: str = "bf16", lm_head_fmt: str | None = None,
+                           q4_scale_bytes: int = 4) -> dict[str, int]:
+    """Weight bytes one decode step reads, by part. Projections and experts are in `fmt`, the
+    lm_head in `lm_head_fmt` (default: `fmt`). The body gathers one embedding row, so the
+    embedding table counts one row (in the lm_head's format when the two are tied). MoE
+    layers read the router (bf16 always: small, and routing decides everything after it) and
+    the top-k experts only."""
+    H = c.hidden_size
+    lm_fmt = lm_head_fmt or fmt
+
+    def mat(rows, cols, f=fmt):
+        return matrix_bytes(rows, cols, f, q4_scale_bytes)
+
+    parts = {"embedding_row": mat(1, H, lm_fmt if c.tie_word_embeddings else "bf16"),
+             "attention": 0, "norms": 0, "router": 0, "ffn": 0}
     for layer in range(c.num_hidden_layers):
-        parts["attention"] += (c.q_size + 2 * c.kv_size) * H * 2 + H * c.q_size * 2
-        parts["norms"] += 2 * H * 4 + (2 * hd * 4 if c.has_qk_norm else 0)
+        parts["attention"] += mat(c.q_size + 2 * c.kv_size, H) + mat(H, c.q_size)
+        parts["norms"] += NORM_VECTOR_BYTES * (2 * H + (2 * c.head_dim if c.has_qk_norm else 0))
         if c.is_moe_layer(layer):
-            parts["router"] += c.num_experts * H * 2
-            parts["ffn"] += c.num_experts_per_tok * 3 * c.moe_intermediate_size * H * 2
+            parts["router"] += mat(c.num_experts, H, "bf16")
+            parts["ffn"] += c.num_experts_per_tok * (mat(2 * c.moe_intermediate_size, H) + mat(H, c.moe_intermediate_size))
         else:
-            parts["ffn"] += 3 * c.intermediate_size * H * 2
-    parts["norms"] += H * 4
-    parts["lm_head"] = c.vocab_size * H * 2
+            parts["ffn"] += mat(2 * c.intermediate_size, H) + mat(H, c.intermediate_size)
+    parts["norms"] += NORM_VECTOR_BYTES * H
+    parts["lm_head"] = mat(c.vocab_size, H, lm_fmt)
     parts["total"] = sum(parts.values())
     return parts
 
 
-def kv_bytes_per_token(c: ModelConfig, kv: str, context: int) -> int:
-    """Bytes of K and V (and int8 scales) attention reads at a visible length of `context`."""
-    per_row = c.num_key_value_heads * (c.head_dim * KV_ELEMENT_BYTES[kv] + (4 if kv == "int8" else 0))
-    return 2 * c.num_hidden_layers * context * per_row
+def kv_bytes_per_token(c: ModelConfig, kv: str, context: float) -> int:
+    """Bytes of K and V (with int8 scales) the attention reads at a visible length of `context`
+    rows, over all layers."""
+    per_row = c.num_key_value_heads * (c.head_dim * KV_ELEMENT_BYTES[kv] + KV_SCALE_BYTES[kv])
+    return round(2 * c.num_hidden_layers * context * per_row)
 
+
+def mean_decode_context(prompt_len: int, n: int) -> float:
+    """Mean visible length over n decode steps after a prompt: step i writes row prompt + i and
+    attends over prompt + i + 1 rows."""
+    return prompt_len + (n + 1) / 2
+
+
+def bytes_per_token(c: ModelConfig, kv: str, context: float, fmt: str = "bf16") -> dict:
+    weights = weight_bytes_per_token(c, fmt)
+    kv_read = kv_bytes_per_token(c, kv, context)
+    return {"weights": weights, "weight_format": fmt, "kv_read": kv_read, "context": context,
+            "total": weights["total"] + kv_read,
+            "embedding_table_not_read": matrix_bytes(c.vocab_size - 1, c.hidden_size, "bf16")
+            if not c.tie_word_embeddings else 0}
+
+
+def floor_fields(total_bytes: int, bandwidth: float | None, ms_per_token: float | None) -> dict:
+    if not bandwidth:
+        return {"floor_ms": None, "floor_tokens_per_s": None, "fraction_of_floor": None}
+    floor_ms = total_bytes / bandwidth * 1e3
+    return {"floor_ms": floor_ms, "floor_tokens_per_s": 1e3 / floor_ms,
+            "fraction_of_floor": floor_ms / ms_per_token if ms_per_token else None}
+
+
+# ---- the GPU, through cuda-python ---------------------------------------------------------
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
@@ -60,14 +148,13 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
         stop = _check(rt.cudaEventCreate(), "cudaEventCreate")
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         times = []
-        for i in range(repeats + 3):
+        for i in range(repeats + 3):  # 3 warm-up copies
             _check(rt.cudaEventRecord(start, 0), "cudaEventRecord")
             _check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, 0), "cudaMemcpyAsync")
             _check(rt.cudaEventRecord(stop, 0), "cudaEventRecord")
             _check(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
-            ms = _check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime")
             if i >= 3:
-                times.append(ms)
+                times.append(_check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime"))
         rt.cudaEventDestroy(start)
         rt.cudaEventDestroy(stop)
         return 2 * nbytes / (statistics.median(times) / 1e3)
@@ -76,143 +163,554 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
         rt.cudaFree(dst)
 
 
-def _percentile(values, q):
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+def gpu_name() -> str | None:
+    try:
+        from .graph import _check, _runtime
+        name = _check(_runtime().cudaGetDeviceProperties(0), "cudaGetDeviceProperties").name
+        return (name.decode() if isinstance(name, bytes) else str(name)).rstrip("\x00")
+    except Exception:
+        return None
 
+
+# ---- settings and targets -------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    prompt: int = 32
+    n: int = 64
+    repeats: int = 3
+    seed: int = 0
+    device: str = "gpu"
+    kv: list = field(default_factory=lambda: ["int8"])
+    peers: list = field(default_factory=list)
+    contexts: list = field(default_factory=list)
+    context_steps: int = 16
+    context_fill: str = "position"
+    weight_format: str = "bf16"  # what the engine uploads today; int8 / q4 count through matrix_bytes
+
+
+@dataclass
+class Target:
+    label: str
+    config: ModelConfig
+    source: Callable  # () -> iterable of (HF name, numpy array)
+    origin: str       # "preset NAME" or the folder
+
+
+def preset_target(spec: str, layers: int | None, seed: int) -> Target:
+    """`name` or `name:layers` (e.g. qwen3-30b-a3b:24)."""
+    from .synth import iter_tensors, preset_config
+    name, _, own_layers = spec.partition(":")
+    layers = int(own_layers) if own_layers else layers
+    config = preset_config(name, num_hidden_layers=layers)
+    label = name if layers is None else f"{name}/{layers}L"
+    return Target(label, config, lambda: iter_tensors(config, seed=seed), f"preset {name}")
+
+
+def folder_target(folder: str) -> Target:
+    from .loader import load_model
+    model = load_model(folder)
+    names = list(model.config.tensor_shapes())
+    return Target(os.path.basename(os.path.normpath(folder)), model.config,
+                  lambda: ((n, model.tensors[n]) for n in names), folder)
+
+
+def make_prompt(config: ModelConfig, length: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, config.vocab_size, length)]
+
+
+# ---- timing -----------------------------------------------------------------------------------
 
 def run_decode(engine, prompt: list[int], n: int) -> dict:
-    """Prompt token by token, then n greedy tokens; per-step wall times in ms."""
+    """Prompt token by token, then n greedy steps: {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}."""
     engine.reset()
     t0 = time.perf_counter()
-    logits = engine.prefill(prompt)
-    token = int(np.argmax(logits))
+    token = int(np.argmax(engine.prefill(prompt)))
     ttft_ms = (time.perf_counter() - t0) * 1e3
     tokens, step_ms = [token], []
-    for _ in range(n - 1):
+    for _ in range(n):
         t = time.perf_counter()
-        logits = engine.step(token)
+        token = int(np.argmax(engine.step(token)))
         step_ms.append((time.perf_counter() - t) * 1e3)
-        token = int(np.argmax(logits))
         tokens.append(token)
-    decode_s = sum(step_ms) / 1e3
-    return {
-        "ttft_ms": ttft_ms,
-        "tbt_median_ms": statistics.median(step_ms) if step_ms else float("nan"),
-        "tbt_p90_ms": _percentile(step_ms, 90),
-        "tokens_per_s": len(step_ms) / decode_s if decode_s > 0 else float("nan"),
-        "tokens": tokens,
-    }
+    return {"ttft_ms": ttft_ms, "step_ms": step_ms, "tokens": tokens}
 
 
-def bench_model(config: ModelConfig, tensor_source, *, label: str, kv: str, prompt_len: int, n: int,
-                repeats: int, bandwidth: float | None, modes=("graph", "nongraph")) -> dict:
-    from .engine import Engine
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(0, config.vocab_size, prompt_len)]
-    max_seq = prompt_len + n + 8
-    t_load = time.perf_counter()
-    engine = Engine(config, tensor_source, kv=kv, max_seq_len=max_seq, graph=True, device="gpu")
-    load_s = time.perf_counter() - t_load
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with engine:
-        for rep in range(repeats + 1):  # rep 0 is the warm-up (captures the graph)
+def summarize(runs: list[dict]) -> dict:
+    """The timing fields of a result from its timed runs (see RESULT_FIELDS)."""
+    per_run = [len(r["step_ms"]) / (sum(r["step_ms"]) / 1e3) for r in runs]
+    steps = [ms for r in runs for ms in r["step_ms"]]
+    tps = statistics.median(per_run)
+    return {"tokens_per_s": tps, "ms_per_token": 1e3 / tps, "tokens_per_s_runs": per_run,
+            "tbt_median_ms": statistics.median(steps), "tbt_p90_ms": float(np.percentile(steps, 90)),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+            "step_ms_runs": [r["step_ms"] for r in runs], "tokens": runs[0]["tokens"]}
+
+
+def _set_mode(engine, mode: str) -> None:
+    if mode != "cpu":
+        engine.set_graph(mode == "graph")
+
+
+def _transfer_totals(engine) -> tuple[float, float, int]:
+    """(H2D copies, D2H copies, GPU steps) so far, from the engine's per-token figures."""
+    s = engine.stats()
+    steps = s["graph_steps"] + s["nongraph_steps"]
+    return s.get("h2d_per_token", 0.0) * steps, s.get("d2h_per_token", 0.0) * steps, steps
+
+
+def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int) -> dict:
+    """Repeat 0 warms every mode up (the graph is captured there); later repeats run the modes
+    in alternating order. Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
+    out = {m: {"runs": [], "warmup_s": None, "h2d": 0.0, "d2h": 0.0, "steps": 0} for m in modes}
+    for rep in range(repeats + 1):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+            _set_mode(engine, mode)
+            before = _transfer_totals(engine)
+            t0 = time.perf_counter()
+            run = run_decode(engine, prompt, n)
+            if rep == 0:
+                out[mode]["warmup_s"] = time.perf_counter() - t0
+                continue
+            out[mode]["runs"].append(run)
+            for key, b, a in zip(("h2d", "d2h", "steps"), before, _transfer_totals(engine)):
+                out[mode][key] += a - b
+    for o in out.values():
+        o["h2d_per_token"] = o["h2d"] / o["steps"] if o["steps"] else None
+        o["d2h_per_token"] = o["d2h"] / o["steps"] if o["steps"] else None
+    return out
+
+
+@contextlib.contextmanager
+def pinned_position(engine, position: int | None):
+    """While active, every GPU step writes KV row `position` and attends over position + 1 rows,
+    whatever the engine's own position: og_begin_step fills the pinned step record, and its
+    position is overwritten before the body (graph or not) copies the record to the device."""
+    gpu = getattr(engine, "_gpu", None)
+    if position is None or gpu is None:
+        yield
+        return
+    begin = gpu.begin
+
+    def begin_pinned(token: int) -> None:
+        begin(token)
+        gpu.step_record.position = position
+
+    gpu.begin = begin_pinned
+    try:
+        yield
+    finally:
+        del gpu.begin  # the class's method again
+
+
+def steps_at_context(engine, modes: list[str], context: int, steps: int, fill: str,
+                     seed: int) -> tuple[dict, float]:
+    """({mode: step ms [steps]}, fill seconds) with the attention reading `context` rows; the
+    modes alternate step by step after one warm-up step each."""
+    engine.reset()
+    t0 = time.perf_counter()
+    token = 0
+    if fill == "prefill" and context > 1:
+        token = int(np.argmax(engine.prefill(make_prompt(engine.config, context - 1, seed))))
+    fill_s = time.perf_counter() - t0
+    times = {m: [] for m in modes}
+    with pinned_position(engine, context - 1 if fill == "position" else None):
+        for i in range(steps + 1):
             for mode in modes:
-                engine.set_graph(mode == "graph")
-                r = run_decode(engine, prompt, n)
-                if rep > 0:
-                    runs[mode].append(r)
-        lib = engine.stats()
-    result = {"model": label, "kv": kv, "prompt": prompt_len, "n": n, "repeats": repeats,
-              "load_s": load_s, "device_bytes": lib["library"]["device_bytes"],
-              "h2d_per_token": lib.get("h2d_per_token"), "d2h_per_token": lib.get("d2h_per_token")}
-    for mode, rs in runs.items():
-        result[mode] = {
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-            "tokens_per_s_runs": [r["tokens_per_s"] for r in rs],
-            "ms_per_token": 1e3 / statistics.median(r["tokens_per_s"] for r in rs),
-            "ttft_ms": statistics.median(r["ttft_ms"] for r in rs),
-            "tbt_median_ms": statistics.median(r["tbt_median_ms"] for r in rs),
-            "tbt_p90_ms": statistics.median(r["tbt_p90_ms"] for r in rs),
-            "tokens": rs[0]["tokens"],
-        }
-    if "graph" in runs and "nongraph" in runs:
-        result["graph_over_nongraph"] = result["graph"]["tokens_per_s"] / result["nongraph"]["tokens_per_s"]
-        result["same_tokens"] = result["graph"]["tokens"] == result["nongraph"]["tokens"]
-    wb = weight_bytes_per_token(config)
-    context = prompt_len + n // 2  # mean visible length over the decode
-    kvb = kv_bytes_per_token(config, kv, context)
-    result["bytes_per_token"] = {"weights": wb, "kv_at_mean_context": kvb, "total": wb["total"] + kvb}
-    if bandwidth:
-        floor_ms = (wb["total"] + kvb) / bandwidth * 1e3
-        result["floor_ms"] = floor_ms
-        result["floor_tokens_per_s"] = 1e3 / floor_ms
-        for mode in runs:
-            result[mode]["fraction_of_floor"] = floor_ms / result[mode]["ms_per_token"]
+                _set_mode(engine, mode)
+                t = time.perf_counter()
+                token = int(np.argmax(engine.step(token)))
+                if i > 0:
+                    times[mode].append((time.perf_counter() - t) * 1e3)
+    engine.reset()
+    return times, fill_s
+
+
+def usable_contexts(config: ModelConfig, contexts: list[int]) -> list[int]:
+    return sorted(c for c in set(contexts) if 0 < c <= config.max_position_embeddings)
+
+
+# ---- one model: onegraph, the sweep, the peers ------------------------------------------------
+
+def empty_result(target: Target, runtime: str, kv: str, s: Settings) -> dict:
+    result = {key: None for key in RESULT_FIELDS}
+    result.update(model=target.label, origin=target.origin, layers=target.config.num_hidden_layers,
+                  runtime=runtime, kv=kv, prompt=s.prompt, n=s.n, repeats=s.repeats, status="ok")
     return result
 
 
-def print_table(results: list[dict], bandwidth: float | None, file=sys.stdout) -> None:
-    if bandwidth:
-        print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", file=file)
-    head = f"{'model':<24} {'kv':<5} {'mode':<9} {'tok/s':>8} {'ms/tok':>7} {'TBT p50':>8} {'TBT p90':>8} {'TTFT ms':>8} {'floor':>6}"
-    print(head, file=file)
-    print("-" * len(head), file=file)
+def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None) -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records for one model and KV format."""
+    from .engine import Engine
+    config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
+    contexts = usable_contexts(config, s.contexts)
+    max_seq = max([s.prompt + s.n] + [c + 2 * (s.context_steps + 1) for c in contexts]) + 1
+    t0 = time.perf_counter()
+    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device)
+    load_s = time.perf_counter() - t0
+    with engine:
+        modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
+        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats)
+        device_bytes = engine.stats().get("library", {}).get("device_bytes")
+        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth)
+    bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), s.weight_format)
+    results = []
+    for mode, m in measured.items():
+        r = empty_result(target, f"onegraph-{mode}", kv, s)
+        r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
+                 h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt)
+        r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
+        results.append(r)
+    return results, sweep
+
+
+def sweep_contexts(engine, modes: list[str], target: Target, kv: str, s: Settings,
+                   bandwidth: float | None) -> list[dict]:
+    fill = s.context_fill if engine.backend != "cpu" else "prefill"  # pinning needs the GPU path
+    records = []
+    for context in usable_contexts(target.config, s.contexts):
+        times, fill_s = steps_at_context(engine, modes, context, s.context_steps, fill, s.seed)
+        records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth)
+                    for mode, step_ms in times.items()]
+    return records
+
+
+def context_record(target: Target, kv: str, mode: str, context: int, step_ms: list[float], fill: str,
+                   fill_s: float, bandwidth: float | None) -> dict:
+    ms = statistics.median(step_ms)
+    bpt = bytes_per_token(target.config, kv, context)
+    r = {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": f"onegraph-{mode}",
+         "kv": kv, "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
+         "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tbt_p90_ms": float(np.percentile(step_ms, 90)),
+         "step_ms": step_ms, "kv_read": bpt["kv_read"], "bytes_per_token_total": bpt["total"]}
+    fl = floor_fields(bpt["total"], bandwidth, ms)
+    r.update(floor_ms=fl["floor_ms"], fraction_of_floor=fl["fraction_of_floor"])
+    return r
+
+
+def import_bench_module(name: str):
+    """bench/ sits beside runtime/ in the source tree (it is not installed with the package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "bench", "__init__.py")) and root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"bench.{name}")
+
+
+def bench_peer(peer: str, target: Target, s: Settings, bandwidth: float | None) -> dict:
+    """One peer's result record; status "skipped" (with the reason) when it cannot run here."""
+    r = empty_result(target, peer, "bf16", s)
+    try:
+        peers = import_bench_module("peers")
+    except ImportError as e:
+        r.update(status="skipped", reason=f"bench/peers.py is not importable: {e}")
+        return r
+    device = "cuda" if s.device == "gpu" else "cpu"
+    out = peers.run_peer(peer, target.config, target.source, prompt=make_prompt(target.config, s.prompt, s.seed),
+                         n=s.n, repeats=s.repeats, device=device)
+    r.update(status=out["status"], reason=out["reason"])
+    if out["status"] != "ok":
+        return r
+    bpt = bytes_per_token(target.config, "bf16", mean_decode_context(s.prompt, s.n), s.weight_format)
+    r.update(summarize(out["runs"]), load_s=out["load_s"], warmup_s=out["warmup_s"],
+             device_bytes=out["device_bytes"], bytes_per_token=bpt, details=out["details"])
+    r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
+    return r
+
+
+def compare_tokens(results: list[dict]) -> None:
+    """Graph vs non-graph speedup and token identity; every other runtime's agreement with
+    onegraph's run of the same model (graph, or cpu on --device cpu; bf16 KV when it ran)."""
+    anchors = {}
     for r in results:
-        for mode in ("graph", "nongraph"):
-            if mode not in r:
-                continue
-            m = r[mode]
-            frac = f"{100 * m['fraction_of_floor']:5.1f}%" if "fraction_of_floor" in m else "   -"
-            print(f"{r['model']:<24} {r['kv']:<5} {mode:<9} {m['tokens_per_s']:8.1f} {m['ms_per_token']:7.3f} "
-                  f"{m['tbt_median_ms']:8.3f} {m['tbt_p90_ms']:8.3f} {m['ttft_ms']:8.1f} {frac:>6}", file=file)
-        if "graph_over_nongraph" in r:
-            print(f"{'':<24} graph/non-graph {r['graph_over_nongraph']:.2f}x, same tokens: {r['same_tokens']}, "
-                  f"H2D/D2H per token {r['h2d_per_token']:.2f}/{r['d2h_per_token']:.2f}, "
-                  f"floor {r.get('floor_tokens_per_s', float('nan')):.0f} tok/s", file=file)
+        if r["runtime"] in ("onegraph-graph", "onegraph-cpu") and (r["model"] not in anchors or r["kv"] == "bf16"):
+            anchors[r["model"]] = r
+    for r in results:
+        anchor = anchors.get(r["model"])
+        if r["status"] == "ok" and anchor is not None and r is not anchor:
+            r["common_prefix_with_onegraph"] = _common_prefix(r["tokens"], anchor["tokens"])
+    for g in (r for r in results if r["runtime"] == "onegraph-graph"):
+        ng = next((r for r in results if r["runtime"] == "onegraph-nongraph"
+                   and (r["model"], r["kv"]) == (g["model"], g["kv"])), None)
+        if ng is not None:
+            g["speedup_over_nongraph"] = g["tokens_per_s"] / ng["tokens_per_s"]
+            g["same_tokens_as_nongraph"] = g["tokens"] == ng["tokens"]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ---- the JSON document ----------------------------------------------------------------------
+
+DOC_FIELDS = {
+    "schema_version": f"{SCHEMA_VERSION}; bumped when a field changes meaning or goes away",
+    "date": "local time the run started, YYYY-MM-DD HH:MM:SS",
+    "host": "machine name",
+    "gpu": "CUDA device 0's name (null on --device cpu)",
+    "command": "the command line",
+    "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
+    "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weight_format",
+    "results": "one record per (model, runtime, kv): RESULT_FIELDS",
+    "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
+    "notes": "list of strings: what was skipped and why",
+}
+
+RESULT_FIELDS = {
+    "model": "preset name (with /NL when the layer count was changed) or folder name",
+    "origin": "'preset NAME' or the model folder",
+    "layers": "num_hidden_layers",
+    "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu | hf-eager | hf-compile",
+    "kv": "KV cache format: int8 | bf16 | fp32 (peers: bf16)",
+    "prompt": "prompt tokens",
+    "n": "decode steps timed per run",
+    "repeats": "timed runs (a warm-up run comes before them)",
+    "status": "ok | skipped",
+    "reason": "why it was skipped (null when ok)",
+    "tokens_per_s": "median over runs of n / (sum of the n step times)",
+    "ms_per_token": "1000 / tokens_per_s",
+    "tokens_per_s_runs": "tokens_per_s of each timed run",
+    "tbt_median_ms": "median step time over every timed step",
+    "tbt_p90_ms": "90th percentile step time over every timed step",
+    "ttft_ms": "median over runs: prompt fed until the first token id is on the host",
+    "step_ms_runs": "every step time, per run [repeats][n]",
+    "tokens": "greedy token ids of the first timed run [n + 1]",
+    "load_s": "building the engine or model and uploading the weights",
+    "warmup_s": "the excluded warm-up run (graph capture; torch.compile and CUDA graph recording)",
+    "device_bytes": "device memory held (onegraph: the library's allocation; peers: torch peak allocated)",
+    "h2d_per_token": "host-to-device copies per token (onegraph only)",
+    "d2h_per_token": "device-to-host copies per token (onegraph only)",
+    "bytes_per_token": "{weights: {part: bytes, total}, weight_format, kv_read, context, total, "
+                       "embedding_table_not_read}: what one step reads at the mean decode context",
+    "floor_ms": "bytes_per_token.total / copy bandwidth",
+    "floor_tokens_per_s": "1000 / floor_ms",
+    "fraction_of_floor": "floor_ms / ms_per_token (1.0 = at the copy bandwidth)",
+    "speedup_over_nongraph": "graph tokens_per_s / non-graph tokens_per_s (graph records only)",
+    "same_tokens_as_nongraph": "graph and non-graph produced identical tokens (graph records only)",
+    "common_prefix_with_onegraph": "leading tokens equal to those of onegraph's graph run of the same model "
+                                   "(cpu run on --device cpu; its bf16-KV run when there is one)",
+    "details": "peers: versions, dtype, attention / experts implementation, fullgraph",
+}
+
+SWEEP_FIELDS = {
+    "model": "as in results", "layers": "as in results", "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu",
+    "kv": "as in results",
+    "context": "rows the attention reads",
+    "fill": "position (step record pinned at context - 1) | prefill (a real context - 1 token prompt)",
+    "fill_s": "seconds spent reaching the context (prefill only; ~0 for position)",
+    "steps": "timed steps",
+    "ms_per_token": "median step time", "tokens_per_s": "1000 / ms_per_token",
+    "tbt_p90_ms": "90th percentile step time", "step_ms": "every timed step",
+    "kv_read": "KV bytes read per step at this context",
+    "bytes_per_token_total": "weights + kv_read",
+    "floor_ms": "bytes_per_token_total / copy bandwidth",
+    "fraction_of_floor": "floor_ms / ms_per_token",
+}
+
+
+def check_schema(doc: dict) -> None:
+    """Raise ValueError naming the first field that differs from DOC/RESULT/SWEEP_FIELDS."""
+    def same_keys(obj, fields, where):
+        missing, extra = set(fields) - set(obj), set(obj) - set(fields)
+        if missing or extra:
+            raise ValueError(f"{where}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+
+    same_keys(doc, DOC_FIELDS, "document")
+    if doc["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {doc['schema_version']!r}, expected {SCHEMA_VERSION}")
+    for i, r in enumerate(doc["results"]):
+        same_keys(r, RESULT_FIELDS, f"results[{i}] ({r.get('model')} {r.get('runtime')})")
+    for i, r in enumerate(doc["context_sweep"]):
+        same_keys(r, SWEEP_FIELDS, f"context_sweep[{i}]")
+
+
+def _finite(obj):
+    """NaN and infinities become null: JSON has no spelling for them."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _finite(obj.item())
+    return obj
+
+
+def write_json(doc: dict, path: str) -> None:
+    check_schema(doc)
+    with open(path, "w") as f:
+        json.dump(_finite(doc), f, indent=1, allow_nan=False)
+
+
+# ---- tables -----------------------------------------------------------------------------------
+
+def _f(value, fmt: str, width: int) -> str:
+    return f"{value:{width}{fmt}}" if isinstance(value, (int, float)) and value is not None else f"{'-':>{width}}"
+
+
+def format_sweep(sweep: list[dict]) -> str:
+    if not sweep:
+        return ""
+    lines = [f"{'context sweep':<22} {'kv':<5} {'runtime':<18} {'context':>8} {'ms/tok':>8} {'p90':>8} "
+             f"{'floor ms':>9} {'% floor':>8}"]
+    for r in sweep:
+        pct = 100 * r["fraction_of_floor"] if r["fraction_of_floor"] else None
+        lines.append(f"{r['model']:<22} {r['kv']:<5} {r['runtime']:<18} {r['context']:>8} "
+                     f"{_f(r['ms_per_token'], '.3f', 8)} {_f(r['tbt_p90_ms'], '.3f', 8)} "
+                     f"{_f(r['floor_ms'], '.3f', 9)} {_f(pct, '.1f', 8)}")
+    return "\n".join(lines)
+
+
+def format_table(doc: dict) -> str:
+    """The summary: one row per result, then the floor of each model."""
+    s = doc["settings"]
+    bw = doc["copy_bandwidth_bytes_per_s"]
+    head = (f"onegraph bench on {doc['gpu'] or doc['settings']['device']}: prompt {s['prompt']}, decode {s['n']}, "
+            f"{s['repeats']} timed runs" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else ""))
+    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
+            f"{'TBT p90':>8} {'TTFT ms':>8} {'% floor':>8} {'H2D/D2H':>9} {'mem GB':>7}")
+    lines = [head, cols, "-" * len(cols)]
+    for r in doc["results"]:
+        lead = f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r['runtime']:<18}"
+        if r["status"] != "ok":
+            lines.append(f"{lead} skipped: {r['reason']}")
+            continue
+        pct = 100 * r["fraction_of_floor"] if r["fraction_of_floor"] else None
+        xfer = f"{r['h2d_per_token']:.2f}/{r['d2h_per_token']:.2f}" if r["h2d_per_token"] is not None else "-"
+        mem = r["device_bytes"] / 1e9 if r["device_bytes"] else None
+        lines.append(f"{lead} {_f(r['tokens_per_s'], '.1f', 9)} {_f(r['ms_per_token'], '.3f', 8)} "
+                     f"{_f(r['tbt_median_ms'], '.3f', 8)} {_f(r['tbt_p90_ms'], '.3f', 8)} "
+                     f"{_f(r['ttft_ms'], '.1f', 8)} {_f(pct, '.1f', 8)} {xfer:>9} {_f(mem, '.2f', 7)}")
+    lines += [""] + _footnotes(doc["results"])
+    return "\n".join(lines)
+
+
+def _footnotes(results: list[dict]) -> list[str]:
+    lines, seen = [], set()
+    for r in results:
+        if r["runtime"] == "onegraph-graph" and r["speedup_over_nongraph"] is not None:
+            lines.append(f"{r['model']} {r['kv']}: graph / non-graph {r['speedup_over_nongraph']:.2f}x, "
+                         f"same tokens: {r['same_tokens_as_nongraph']}")
+        key = (r["model"], r["kv"])
+        if r["status"] == "ok" and r["bytes_per_token"] and key not in seen:
+            seen.add(key)
+            b = r["bytes_per_token"]
+            floor = f" -> floor {r['floor_ms']:.3f} ms ({r['floor_tokens_per_s']:.0f} tok/s)" if r["floor_ms"] else ""
+            lines.append(f"{r['model']} {r['kv']}: reads {b['total'] / 1e9:.3f} GB/token (weights "
+                         f"{b['weights']['total'] / 1e9:.3f} {b['weight_format']}, KV {b['kv_read'] / 1e6:.1f} MB "
+                         f"at context {b['context']:.0f}){floor}")
+    return lines
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def _csv(text: str, kind=str) -> list:
+    return [kind(t) for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="onegraph bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", action="append", default=[],
+                   help="synthetic preset, NAME or NAME:LAYERS; repeatable or comma-separated (model sweep)")
+    p.add_argument("--layers", type=int, default=None, help="layer count for presets without :LAYERS")
+    p.add_argument("--model", action="append", default=[], help="Hugging Face model folder (repeatable)")
+    p.add_argument("--kv", action="append", default=[], choices=sorted(KV_ELEMENT_BYTES),
+                   help="KV cache format (repeatable; default int8)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens P")
+    p.add_argument("--n", type=int, default=64, help="decode steps timed per run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
+    p.add_argument("--seed", type=int, default=0, help="synthetic weights and prompt")
+    p.add_argument("--peers", default="", help="comma-separated: hf-eager,hf-compile")
+    p.add_argument("--contexts", default="", help="comma-separated context lengths, e.g. 128,1024,4096,32768")
+    p.add_argument("--context-steps", type=int, default=16, help="timed steps per context and mode")
+    p.add_argument("--context-fill", choices=["position", "prefill"], default="position",
+                   help="reach a context by pinning the step position (fast) or a real prompt")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: the numpy reference path, to check the benchmark itself")
+    p.add_argument("--json", default=None, help="write the full document here")
+    p.add_argument("--plot", default=None, help="write a PNG chart here (needs matplotlib)")
+    p.add_argument("--schema", action="store_true", help="print the JSON fields and exit")
+    return p.parse_args(argv)
+
+
+def settings_from(args) -> Settings:
+    return Settings(prompt=args.prompt, n=args.n, repeats=args.repeats, seed=args.seed, device=args.device,
+                    kv=args.kv or ["int8"], peers=_csv(args.peers), contexts=_csv(args.contexts, int),
+                    context_steps=args.context_steps, context_fill=args.context_fill)
+
+
+def targets_from(args) -> list[Target]:
+    presets = [p for spec in args.preset for p in _csv(spec)] or ([] if args.model else ["qwen3-0.6b"])
+    return [preset_target(p, args.layers, args.seed) for p in presets] + [folder_target(m) for m in args.model]
+
+
+def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[list, list, list]:
+    """(results, context sweep, notes) for every target."""
+    results, sweep, notes = [], [], []
+    for target in targets:
+        too_long = sorted(c for c in s.contexts if c > target.config.max_position_embeddings)
+        if too_long:
+            notes.append(f"{target.label}: contexts {too_long} skipped, beyond max_position_embeddings "
+                         f"{target.config.max_position_embeddings}")
+        for kv in s.kv:
+            r, sw = bench_onegraph(target, kv, s, bandwidth)
+            results += r
+            sweep += sw
+        results += [bench_peer(peer, target, s, bandwidth) for peer in s.peers]
+    compare_tokens(results)
+    notes += [f"{r['model']} {r['runtime']} skipped: {r['reason']}" for r in results if r["status"] != "ok"]
+    return results, sweep, notes
+
+
+def make_doc(argv, s: Settings, bandwidth, results, sweep, notes) -> dict:
+    settings = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
+    return {"schema_version": SCHEMA_VERSION, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": platform.node(), "gpu": gpu_name() if s.device == "gpu" else None,
+            "command": "onegraph bench " + " ".join(argv), "copy_bandwidth_bytes_per_s": bandwidth,
+            "settings": settings, "results": results, "context_sweep": sweep, "notes": notes}
+
+
+def write_plot(doc: dict, path: str) -> str | None:
+    """Write the chart; returns a note when it could not be drawn."""
+    try:
+        plot = import_bench_module("plot")
+        plot.plot(doc, path)
+    except ImportError as e:
+        return f"no chart: {e} (pip install 'onegraph[plots]')"
+    return None
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="onegraph bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", action="append", default=[], help="synthetic preset (repeatable)")
-    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("--model", action="append", default=[], help="HF model folder (repeatable)")
-    p.add_argument("--kv", action="append", default=[], choices=sorted(KV_ELEMENT_BYTES))
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--n", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None, help="write the full results here")
-    args = p.parse_args(argv)
-    from .engine import library_status
-    usable, reason = library_status()
-    if not usable:
-        print(f"onegraph bench: the GPU path is unusable: {reason}", file=sys.stderr)
-        return 2
-    kvs = args.kv or ["int8"]
-    bandwidth = measure_copy_bandwidth()
-    results = []
-    targets = []
-    for preset in args.preset or ([] if args.model else ["qwen3-0.6b"]):
-        from .synth import iter_tensors, preset_config
-        config = preset_config(preset, num_hidden_layers=args.layers)
-        label = preset + (f" ({config.num_hidden_layers}L)" if args.layers else "")
-        targets.append((label, config, lambda c=config: iter_tensors(c)))
-    for folder in args.model:
-        from .loader import load_model
-        model = load_model(folder)
-        names = list(model.config.tensor_shapes())
-        targets.append((folder, model.config, lambda m=model, ns=names: ((n, m.tensors[n]) for n in ns)))
-    for label, config, source in targets:
-        for kv in kvs:
-            results.append(bench_model(config, source, label=label, kv=kv, prompt_len=args.prompt, n=args.n,
-                                       repeats=args.repeats, bandwidth=bandwidth))
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-           "command": "onegraph bench " + " ".join(argv if argv is not None else sys.argv[2:]),
-           "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.schema:
+        print(json.dumps({"document": DOC_FIELDS, "results[]": RESULT_FIELDS, "context_sweep[]": SWEEP_FIELDS}, indent=1))
+        return 0
+    s = settings_from(args)
+    if s.device == "gpu":
+        from .engine import library_status
+        usable, reason = library_status()
+        if not usable:
+            print(f"onegraph bench: the GPU path is unusable: {reason} (--device cpu checks the benchmark "
+                  f"on the numpy reference)", file=sys.stderr)
+            return 2
+    bandwidth = measure_copy_bandwidth() if s.device == "gpu" else None
+    results, sweep, notes = run(targets_from(args), s, bandwidth)
+    doc = make_doc(argv, s, bandwidth, results, sweep, notes)
+    if args.plot:
+        note = write_plot(doc, args.plot)
+        if note:
+            notes.append(note)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-    print_table(results, bandwidth)
+        write_json(doc, args.json)
+    if sweep:
+        print(format_sweep(sweep) + "\n")
+    print("\n".join(notes + [format_table(doc)]) if notes else format_table(doc))
     return 0
 
 
