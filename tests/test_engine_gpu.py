@@ -89,11 +89,12 @@ def test_hit_only_missing_weight_changes_nothing_then_cpu_fallback_matches():
     session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=64, omit_weights={missing})
     try:
         kv_before, pos_before = session.kv_cache_bytes(), session.position
-        for attempt in (lambda: session.begin(5), session.run_nongraph):
-            with pytest.raises(capi.LibraryError) as err:
-                attempt()
-            assert err.value.status == capi.OG_E_MISSING_WEIGHT
-            assert missing in str(err.value)
+        with pytest.raises(capi.LibraryError) as err:
+            session.begin(5)
+        assert err.value.status == capi.OG_E_MISSING_WEIGHT and missing in str(err.value)
+        # The body itself refuses too, whoever calls it (NULL stream = the engine's own).
+        assert session.lib.og_enqueue(session.handle, None) == capi.OG_E_MISSING_WEIGHT
+        assert missing in capi.last_error()
         assert session.kv_cache_bytes() == kv_before
         assert session.position == pos_before
         # Once the weight is resident the same handle decodes normally.
