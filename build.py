@@ -140,7 +140,7 @@ def compile_command(nvcc: str, cc: str | None, src: Path, obj: Path, flags: list
 
 def _dependencies() -> list[Path]:
     return sorted(p for p in CUDA_DIR.iterdir()
-                  if p.suffix in (".cu", ".cuh", ".h")) + [Path(__file__).resolve()]
+                  if p.suffix in (".cu", ".cuh", ".h", ".c")) + [Path(__file__).resolve()]
 
 
 def _up_to_date(lib: Path, stamp: Path, flags_text: str) -> bool:
