@@ -31,6 +31,7 @@ OG_E_TOKEN_OUT_OF_RANGE = -9
 OG_E_CONTEXT_FULL = -10
 OG_E_UNSUPPORTED = -11
 OG_E_BAD_STATE = -12
+OG_E_BAD_FILE = -13
 STATUS_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("OG_E_") or k == "OG_OK"}
 
 # ---- element types ----------------------------------------------------------------------
@@ -181,6 +182,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_copy_kv_cache", c_int32, Handle, c_void_p, c_uint64)
     # og_status og_free(og_engine *e);
     fn("og_free", c_int32, Handle)
+    # og_status og_packed_validate(const char *path);
+    fn("og_packed_validate", c_int32, c_char_p)
+    # og_status og_open_packed(const char *path, int32_t kv_dtype, int32_t max_seq_len,
+    #                          og_engine **out);
+    fn("og_open_packed", c_int32, c_char_p, c_int32, c_int32, POINTER(Handle))
+    # og_status og_argmax(const float *logits, int32_t n, int32_t *token);
+    fn("og_argmax", c_int32, POINTER(c_float), c_int32, POINTER(c_int32))
 
 
 def last_error() -> str:
