@@ -1,0 +1,323 @@
+"""The benchmark's arithmetic and output, on the CPU.
+
+Bytes per token are checked against hand counts written out here from the public configs
+(not from the code under test). Our body gathers ONE embedding row per token, so the
+embedding table is not part of the count: Qwen3-8B reads 15.1 GB per token, not the 16.4 GB
+a full read of its (untied) embedding table would add. Qwen3-0.6B ties lm_head to the
+embedding, so the table is read in full there, as the lm_head.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from runtime import bench
+from runtime.synth import iter_tensors, preset_config
+
+NORM = 4  # bytes per RMSNorm weight (fp32 on the device)
+
+
+# ---- bytes per token: hand counts -------------------------------------------------------------
+
+def test_qwen3_0_6b_hand_count():
+    H, q, kv, I, V, L = 1024, 16 * 128, 8 * 128, 3072, 151936, 28
+    per_layer = (q + kv + kv) * H + H * q + 3 * I * H          # q/k/v/o + gate/up/down weights
+    weights = L * per_layer + V * H + H                        # + lm_head (= the tied table) + one row
+    norms = L * (2 * H + 2 * 128) + H                          # input/post norms, q/k norms, final
+    expected = 2 * weights + NORM * norms
+    assert expected == 1_192_232_960
+    got = bench.weight_bytes_per_token(preset_config("qwen3-0.6b"))
+    assert got["total"] == expected
+    assert got["lm_head"] == 2 * V * H and got["embedding_row"] == 2 * H
+    assert round(got["total"] / 1e9, 2) == 1.19                # DESIGN.md anchor
+
+
+def test_qwen3_8b_hand_count_and_embedding_table():
+    H, q, kv, I, V, L = 4096, 32 * 128, 8 * 128, 12288, 151936, 36
+    per_layer = (q + kv + kv) * H + H * q + 3 * I * H
+    weights = L * per_layer + V * H + H                        # untied lm_head + one embedding row
+    norms = L * (2 * H + 2 * 128) + H
+    expected = 2 * weights + NORM * norms
+    assert expected == 15_137_435_648
+    config = preset_config("qwen3-8b")
+    assert bench.weight_bytes_per_token(config)["total"] == expected
+    assert round(expected / 1e9, 1) == 15.1
+    full_table = expected + 2 * (V - 1) * H                    # the other V - 1 rows
+    assert round(full_table / 1e9, 1) == 16.4
+    bpt = bench.bytes_per_token(config, "int8", 100)
+    assert bpt["embedding_table_not_read"] == 2 * (V - 1) * H
+
+
+def test_qwen3_30b_a3b_active_hand_count():
+    H, q, kv, Im, E, k, V, L = 2048, 32 * 128, 4 * 128, 768, 128, 8, 151936, 48
+    per_layer = (q + kv + kv) * H + H * q + E * H + k * 3 * Im * H   # attention, router, 8 experts
+    weights = L * per_layer + V * H + H
+    norms = L * (2 * H + 2 * 128) + H
+    expected = 2 * weights + NORM * norms
+    assert expected == 6_084_161_536
+    got = bench.weight_bytes_per_token(preset_config("qwen3-30b-a3b"))
+    assert got["total"] == expected and got["router"] == 2 * L * E * H
+    assert round(expected / 1e9, 1) == 6.1
+
+
+def test_every_preset_sums_its_parts():
+    from runtime.synth import PRESETS
+    for name in PRESETS:
+        parts = bench.weight_bytes_per_token(preset_config(name))
+        assert parts["total"] == sum(v for k, v in parts.items() if k != "total"), name
+
+
+def test_kv_bytes():
+    c = preset_config("qwen3-8b")                              # 36 layers, 8 KV heads × 128
+    assert bench.kv_bytes_per_token(c, "int8", 1000) == 2 * 36 * 1000 * 8 * (128 + 4)
+    assert bench.kv_bytes_per_token(c, "bf16", 1000) == 2 * 36 * 1000 * 8 * 128 * 2
+    assert bench.kv_bytes_per_token(c, "fp32", 1000) == 2 * 36 * 1000 * 8 * 128 * 4
+    assert bench.mean_decode_context(32, 64) == 64.5           # rows 33 .. 96 visible, mean 64.5
+
+
+def test_weight_formats():
+    assert bench.matrix_bytes(4096, 4096, "bf16") == 2 * 4096 * 4096
+    assert bench.matrix_bytes(4096, 4096, "int8") == 4096 * 4096 + 4 * 4096
+    assert bench.matrix_bytes(4096, 4096, "q4") == 4096 * 128 * (16 + 4)
+    assert bench.matrix_bytes(4096, 4096, "q4", q4_scale_bytes=2) == 4096 * 128 * (16 + 2)
+    assert bench.matrix_bytes(1, 33, "q4") == 2 * (16 + 4)     # a partial last group is padded
+    with pytest.raises(ValueError, match="q8"):
+        bench.matrix_bytes(2, 2, "q8")
+    c = preset_config("qwen3-8b")
+    bf16 = bench.weight_bytes_per_token(c)
+    int8 = bench.weight_bytes_per_token(c, "int8", lm_head_fmt="bf16")
+    assert int8["lm_head"] == bf16["lm_head"] and int8["router"] == bf16["router"] == 0
+    assert int8["ffn"] == 36 * (3 * 12288 * 4096 + 4 * (2 * 12288 + 4096))
+
+
+def test_floor():
+    c = preset_config("qwen3-0.6b")
+    total = bench.bytes_per_token(c, "int8", 64.5)["total"]
+    f = bench.floor_fields(total, 4.27e12, ms_per_token=1.0)
+    assert f["floor_ms"] == pytest.approx(0.28, abs=0.005)     # DESIGN.md: 0.28 ms on an H200
+    assert f["fraction_of_floor"] == pytest.approx(f["floor_ms"])
+    assert bench.floor_fields(total, None, 1.0) == {"floor_ms": None, "floor_tokens_per_s": None,
+                                                    "fraction_of_floor": None}
+
+
+# ---- timing summaries ---------------------------------------------------------------------------
+
+def test_summarize():
+    runs = [{"ttft_ms": 10.0, "step_ms": [1.0, 2.0, 3.0, 4.0], "tokens": [1, 2, 3, 4, 5]},
+            {"ttft_ms": 30.0, "step_ms": [2.0, 2.0, 2.0, 2.0], "tokens": [1, 2, 3, 4, 6]},
+            {"ttft_ms": 20.0, "step_ms": [1.0, 1.0, 1.0, 1.0], "tokens": [1, 2, 3, 4, 7]}]
+    s = bench.summarize(runs)
+    assert s["tokens_per_s_runs"] == pytest.approx([400.0, 500.0, 1000.0])
+    assert s["tokens_per_s"] == pytest.approx(500.0) and s["ms_per_token"] == pytest.approx(2.0)
+    assert s["tbt_median_ms"] == 2.0
+    assert s["tbt_p90_ms"] == pytest.approx(np.percentile([1, 2, 3, 4, 2, 2, 2, 2, 1, 1, 1, 1], 90))
+    assert s["ttft_ms"] == 20.0 and s["tokens"] == [1, 2, 3, 4, 5]
+
+
+def test_pinned_position_overrides_the_step_record_and_restores():
+    class Record:
+        position = 0
+
+    class Session:
+        def __init__(self):
+            self.step_record = Record()
+            self.seen = []
+
+        def begin(self, token):
+            self.step_record.position = len(self.seen)  # what og_begin_step writes
+            self.seen.append(token)
+
+    class FakeEngine:
+        _gpu = Session()
+
+    engine = FakeEngine()
+    with bench.pinned_position(engine, 4095):
+        engine._gpu.begin(7)
+        assert engine._gpu.step_record.position == 4095
+    engine._gpu.begin(8)
+    assert engine._gpu.step_record.position == 1 and engine._gpu.seen == [7, 8]
+
+
+# ---- the JSON document, the table, the chart -------------------------------------------------------
+
+def synthetic_doc() -> dict:
+    """A document as a GPU run would write it, with made-up timings."""
+    s = bench.Settings(kv=["int8"], peers=["hf-eager", "hf-compile"], contexts=[128, 4096])
+    target = bench.Target("qwen3-0.6b", preset_config("qwen3-0.6b"), None, "preset qwen3-0.6b")
+    results, sweep = [], []
+    for runtime, kv, ms in (("onegraph-graph", "int8", 1.0), ("onegraph-nongraph", "int8", 1.5),
+                            ("hf-eager", "bf16", 22.0)):
+        r = bench.empty_result(target, runtime, kv, s)
+        runs = [{"ttft_ms": 30.0, "step_ms": [ms] * 4, "tokens": [5, 6, 7, 8, 9]}]
+        bpt = bench.bytes_per_token(target.config, kv, bench.mean_decode_context(32, 4))
+        r.update(bench.summarize(runs), bytes_per_token=bpt, device_bytes=2_000_000_000)
+        r.update(bench.floor_fields(bpt["total"], 4.27e12, r["ms_per_token"]))
+        if runtime.startswith("onegraph"):
+            r.update(h2d_per_token=1.0, d2h_per_token=1.0)
+        results.append(r)
+    skipped = bench.empty_result(target, "hf-compile", "bf16", s)
+    skipped.update(status="skipped", reason="torch sees no CUDA device")
+    results.append(skipped)
+    for context in s.contexts:
+        for mode in ("graph", "nongraph"):
+            sweep.append(bench.context_record(target, "int8", mode, context, [1.0, 1.1, 1.2],
+                                              "position", 0.0, 4.27e12))
+    bench.compare_tokens(results)
+    return bench.make_doc(["--preset", "qwen3-0.6b"], s, 4.27e12, results, sweep, ["a note"])
+
+
+def test_json_document_round_trip(tmp_path):
+    doc = synthetic_doc()
+    doc["context_sweep"][0]["floor_ms"] = float("nan")
+    path = tmp_path / "bench.json"
+    bench.write_json(doc, str(path))
+    text = path.read_text()
+    assert "NaN" not in text                                   # NaN became null
+    back = json.loads(text)
+    bench.check_schema(back)
+    assert back["schema_version"] == bench.SCHEMA_VERSION
+    graph, nongraph, eager, compiled = back["results"]
+    assert graph["speedup_over_nongraph"] == pytest.approx(1.5)
+    assert graph["same_tokens_as_nongraph"] is True
+    assert eager["common_prefix_with_onegraph"] == 5
+    assert compiled["status"] == "skipped" and compiled["tokens_per_s"] is None
+    assert graph["bytes_per_token"]["weights"]["total"] == 1_192_232_960
+    assert back["context_sweep"][0]["floor_ms"] is None
+    assert back["context_sweep"][0]["ms_per_token"] == pytest.approx(1.1)
+
+
+def test_schema_rejects_missing_extra_and_version():
+    doc = synthetic_doc()
+    del doc["results"][0]["ttft_ms"]
+    with pytest.raises(ValueError, match=r"results\[0\].*missing \['ttft_ms'\]"):
+        bench.check_schema(doc)
+    doc = synthetic_doc()
+    doc["context_sweep"][1]["extra"] = 1
+    with pytest.raises(ValueError, match=r"context_sweep\[1\].*unexpected \['extra'\]"):
+        bench.check_schema(doc)
+    doc = synthetic_doc()
+    doc["schema_version"] = 0
+    with pytest.raises(ValueError, match="schema_version"):
+        bench.check_schema(doc)
+
+
+def test_summary_table():
+    table = bench.format_table(synthetic_doc())
+    lines = table.splitlines()
+    assert "copy bandwidth 4.27 TB/s" in lines[0]
+    graph_row = next(line for line in lines if "onegraph-graph" in line)
+    assert "1000.0" in graph_row and "1.00/1.00" in graph_row and "2.00" in graph_row
+    assert any("hf-compile" in line and "skipped: torch sees no CUDA device" in line for line in lines)
+    assert any("graph / non-graph 1.50x, same tokens: True" in line for line in lines)
+    assert any("reads 1.196 GB/token" in line for line in lines)
+    assert "4096" in bench.format_sweep(synthetic_doc()["context_sweep"])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert bench.write_plot(synthetic_doc(), str(path)) is None
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    note = bench.write_plot(synthetic_doc(), str(tmp_path / "x.png"))
+    assert note.startswith("no chart:") and not (tmp_path / "x.png").exists()
+
+
+# ---- the whole command on the CPU path ---------------------------------------------------------------
+
+def test_cpu_run_end_to_end(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "5",
+                     "--repeats", "2", "--contexts", "8,64,999999", "--context-steps", "2", "--json", str(path)])
+    assert rc == 0
+    doc = json.loads(path.read_text())
+    bench.check_schema(doc)
+    (r,) = doc["results"]
+    assert r["runtime"] == "onegraph-cpu" and len(r["tokens"]) == 6 and len(r["step_ms_runs"]) == 2
+    assert all(len(run) == 5 and min(run) > 0 for run in r["step_ms_runs"])
+    assert r["tokens_per_s"] > 0 and r["floor_ms"] is None
+    assert [s["context"] for s in doc["context_sweep"]] == [8, 64]
+    assert all(s["fill"] == "prefill" for s in doc["context_sweep"])
+    assert any("999999" in note for note in doc["notes"])
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert out[-1].startswith("tiny-dense fp32: reads")        # the summary table comes last
+    assert any(line.startswith("tiny-dense") and "onegraph-cpu" in line for line in out[-4:])
+
+
+def test_runtime_bench_never_imports_torch():
+    code = "import sys, runtime.bench, runtime.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- peers ---------------------------------------------------------------------------------------------
+
+def test_peers_skip_cleanly(monkeypatch):
+    peers = bench.import_bench_module("peers")
+    assert peers.unavailable("vllm").startswith("unknown peer")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert peers.unavailable("hf-eager") == "torch is not installed"
+    target = bench.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
+    r = bench.bench_peer("hf-compile", target, bench.Settings(), bandwidth=None)
+    assert r["status"] == "skipped" and r["reason"] == "torch is not installed"
+    assert set(r) == set(bench.RESULT_FIELDS)
+
+
+def test_peers_need_cuda_when_asked():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    peers = bench.import_bench_module("peers")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert peers.unavailable("hf-eager", "cuda") == "torch sees no CUDA device"
+    assert peers.unavailable("hf-eager", "cpu") is None
+
+
+def _reference_greedy(config, prompt, n):
+    from runtime.reference import ReferenceDecoder
+    ref = ReferenceDecoder(config, dict(iter_tensors(config)), kv_dtype="fp32", max_seq_len=len(prompt) + n + 1)
+    for t in prompt:
+        logits = ref.step(t)
+    tokens = [int(np.argmax(logits))]
+    for _ in range(n):
+        tokens.append(int(np.argmax(ref.step(tokens[-1]))))
+    return tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-tied", "tiny-moe"])
+def test_hf_eager_peer_on_cpu(preset):
+    """The peer runs the engine's weights: fp32 on both sides gives the reference's greedy tokens
+    (tiny-moe covers the fused expert layout, tiny-tied the shared embedding)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    peers = bench.import_bench_module("peers")
+    config = preset_config(preset)
+    prompt, n = bench.make_prompt(config, 8, seed=0), 8
+    out = peers.run_peer("hf-eager", config, lambda: iter_tensors(config), prompt=prompt, n=n, repeats=2,
+                         device="cpu", dtype="float32")
+    assert out["status"] == "ok", out
+    assert len(out["runs"]) == 2 and out["warmup_s"] > 0 and out["load_s"] > 0
+    for run in out["runs"]:
+        assert len(run["step_ms"]) == n and all(0 < ms < 5_000 for ms in run["step_ms"])
+        assert 0 < run["ttft_ms"] < 10_000
+        assert run["tokens"] == _reference_greedy(config, prompt, n)
+    s = bench.summarize(out["runs"])
+    assert math.isfinite(s["tokens_per_s"]) and s["tokens_per_s"] > 0
+
+
+def test_peer_weight_stream_must_cover_the_model():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    peers = bench.import_bench_module("peers")
+    config = preset_config("tiny-dense")
+    partial = ((name, a) for name, a in iter_tensors(config) if name != "model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*0 of"):
+        peers.build_model(config, partial, device="cpu", dtype="float32")
