@@ -7,7 +7,8 @@
 //           there when the mode has a norm:  n[i] = x[i] * (1 / sqrt(mean(x^2) + eps)) * w[i]
 //   y:      [rows] fp32 (or [rows / 2] for SwiGLU)
 //
-// Work split: 256 threads = 8 warps per block; a warp owns a task = a pair of rows
+// Work split: 8, 4 or 2 warps per block (fewer for matrices with few rows, so that every
+// SM gets blocks); a warp owns a task = a pair of rows
 // (r, r+1), or for SwiGLU the pair (gate row i, up row I + i), so the two rows share
 // every shared-memory read of x. Lane l reads 16-byte chunks l, l+32, ... of both rows,
 // four chunks of each in flight per step (64 bytes per row per lane), accumulates in
@@ -19,8 +20,7 @@
 namespace og {
 namespace {
 
-constexpr int kGemvThreads = 256;
-constexpr int kGemvWarps = kGemvThreads / kWarpSize;
+constexpr int kGemvMaxWarps = 8;
 constexpr int kGemvUnroll = 4;  // 16-byte chunks per row per lane in flight
 
 struct GemvParams {
@@ -61,17 +61,18 @@ __device__ __forceinline__ void task_rows(const GemvParams &p, int task, int &r0
     }
 }
 
-template <int MODE>
-__global__ void __launch_bounds__(kGemvThreads) gemv_bf16_kernel(const GemvParams p) {
+template <int MODE, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
+    constexpr int kThreads = WARPS * kWarpSize;
     extern __shared__ float4 x_smem4[];              // [ld / 4]
     float *x_smem = reinterpret_cast<float *>(x_smem4);
-    __shared__ float scratch[kGemvWarps];
+    __shared__ float scratch[WARPS];
 
     const int warp = threadIdx.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
     const int n_chunks = p.ld / 8;                   // 16-byte chunks per row
-    const int task_stride = gridDim.x * kGemvWarps;
-    int task = blockIdx.x * kGemvWarps + warp;
+    const int task_stride = gridDim.x * WARPS;
+    int task = blockIdx.x * WARPS + warp;
 
     // Weights do not depend on earlier kernels: start pulling this warp's first rows
     // into L2 before waiting for them.
@@ -89,18 +90,35 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_bf16_kernel(const GemvParam
     pdl_wait();
     pdl_launch_dependents();
 
-    // Stage x (zeros in the pad columns so that 0-weight * pad stays 0).
+    // Stage x (zeros in the pad columns so that 0-weight * pad stays 0). With cols % 4 == 0
+    // a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
     float sum_sq = 0.f;
-    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) {
-        const float v = i < p.cols ? p.x[i] : 0.f;
-        x_smem[i] = v;
-        sum_sq = fmaf(v, v, sum_sq);
+    if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
+        const int cols4 = p.cols / 4;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < p.ld / 4; i += kThreads) {
+            const float4 v = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            x_smem4[i] = v;
+            sum_sq = fmaf(v.x, v.x, sum_sq);
+            sum_sq = fmaf(v.y, v.y, sum_sq);
+            sum_sq = fmaf(v.z, v.z, sum_sq);
+            sum_sq = fmaf(v.w, v.w, sum_sq);
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < p.ld; i += kThreads) {
+            const float v = i < p.cols ? p.x[i] : 0.f;
+            x_smem[i] = v;
+            sum_sq = fmaf(v, v, sum_sq);
+        }
     }
     if (mode_has_norm(MODE)) {
-        const float total = block_sum<kGemvThreads>(sum_sq, scratch);
+        // block_sum ends with a barrier: every staged element is visible below.
+        const float total = block_sum<kThreads>(sum_sq, scratch);
         const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
         const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-        for (int i = threadIdx.x; i < p.cols; i += kGemvThreads) {
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
             const float n = x_smem[i] * inv_rms * p.norm_weight[i];
             x_smem[i] = n;
             if (write_normed) p.normed_out[i] = n;
@@ -162,12 +180,22 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_bf16_kernel(const GemvParam
     }
 }
 
+template <int WARPS>
 const void *gemv_kernel_for(GemvMode mode) {
     switch (mode) {
-        case kGemvPlain: return (const void *)gemv_bf16_kernel<kGemvPlain>;
-        case kGemvNorm: return (const void *)gemv_bf16_kernel<kGemvNorm>;
-        case kGemvResidual: return (const void *)gemv_bf16_kernel<kGemvResidual>;
-        case kGemvNormSwiglu: return (const void *)gemv_bf16_kernel<kGemvNormSwiglu>;
+        case kGemvPlain: return (const void *)gemv_bf16_kernel<kGemvPlain, WARPS>;
+        case kGemvNorm: return (const void *)gemv_bf16_kernel<kGemvNorm, WARPS>;
+        case kGemvResidual: return (const void *)gemv_bf16_kernel<kGemvResidual, WARPS>;
+        case kGemvNormSwiglu: return (const void *)gemv_bf16_kernel<kGemvNormSwiglu, WARPS>;
+    }
+    return nullptr;
+}
+
+const void *gemv_kernel_for(GemvMode mode, int warps) {
+    switch (warps) {
+        case 2: return gemv_kernel_for<2>(mode);
+        case 4: return gemv_kernel_for<4>(mode);
+        case 8: return gemv_kernel_for<8>(mode);
     }
     return nullptr;
 }
@@ -176,23 +204,50 @@ int gemv_tasks(GemvMode mode, int rows) {
     return mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2);
 }
 
+template <int WARPS>
+cudaError_t launch_warps(GemvMode mode, dim3 grid, int smem, cudaStream_t stream, bool pdl,
+                         const GemvParams &p) {
+    const dim3 block(WARPS * kWarpSize);
+    switch (mode) {
+        case kGemvPlain:
+            return launch_kernel(gemv_bf16_kernel<kGemvPlain, WARPS>, grid, block, smem, stream,
+                                 pdl, p);
+        case kGemvNorm:
+            return launch_kernel(gemv_bf16_kernel<kGemvNorm, WARPS>, grid, block, smem, stream,
+                                 pdl, p);
+        case kGemvResidual:
+            return launch_kernel(gemv_bf16_kernel<kGemvResidual, WARPS>, grid, block, smem,
+                                 stream, pdl, p);
+        case kGemvNormSwiglu:
+            return launch_kernel(gemv_bf16_kernel<kGemvNormSwiglu, WARPS>, grid, block, smem,
+                                 stream, pdl, p);
+    }
+    return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
-    const void *kernel = gemv_kernel_for(mode);
-    if (kernel == nullptr || rows <= 0 || cols <= 0 || plan == nullptr ||
-        (mode == kGemvNormSwiglu && rows % 2 != 0))
+    if (gemv_kernel_for(mode, kGemvMaxWarps) == nullptr || rows <= 0 || cols <= 0 ||
+        plan == nullptr || (mode == kGemvNormSwiglu && rows % 2 != 0))
         return cudaErrorInvalidValue;
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    // Fewer warps per block when the matrix has few rows, so that about two blocks land on
+    // every SM (a block stages x once, so larger blocks are cheaper when there is work).
+    const int tasks = gemv_tasks(mode, rows);
+    int warps = kGemvMaxWarps;
+    while (warps > 2 && ceil_div(tasks, warps) < 2 * sm_count) warps /= 2;
+    const void *kernel = gemv_kernel_for(mode, warps);
     const size_t smem_bytes = (size_t)padded_cols(cols) * sizeof(float);
     OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
     int blocks_per_sm = 0;
-    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
-                                                                    kGemvThreads, smem_bytes));
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
     if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
-    int sm_count = 0;
-    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    const int needed = ceil_div(gemv_tasks(mode, rows), kGemvWarps);
+    const int needed = ceil_div(tasks, warps);
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    plan->warps = warps;
     plan->smem_bytes = (int)smem_bytes;
     return cudaSuccess;
 }
@@ -212,22 +267,13 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
     p.n_tasks = gemv_tasks(mode, args.rows);
     p.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
     p.eps = args.eps;
-    const dim3 grid(plan.grid), block(kGemvThreads);
-    switch (mode) {
-        case kGemvPlain:
-            return launch_kernel(gemv_bf16_kernel<kGemvPlain>, grid, block, plan.smem_bytes,
-                                 stream, pdl, p);
-        case kGemvNorm:
-            return launch_kernel(gemv_bf16_kernel<kGemvNorm>, grid, block, plan.smem_bytes,
-                                 stream, pdl, p);
-        case kGemvResidual:
-            return launch_kernel(gemv_bf16_kernel<kGemvResidual>, grid, block,
-                                 plan.smem_bytes, stream, pdl, p);
-        case kGemvNormSwiglu:
-            return launch_kernel(gemv_bf16_kernel<kGemvNormSwiglu>, grid, block,
-                                 plan.smem_bytes, stream, pdl, p);
+    const dim3 grid(plan.grid);
+    switch (plan.warps) {
+        case 2: return launch_warps<2>(mode, grid, plan.smem_bytes, stream, pdl, p);
+        case 4: return launch_warps<4>(mode, grid, plan.smem_bytes, stream, pdl, p);
+        case 8: return launch_warps<8>(mode, grid, plan.smem_bytes, stream, pdl, p);
     }
-    return cudaErrorInvalidValue;
+    return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace og

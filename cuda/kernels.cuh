@@ -50,6 +50,7 @@ struct GemvArgs {
 // once; each warp walks its rows with a grid stride.
 struct GemvPlan {
     int grid = 0;
+    int warps = 0;                // per block: 8, 4 or 2
     int smem_bytes = 0;
 };
 

@@ -64,9 +64,10 @@ def gemv_depth(cols: int) -> int:
     return 8 * math.ceil(chunks / 32) + 5
 
 
-def sumsq_depth(n: int, threads: int = 256) -> int:
-    """Block sum of squares: a per-thread chain, a warp butterfly, the warps in sequence."""
-    return math.ceil(n / threads) + 5 + threads // 32
+def sumsq_depth(n: int, threads: int = 64) -> int:
+    """Block sum of squares: a per-thread chain (blocks of 64 threads or more), a warp
+    butterfly, then at most 8 warps in sequence."""
+    return math.ceil(n / threads) + 5 + 8
 
 
 def assert_within(got, ref, tol, what):
