@@ -229,7 +229,8 @@ def run_peer(peer: str, config, tensor_source, *, prompt: list[int], n: int, rep
     model = build_model(config, tensor_source(), device=device, dtype=dtype)
     load_s = time.perf_counter() - t0
     details = {"torch": torch.__version__, "transformers": transformers.__version__, "dtype": dtype,
-               "device": device, "prompt": "one forward", "attn_implementation": getattr(model.config, "_attn_implementation", None),
+               "device": device, "prompt": "one forward",
+               "attn_implementation": getattr(model.config, "_attn_implementation", None),
                "experts_implementation": getattr(model.config, "_experts_implementation", None)}
     ids = torch.tensor([prompt], device=device)
     loop = None

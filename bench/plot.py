@@ -51,7 +51,8 @@ def _bars(ax, results: list[dict]) -> None:
             if r is None:
                 continue
             x = i - 0.4 + (j + 0.5) * width
-            ax.bar(x, r["tokens_per_s"], width, color=f"C{j}", label=name if i == _first(results, name, models) else None)
+            first = i == _first(results, name, models)  # one legend entry per series
+            ax.bar(x, r["tokens_per_s"], width, color=f"C{j}", label=name if first else None)
             ax.annotate(f"{r['tokens_per_s']:.0f}", (x, r["tokens_per_s"]), ha="center", va="bottom", fontsize=7)
     for i, model in enumerate(models):
         floor = max((r["floor_tokens_per_s"] or 0 for r in results if r["model"] == model), default=0)

@@ -95,7 +95,8 @@ def weight_bytes_per_token(c: ModelConfig, fmt: str = "bf16", lm_head_fmt: str |
         parts["norms"] += NORM_VECTOR_BYTES * (2 * H + (2 * c.head_dim if c.has_qk_norm else 0))
         if c.is_moe_layer(layer):
             parts["router"] += mat(c.num_experts, H, "bf16")
-            parts["ffn"] += c.num_experts_per_tok * (mat(2 * c.moe_intermediate_size, H) + mat(H, c.moe_intermediate_size))
+            Im = c.moe_intermediate_size
+            parts["ffn"] += c.num_experts_per_tok * (mat(2 * Im, H) + mat(H, Im))
         else:
             parts["ffn"] += mat(2 * c.intermediate_size, H) + mat(H, c.intermediate_size)
     parts["norms"] += NORM_VECTOR_BYTES * H
@@ -371,15 +372,15 @@ def sweep_contexts(engine, modes: list[str], target: Target, kv: str, s: Setting
     records = []
     for context in usable_contexts(target.config, s.contexts):
         times, fill_s = steps_at_context(engine, modes, context, s.context_steps, fill, s.seed)
-        records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth)
+        records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth, s.weight_format)
                     for mode, step_ms in times.items()]
     return records
 
 
 def context_record(target: Target, kv: str, mode: str, context: int, step_ms: list[float], fill: str,
-                   fill_s: float, bandwidth: float | None) -> dict:
+                   fill_s: float, bandwidth: float | None, weight_format: str = "bf16") -> dict:
     ms = statistics.median(step_ms)
-    bpt = bytes_per_token(target.config, kv, context)
+    bpt = bytes_per_token(target.config, kv, context, weight_format)
     r = {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": f"onegraph-{mode}",
          "kv": kv, "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
          "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tbt_p90_ms": float(np.percentile(step_ms, 90)),
@@ -499,7 +500,8 @@ SWEEP_FIELDS = {
     "model": "as in results", "layers": "as in results", "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu",
     "kv": "as in results",
     "context": "rows the attention reads",
-    "fill": "position (step record pinned at context - 1) | prefill (a real context - 1 token prompt)",
+    "fill": "position (step record pinned at context - 1) | prefill (a real context - 1 token prompt; "
+            "each timed step then adds a row)",
     "fill_s": "seconds spent reaching the context (prefill only; ~0 for position)",
     "steps": "timed steps",
     "ms_per_token": "median step time", "tokens_per_s": "1000 / ms_per_token",
@@ -634,6 +636,9 @@ def parse_args(argv):
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
     p.add_argument("--plot", default=None, help="write a PNG chart here (needs matplotlib)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="combine the documents of earlier runs (one per model, say) into one table, "
+                        "--json and --plot; nothing is measured")
     p.add_argument("--schema", action="store_true", help="print the JSON fields and exit")
     return p.parse_args(argv)
 
@@ -685,11 +690,49 @@ def write_plot(doc: dict, path: str) -> str | None:
     return None
 
 
+def merge_docs(docs: list[dict]) -> dict:
+    """One document from several runs (e.g. one command per model): results, sweeps and notes
+    concatenated; the first run's header fields kept, and each run's command and bandwidth noted."""
+    for doc in docs:
+        check_schema(doc)
+    merged = dict(docs[0], results=[], context_sweep=[], notes=[])
+    merged["command"] = " ; ".join(d["command"] for d in docs)
+    for d in docs:
+        merged["results"] += d["results"]
+        merged["context_sweep"] += d["context_sweep"]
+        bw = d["copy_bandwidth_bytes_per_s"]
+        merged["notes"] += d["notes"] + [f"merged: {d['date']} on {d['gpu'] or d['settings']['device']}"
+                                         + (f", copy bandwidth {bw / 1e12:.3f} TB/s" if bw else "")
+                                         + f": {d['command']}"]
+    return merged
+
+
+def emit(doc: dict, json_path: str | None, plot_path: str | None) -> None:
+    """Chart and JSON first, then the context table, notes, and the summary table last."""
+    if plot_path:
+        note = write_plot(doc, plot_path)
+        if note:
+            doc["notes"].append(note)
+    if json_path:
+        write_json(doc, json_path)
+    if doc["context_sweep"]:
+        print(format_sweep(doc["context_sweep"]) + "\n")
+    print("\n".join(doc["notes"] + [format_table(doc)]))
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.schema:
-        print(json.dumps({"document": DOC_FIELDS, "results[]": RESULT_FIELDS, "context_sweep[]": SWEEP_FIELDS}, indent=1))
+        fields = {"document": DOC_FIELDS, "results[]": RESULT_FIELDS, "context_sweep[]": SWEEP_FIELDS}
+        print(json.dumps(fields, indent=1))
+        return 0
+    if args.merge:
+        docs = []
+        for path in args.merge:
+            with open(path) as f:
+                docs.append(json.load(f))
+        emit(merge_docs(docs), args.json, args.plot)
         return 0
     s = settings_from(args)
     if s.device == "gpu":
@@ -701,16 +744,7 @@ def main(argv=None) -> int:
             return 2
     bandwidth = measure_copy_bandwidth() if s.device == "gpu" else None
     results, sweep, notes = run(targets_from(args), s, bandwidth)
-    doc = make_doc(argv, s, bandwidth, results, sweep, notes)
-    if args.plot:
-        note = write_plot(doc, args.plot)
-        if note:
-            notes.append(note)
-    if args.json:
-        write_json(doc, args.json)
-    if sweep:
-        print(format_sweep(sweep) + "\n")
-    print("\n".join(notes + [format_table(doc)]) if notes else format_table(doc))
+    emit(make_doc(argv, s, bandwidth, results, sweep, notes), args.json, args.plot)
     return 0
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from runtime import bench
+from runtime.engine import Engine as CpuEngine
 from runtime.synth import iter_tensors, preset_config
 
 NORM = 4  # bytes per RMSNorm weight (fp32 on the device)
@@ -253,6 +254,81 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
     assert any(line.startswith("tiny-dense") and "onegraph-cpu" in line for line in out[-4:])
 
 
+class FakeGpuEngine:
+    """The Engine interface as the benchmark uses it, GPU flavour: the CPU reference computes the
+    logits; a stand-in session records the position each step's body would read."""
+
+    def __init__(self, config, source, *, kv, max_seq_len, graph, device):
+        self.inner = CpuEngine(config, source, kv=kv, max_seq_len=max_seq_len, device="cpu")
+        self.config, self.backend, self.use_graph = config, "gpu-graph", graph
+        self.counts = {"graph_steps": 0, "nongraph_steps": 0}
+        self.seen = []  # (mode, position read by the body) per step
+
+        class Session:
+            step_record = type("Record", (), {"position": 0})()
+
+            def begin(session, token):  # what og_begin_step writes
+                session.step_record.position = self.inner.position
+
+        self._gpu = Session()
+
+    def set_graph(self, enabled):
+        self.use_graph = enabled
+
+    def reset(self):
+        self.inner.reset()
+
+    def step(self, token):
+        mode = "graph" if self.use_graph else "nongraph"
+        self._gpu.begin(token)
+        self.seen.append((mode, self._gpu.step_record.position))
+        self.counts[f"{mode}_steps"] += 1
+        return self.inner.step(token)
+
+    def prefill(self, tokens):
+        return [self.step(t) for t in tokens][-1]
+
+    def stats(self):
+        return dict(self.counts, h2d_per_token=1.0, d2h_per_token=1.0, library={"device_bytes": 12345})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.close()
+
+
+def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch):
+    engines = []
+    def make_engine(*args, **kwargs):
+        engines.append(FakeGpuEngine(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr("runtime.engine.Engine", make_engine)
+    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2)
+    target = bench.preset_target("tiny-dense", None, seed=0)
+    results, sweep = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
+    bench.compare_tokens(results)
+    graph, nongraph = results
+    assert (graph["runtime"], nongraph["runtime"]) == ("onegraph-graph", "onegraph-nongraph")
+    assert graph["same_tokens_as_nongraph"] is True and graph["speedup_over_nongraph"] > 0
+    for r in results:
+        assert len(r["step_ms_runs"]) == 2 and all(len(run) == 4 for run in r["step_ms_runs"])
+        assert r["h2d_per_token"] == 1.0 and r["device_bytes"] == 12345 and r["warmup_s"] > 0
+        assert r["floor_ms"] == pytest.approx(r["bytes_per_token"]["total"] / 1e12 * 1e3)
+    seen = engines[0].seen
+    run = 3 + 4  # prompt + decode steps
+    decode = [mode for mode, _ in seen[:3 * 2 * run:run]]
+    assert decode == ["graph", "nongraph", "nongraph", "graph", "graph", "nongraph"]  # warm-up, then swapped
+    pinned = seen[3 * 2 * run:]
+    assert len(pinned) == 2 * (2 + 1) * 2  # contexts × (steps + warm-up) × modes
+    assert [p for _, p in pinned] == [39] * 6 + [99] * 6
+    assert [(r["context"], r["runtime"], r["fill"], r["steps"]) for r in sweep] == [
+        (40, "onegraph-graph", "position", 2), (40, "onegraph-nongraph", "position", 2),
+        (100, "onegraph-graph", "position", 2), (100, "onegraph-nongraph", "position", 2)]
+    assert engines[0].inner.position == 0  # the sweep leaves a reset engine
+
+
 def test_runtime_bench_never_imports_torch():
     code = "import sys, runtime.bench, runtime.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -321,3 +397,17 @@ def test_peer_weight_stream_must_cover_the_model():
     partial = ((name, a) for name, a in iter_tensors(config) if name != "model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*0 of"):
         peers.build_model(config, partial, device="cpu", dtype="float32")
+
+
+def test_merge_runs(tmp_path, capsys):
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        bench.write_json(synthetic_doc(), paths[-1])
+    out = str(tmp_path / "all.json")
+    assert bench.main(["--merge", *paths, "--json", out]) == 0
+    doc = json.loads(open(out).read())
+    bench.check_schema(doc)
+    assert len(doc["results"]) == 8 and len(doc["context_sweep"]) == 8
+    assert sum(note.startswith("merged: ") for note in doc["notes"]) == 2
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("qwen3-0.6b")
