@@ -319,6 +319,15 @@ og_status validate_config(const og_config *c) {
             return set_error(OG_E_INVALID_ARGUMENT,
                              "og_config.moe_intermediate_size=%d must be positive",
                              c->moe_intermediate_size);
+        // The limits of moe.cu's launch_moe_topk (one warp over the router logits).
+        if (c->num_experts > 512)
+            return set_error(OG_E_UNSUPPORTED,
+                             "og_config.num_experts=%d is not supported (at most 512)",
+                             c->num_experts);
+        if (c->num_experts_per_tok > 32)
+            return set_error(OG_E_UNSUPPORTED,
+                             "og_config.num_experts_per_tok=%d is not supported (at most 32)",
+                             c->num_experts_per_tok);
     }
     return OG_OK;
 }

@@ -151,6 +151,8 @@ INVALID_CONFIGS = [
      capi.OG_E_INVALID_ARGUMENT, "num_experts_per_tok=5"),
     (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=0),
      capi.OG_E_INVALID_ARGUMENT, "moe_intermediate_size=0"),
+    (dict(num_experts=1024, num_experts_per_tok=8, moe_intermediate_size=8),
+     capi.OG_E_UNSUPPORTED, "num_experts=1024"),
 ]
 
 
