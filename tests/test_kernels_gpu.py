@@ -209,6 +209,8 @@ ROPE_CASES = [  # (n_heads, n_kv, head_dim, max_seq_len, positions)
     (2, 2, 16, 3, (0, 2)),
     (6, 3, 40, 4, (1, 3)),
     (2, 1, 256, 2, (1,)),
+    (5, 1, 24, 4, (0, 3)),
+    (6, 3, 20, 3, (2,)),
     (2, 1, 64, 32768, (32767,)),  # large angles: sincosf's slow range reduction
 ]
 
@@ -292,8 +294,11 @@ def test_int8_quantization_of_a_zero_row():
 
 
 # ---- attention ------------------------------------------------------------------------------
-ATTN_SHAPES = [  # (n_heads, n_kv, head_dim): GQA ratios 1, 2, 4, 8, 16; generic head_dim 40
+ATTN_SHAPES = [  # (n_heads, n_kv, head_dim): GQA ratios 1, 2, 4, 8, 16 and 5; head_dim
+    # 64 / 128 / 256 take the vector path, others (the tiny test models' 16, 20, 24) the
+    # generic one
     (4, 4, 64), (8, 4, 128), (16, 4, 128), (8, 1, 64), (16, 1, 128), (6, 2, 40), (4, 2, 256),
+    (5, 1, 24), (6, 3, 20), (6, 2, 16),
 ]
 
 
