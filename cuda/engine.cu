@@ -8,6 +8,9 @@
 //   MoE:   the same attention block (4), then [RMSNorm+router GEMV (writes normed)]
 //          [top-k] [experts gate/up+SwiGLU] [experts down, weighted sum + residual]  = 8
 // plus the embedding gather and [final RMSNorm+lm_head GEMV] per token.
+// On sm_90+ every kernel after the embedding is launched with programmatic dependent launch
+// (kernels wait on their predecessor before touching memory, so results are unchanged);
+// ONEGRAPH_PDL=0 in the environment at og_init turns it off.
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
