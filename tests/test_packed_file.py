@@ -456,6 +456,88 @@ def test_fuzz_parser_under_sanitizers(tmp_path):
     assert seconds < 60, f"fuzz run took {seconds:.1f} s"
 
 
+# ---- og_open_packed on the CPU, against a mock engine --------------------------------------
+
+def _checksum(array: np.ndarray) -> int:
+    """sum((i + 1) * byte_i) mod 2^64, as tests/fuzz/open_packed_mock.c computes it."""
+    data = np.ascontiguousarray(array).view(np.uint8).ravel().astype(np.uint64)
+    return int((data * np.arange(1, data.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+
+
+@pytest.fixture(scope="module")
+def open_packed_mock(tmp_path_factory):
+    cc = _cc()
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path_factory.mktemp("mock") / "open_packed_mock"
+    sources = [os.path.join(ROOT, "tests", "fuzz", "open_packed_mock.c"), os.path.join(CUDA_DIR, "packed_file.c")]
+    base = [cc, "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-I", CUDA_DIR] + sources + ["-o", str(exe)]
+    build = subprocess.run(base[:1] + ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"] + base[1:],
+                           capture_output=True, text=True)
+    if build.returncode != 0:  # no sanitizer runtimes: still test the logic
+        subprocess.run(base, check=True, capture_output=True, text=True)
+
+    def run(path, kv=capi.OG_KV_INT8, max_seq_len=4096, fail=None):
+        env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1")
+        env.pop("MOCK_FAIL", None)
+        if fail:
+            env["MOCK_FAIL"] = fail
+        proc = subprocess.run([str(exe), str(path), str(kv), str(max_seq_len)], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.splitlines()
+    return run
+
+
+def test_open_packed_uploads_every_tensor(tmp_path, open_packed_mock):
+    """og_open_packed hands og_init the config of the metadata and og_set_weight every tensor
+    with its bytes; an odd-sized BF16 embedding leaves the next F32 vector 2-byte aligned in
+    the file, and the mock refuses misaligned data, so the copy path is exercised too."""
+    config, tensors = _small("tiny-tied", vocab_size=301, hidden_size=81)
+    tensors = {n: a.astype(np.float32) if a.ndim == 1 else a for n, a in tensors.items()}
+    odd = write_packed(config, tensors, tmp_path / "odd.og.safetensors")
+    moe_config, moe_tensors = _small("tiny-moe")
+    moe = write_packed(moe_config, moe_tensors, tmp_path / "moe.og.safetensors")
+    for cfg, arrays, path, kv, max_seq_len in ((config, tensors, odd, capi.OG_KV_BF16, 100),
+                                               (moe_config, moe_tensors, moe, capi.OG_KV_INT8, 0)):
+        lines = open_packed_mock(path, kv, max_seq_len)
+        got = dict(item.split("=") for item in lines[0].split()[1:])
+        fields = og_config_fields(cfg)
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "qk_norm", "tie_word_embeddings", "num_experts",
+                    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+            assert int(got[key]) == fields[key], key
+        for key in ("rms_norm_eps", "rope_theta", "rope_linear_factor"):
+            assert np.float32(got[key]) == np.float32(fields[key]), key
+        assert got["layer_is_moe"] == ",".join(map(str, fields["layer_is_moe"]))
+        assert int(got["abi_version"]) == capi.ABI_VERSION and int(got["kv_dtype"]) == kv
+        assert int(got["max_seq_len"]) == (max_seq_len or min(4096, cfg.max_position_embeddings))
+        assert lines[-2:] == ["status 0 ", "freed"]  # main() frees the engine it got
+        weights = [line.split() for line in lines[1:-2]]
+        assert [w[1] for w in weights] == list(cfg.tensor_shapes())
+        for _, name, dtype, shape, checksum in weights:
+            array = arrays[name]
+            assert dtype == ("F32" if array.dtype == np.float32 else "BF16"), name
+            assert tuple(int(d) for d in shape.split(",")) == array.shape, name
+            assert int(checksum) == _checksum(array), name
+
+
+def test_open_packed_failures_free_the_engine(models, open_packed_mock):
+    path = models["tiny-dense"][2]
+    lines = open_packed_mock(path, fail="init")
+    assert lines == [f"status {capi.OG_E_NO_DEVICE} {path}: og_init: no CUDA device: mock"]
+    second = list(models["tiny-dense"][0].tensor_shapes())[1]
+    lines = open_packed_mock(path, fail=second)
+    assert len(lines) == 5 and lines[-2] == "freed"
+    assert lines[-1] == f"status {capi.OG_E_WEIGHT_MISMATCH} {path}: og_set_weight('{second}'): mock: shape mismatch"
+    lines = open_packed_mock(path, fail="precheck")
+    assert lines[-2] == "freed"
+    assert lines[-1] == f"status {capi.OG_E_MISSING_WEIGHT} {path}: og_precheck: mock: 'lm_head.weight' is missing"
+    raw = open(path, "rb").read()
+    lines = open_packed_mock(path + ".absent")
+    assert lines == [f"status {BAD_FILE} {path}.absent: cannot open: No such file or directory"]
+    assert raw  # the file itself is untouched
+
+
 # ---- the C and Rust examples -------------------------------------------------------------
 
 def _gpu_usable() -> bool:
