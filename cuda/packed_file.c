@@ -374,7 +374,6 @@ static og_status read_double(reader *r, double *out, const char *context)
     const char *point = localeconv()->decimal_point;
     char *dot = strchr(text, '.');
     if (dot && point && point[0] && point[0] != '.' && point[1] == '\0') *dot = point[0];
-    errno = 0;
     double v = strtod(text, NULL);
     r->pos = end;
     *out = v;
@@ -682,11 +681,9 @@ static const struct {
 #define N_CONFIG_KEYS (sizeof CONFIG_KEYS / sizeof CONFIG_KEYS[0])
 #define KEY_MAX_POSITION (N_CONFIG_KEYS - 1)
 
-static og_status config_error(const og_packed_file *f, const char *label, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static og_status config_error(const og_packed_file *f, const char *label, const char *fmt, ...)
+static og_status config_error(const char *label, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static og_status config_error(const char *label, const char *fmt, ...)
 {
-    (void)f;
     char detail[ERROR_CAPACITY];
     va_list ap;
     va_start(ap, fmt);
@@ -767,34 +764,34 @@ static og_status parse_og_config(og_packed_file *f, const meta_pair *pair, const
     }
     if (peek(r) != -1) return fail(r, "only whitespace may follow the config object");
     for (size_t k = 0; k < N_CONFIG_KEYS; k++)
-        if (!seen[k]) return config_error(f, label, "required key '%s' is missing", CONFIG_KEYS[k].key);
+        if (!seen[k]) return config_error(label, "required key '%s' is missing", CONFIG_KEYS[k].key);
 
     /* Cross-field sanity: what the Python config validates, on the resolved fields. */
     int32_t layers = cfg->num_hidden_layers;
     if (cfg->num_attention_heads % cfg->num_key_value_heads)
-        return config_error(f, label, "num_key_value_heads=%d must divide num_attention_heads=%d "
+        return config_error(label, "num_key_value_heads=%d must divide num_attention_heads=%d "
                             "(grouped-query attention)", cfg->num_key_value_heads, cfg->num_attention_heads);
     if (cfg->head_dim % 2)
-        return config_error(f, label, "head_dim=%d must be even (rotary embedding rotates pairs)", cfg->head_dim);
+        return config_error(label, "head_dim=%d must be even (rotary embedding rotates pairs)", cfg->head_dim);
     if ((int64_t)mask_len != layers)
-        return config_error(f, label, "layer_is_moe has %zu entries, num_hidden_layers=%d", mask_len, layers);
+        return config_error(label, "layer_is_moe has %zu entries, num_hidden_layers=%d", mask_len, layers);
     int any_dense = 0, any_moe = 0;
     for (size_t i = 0; i < mask_len; i++) {
         any_moe |= mask[i];
         any_dense |= !mask[i];
     }
     if (cfg->num_experts == 0 && any_moe)
-        return config_error(f, label, "layer_is_moe marks a layer MoE but num_experts=0");
+        return config_error(label, "layer_is_moe marks a layer MoE but num_experts=0");
     if (cfg->num_experts > 0) {
         if (cfg->num_experts_per_tok < 1 || cfg->num_experts_per_tok > cfg->num_experts)
-            return config_error(f, label, "num_experts_per_tok=%d must be in [1, num_experts=%d]",
+            return config_error(label, "num_experts_per_tok=%d must be in [1, num_experts=%d]",
                                 cfg->num_experts_per_tok, cfg->num_experts);
         if (cfg->moe_intermediate_size < 1)
-            return config_error(f, label, "moe_intermediate_size=%d must be positive with num_experts=%d",
+            return config_error(label, "moe_intermediate_size=%d must be positive with num_experts=%d",
                                 cfg->moe_intermediate_size, cfg->num_experts);
     }
     if (any_dense && cfg->intermediate_size < 1)
-        return config_error(f, label, "intermediate_size=%d must be positive: some layers are dense",
+        return config_error(label, "intermediate_size=%d must be positive: some layers are dense",
                             cfg->intermediate_size);
     f->layer_is_moe = malloc((size_t)layers);
     if (!f->layer_is_moe) return set_error(OG_E_OUT_OF_MEMORY, "%s: out of host memory", label);
@@ -1101,8 +1098,8 @@ static og_status read_at(int fd, void *dst, uint64_t n, uint64_t offset, const c
     return OG_OK;
 }
 
-/* Parse from an open descriptor; *file_bytes is the size the checks used (og_open_packed
- * maps exactly that many bytes). */
+/* Parse from an open descriptor; out->file_bytes is the size the checks used (og_open_packed
+ * maps exactly that many bytes of the same descriptor). */
 static og_status parse_fd(int fd, const char *path, og_packed_file *out)
 {
     struct stat sb;

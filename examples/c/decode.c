@@ -115,8 +115,8 @@ int main(int argc, char **argv)
     /* Prompt, then greedy tokens; the logits of a step choose the next token. */
     const float *logits = NULL;
     int32_t vocab = 0, steps = 0;
-    float *unused;
-    if ((st = og_logits(engine, &unused, &vocab)) != OG_OK) return fail("og_logits", st);
+    float *pinned_logits;  /* only its length is needed: og_step hands out the pointer */
+    if ((st = og_logits(engine, &pinned_logits, &vocab)) != OG_OK) return fail("og_logits", st);
     for (int i = 0; i < n_prompt && st == OG_OK; i++, steps++) st = og_step(engine, prompt[i], &logits);
     for (int32_t i = 0; i < n_new && st == OG_OK; i++) {
         if ((st = og_argmax(logits, vocab, &generated[i])) != OG_OK) break;
