@@ -607,16 +607,21 @@ def test_three_programs_print_the_same_tokens(models, tmp_path, preset):
         pytest.skip("no usable GPU")
     path = models[preset][2]
     args = [path, "32"] + [str(t) for t in PROMPT]
+    programs = [("python", [sys.executable, "-m", "runtime.pack", "decode", "--device", "gpu"]),
+                ("c", [_build_c_example(tmp_path)])]
+    if shutil.which("cargo"):
+        programs.append(("rust", [_build_rust_example(tmp_path)]))
     outputs = {}
-    for label, cmd in (("python", [sys.executable, "-m", "runtime.pack", "decode", "--device", "gpu"] + args),
-                       ("c", [_build_c_example(tmp_path)] + args),
-                       ("rust", [_build_rust_example(tmp_path)] + args)):
-        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    for label, cmd in programs:
+        run = subprocess.run(cmd + args, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert run.returncode == 0, f"{label}: {run.stderr}"
         outputs[label] = run.stdout.split()
-        print(f"{label:>6}: {run.stdout.strip()}  [{run.stderr.strip().splitlines()[-1]}]")
+        print(f"{preset} {label:>6}: {run.stdout.strip()}  [{run.stderr.strip().splitlines()[-1]}]")
     assert len(outputs["c"]) == 32
-    assert outputs["python"] == outputs["c"] == outputs["rust"]
+    assert outputs["python"] == outputs["c"]
+    if "rust" not in outputs:
+        pytest.skip("cargo is not installed: Python and C agree, Rust was not run")
+    assert outputs["rust"] == outputs["c"]
 
 
 @pytest.mark.gpu
