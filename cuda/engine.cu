@@ -69,8 +69,12 @@ cudaError_t allow_dynamic_smem(const void *kernel, size_t smem_bytes) {
     int device = 0, optin = 0;
     OG_CUDA_RETURN_IF(cudaGetDevice(&device));
     OG_CUDA_RETURN_IF(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (smem_bytes > (size_t)optin) return cudaErrorInvalidValue;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+    // The opt-in limit covers static plus dynamic shared memory of a block.
+    cudaFuncAttributes attrs;
+    OG_CUDA_RETURN_IF(cudaFuncGetAttributes(&attrs, kernel));
+    const size_t dynamic_limit = (size_t)optin - attrs.sharedSizeBytes;
+    if (smem_bytes > dynamic_limit) return cudaErrorInvalidValue;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_limit);
 }
 
 cudaError_t current_sm_count(int *sm_count) {
