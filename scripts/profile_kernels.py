@@ -1,0 +1,67 @@
+"""Where a decode step's time goes: per-kernel GPU times from Nsight Compute.
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
+        --csv --page raw --print-units base python3 scripts/profile_kernels.py --preset qwen3-0.6b --context 96 > ncu.csv
+    python3 scripts/profile_kernels.py --summarize ncu.csv --steps 2
+
+The decode runs on the non-graph path (each kernel launched on its own, so each is
+profiled alone); the profiler is switched on only around `--steps` decode steps taken
+after a prompt that fills the cache to `--context` tokens.
+"""
+import argparse
+import csv
+import io
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(args) -> None:
+    import numpy as np
+    from cuda.bindings import runtime as rt
+    from runtime.engine import Engine
+    from runtime.synth import iter_tensors, preset_config
+    config = preset_config(args.preset, num_hidden_layers=args.layers)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.context)]
+    with Engine(config, lambda: iter_tensors(config), kv=args.kv, max_seq_len=args.context + args.steps + 1,
+                graph=False, device="gpu") as engine:
+        logits = engine.prefill(prompt)
+        rt.cudaProfilerStart()
+        for _ in range(args.steps):
+            logits = engine.step(int(np.argmax(logits)))
+        rt.cudaProfilerStop()
+
+
+def summarize(path: str, steps: int) -> None:
+    text = open(path, encoding="utf-8", errors="replace").read()
+    start = text.find('"ID"')
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    rows = [r for r in rows if r.get("gpu__time_duration.sum", "").replace(".", "").replace(",", "").isdigit()]
+    per_kernel = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in rows:
+        name = r["Kernel Name"].split("(")[0].replace("void ", "")[:60]
+        k = per_kernel[name]
+        k[0] += 1
+        k[1] += float(r["gpu__time_duration.sum"].replace(",", ""))  # ns
+        k[2] += float(r.get("dram__bytes_read.sum", "0").replace(",", "") or 0)
+    total_ns = sum(v[1] for v in per_kernel.values())
+    print(f"{'kernel':<60} {'per step':>8} {'avg us':>8} {'us/step':>8} {'share':>6} {'GB/s':>7}")
+    for name, (count, ns, dram) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
+        gbps = dram / ns if ns else 0.0
+        print(f"{name:<60} {count / steps:8.1f} {ns / count / 1e3:8.2f} {ns / steps / 1e3:8.1f} "
+              f"{100 * ns / total_ns:5.1f}% {gbps:7.0f}")
+    print(f"{'total':<60} {len(rows) / steps:8.1f} {'':>8} {total_ns / steps / 1e3:8.1f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--kv", default="int8")
+    p.add_argument("--context", type=int, default=96)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--summarize", default=None, help="an ncu --csv --page raw output to summarize")
+    a = p.parse_args()
+    summarize(a.summarize, a.steps) if a.summarize else run(a)
