@@ -27,6 +27,7 @@
 #include "kernels.cuh"
 #include "moe.cuh"
 #include "packed_file.h"
+#include "reliability.cuh"
 
 namespace og {
 
@@ -160,6 +161,7 @@ struct og_engine {
     // KV cache: values (L, 2, n_kv, max_seq, hd) then scales (L, 2, n_kv, max_seq)
     char *kv_values = nullptr;
     float *kv_scales = nullptr;
+    og::GuardSet kv_guards;              // guard bands around kv_values and kv_scales
     // run state (names as in runtime/reference.py)
     og_step_record *step = nullptr;      // device copy of the step record
     float *inv_freq = nullptr;           // (hd/2)
@@ -407,8 +409,10 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     const size_t esize = kv_elem_bytes(d.kv_dtype);
     e->kv_values_bytes = (size_t)d.L * 2 * head_rows * d.hd * esize;
     e->kv_scales_bytes = d.kv_dtype == OG_KV_INT8 ? (size_t)d.L * 2 * head_rows * sizeof(float) : 0;
-    e->kv_values = a.take<char>(e->kv_values_bytes);
-    e->kv_scales = a.take<float>(e->kv_scales_bytes / sizeof(float));
+    e->kv_values = static_cast<char *>(e->kv_guards.place(
+        "kv_values", a.take<char>(GuardSet::reserve_bytes(e->kv_values_bytes)), e->kv_values_bytes));
+    e->kv_scales = static_cast<float *>(e->kv_guards.place(
+        "kv_scales", a.take<char>(GuardSet::reserve_bytes(e->kv_scales_bytes)), e->kv_scales_bytes));
     for (int l = 0; l < d.L; ++l) {
         LayerWeights &w = e->layers[l];
         w.k_cache = e->kv_values + (2 * (size_t)l) * head_rows * d.hd * esize;
@@ -516,9 +520,9 @@ void destroy(og_engine *e) {
         cudaStreamSynchronize(e->stream);
         cudaStreamDestroy(e->stream);
     }
-    if (e->arena) cudaFree(e->arena);
-    if (e->step_host) cudaFreeHost(e->step_host);
-    if (e->logits_host) cudaFreeHost(e->logits_host);
+    device_free(e->arena);
+    pinned_free(e->step_host);
+    pinned_free(e->logits_host);
     (void)cudaGetLastError();
     delete e;
 }
@@ -573,13 +577,13 @@ og_status init_engine(og_engine *e) {
 
     e->arena_bytes = layout_arena(e, 0);
     OG_CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
-    OG_CUDA_TRY(cudaMalloc((void **)&e->arena, e->arena_bytes));
+    OG_CUDA_TRY(device_alloc(&e->arena, e->arena_bytes));
     layout_arena(e, reinterpret_cast<uintptr_t>(e->arena));
     // Zeros everywhere: pad columns of the weights, the KV cache, the attention counters.
     OG_CUDA_TRY(cudaMemsetAsync(e->arena, 0, e->arena_bytes, e->stream));
-    OG_CUDA_TRY(cudaHostAlloc((void **)&e->step_host, sizeof(og_step_record), cudaHostAllocDefault));
-    OG_CUDA_TRY(cudaHostAlloc((void **)&e->logits_host, (size_t)e->d.V * sizeof(float),
-                              cudaHostAllocDefault));
+    OG_CUDA_TRY(e->kv_guards.fill(e->stream));
+    OG_CUDA_TRY(pinned_alloc(&e->step_host, sizeof(og_step_record)));
+    OG_CUDA_TRY(pinned_alloc(&e->logits_host, (size_t)e->d.V * sizeof(float)));
     memset(e->step_host, 0, sizeof(og_step_record));
     memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
 
@@ -881,7 +885,10 @@ OG_API og_status og_enqueue(og_engine *e, void *stream) {
     if (status != OG_OK) return status;
     status = use_device(e);
     if (status != OG_OK) return status;
-    return enqueue_body(e, stream != nullptr ? static_cast<cudaStream_t>(stream) : e->stream);
+    const cudaStream_t s = stream != nullptr ? static_cast<cudaStream_t>(stream) : e->stream;
+    status = capture_fault_hook(s);  // test-only, a no-op unless armed (reliability.cuh)
+    if (status != OG_OK) return status;
+    return enqueue_body(e, s);
 }
 
 OG_API og_status og_run(og_engine *e) {
@@ -999,6 +1006,24 @@ OG_API og_status og_free(og_engine *e) {
     }
     destroy(e);
     return OG_OK;
+}
+
+// ---- reliability entry points (onegraph_testing.h) --------------------------------------
+OG_API og_status og_check_guards(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv_guards.check(e->stream);
+}
+
+OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after) {
+    OG_CHECK_HANDLE(e);
+    if (buffer == nullptr || (after != 0 && after != 1))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_test_corrupt_guard: buffer is NULL or after=%d is not 0 or 1", after);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv_guards.corrupt(buffer, after, e->stream);
 }
 
 }  // extern "C"

@@ -1,6 +1,7 @@
-// gemv.cu — bf16 matrix x fp32 vector, the kernel that carries almost all of decode's
-// memory traffic. Modes (kernels.cuh): plain, RMSNorm fused in front, residual add, and
-// RMSNorm + gate/up + SwiGLU.
+// gemv.cu — weight matrix x fp32 vector, the kernel that carries almost all of decode's
+// memory traffic, for bf16 weights (first kernel below) and int8 / q4 weights (second kernel,
+// dequantizing on the fly with quant.cuh). Modes (kernels.cuh): plain, RMSNorm fused in front,
+// residual add, and RMSNorm + gate/up + SwiGLU.
 //
 //   weight: [rows, ld] bf16, ld = padded_cols(cols) (zeros in the pad columns)
 //   x:      [cols] fp32, staged in shared memory as [ld] (zeros in the pad), normalized
@@ -16,6 +17,7 @@
 // once and warps stride over the tasks, so each block stages x once. Before waiting on
 // the previous kernel (PDL), each warp prefetches its first rows into L2.
 #include "kernels.cuh"
+#include "quant.cuh"
 
 namespace og {
 namespace {
@@ -180,6 +182,182 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     }
 }
 
+// ---- int8 / q4 -------------------------------------------------------------------------------
+// Same modes, staging and grid-stride task loop as the bf16 kernel; what differs:
+//   - a task is kQuantRows = 4 rows (SwiGLU: gate rows i, i+1 and up rows I+i, I+i+1), so each
+//     staged input value read from shared memory feeds four rows (a 16-byte chunk carries 16 or
+//     32 values: with two rows, reading x would cost 4-8 shared-memory bytes per weight byte);
+//   - lane l reads chunks l, l + 32, ... of every row, kQuantUnroll chunks of each of the 4 rows
+//     in flight (8 x 16 bytes per lane), and sums as quant.cuh's rows_dot says;
+//   - the staged input is swizzled per chunk (quant.cuh) so the 16-byte shared loads of a
+//     quarter-warp hit distinct banks.
+constexpr int kQuantRows = 4;
+constexpr int kQuantUnroll = 2;
+
+struct QuantGemvParams {
+    const uint8_t *weight;
+    const void *scales;
+    const float *x;
+    const float *norm_weight;
+    float *y;
+    float *normed_out;
+    int rows, cols, n_chunks, n_tasks, out_rows, scales_per_row;
+    int64_t row_bytes;
+    float eps;
+};
+
+// The task's rows (clamped to the matrix) and which outputs it owns.
+template <int MODE>
+__device__ __forceinline__ void quant_task_rows(const QuantGemvParams &p, int task,
+                                                int (&row)[kQuantRows], int &first_out,
+                                                int &n_out) {
+    if (MODE == kGemvNormSwiglu) {
+        first_out = 2 * task;
+        n_out = min(2, p.out_rows - first_out);
+        const int second = first_out + n_out - 1;
+        row[0] = first_out;
+        row[1] = second;
+        row[2] = p.out_rows + first_out;
+        row[3] = p.out_rows + second;
+    } else {
+        first_out = kQuantRows * task;
+        n_out = min(kQuantRows, p.rows - first_out);
+#pragma unroll
+        for (int r = 0; r < kQuantRows; ++r) row[r] = first_out + min(r, n_out - 1);
+    }
+}
+
+template <int FMT, int MODE, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
+    constexpr int kThreads = WARPS * kWarpSize;
+    constexpr int F = QuantFormat<FMT>::kValuesPerChunk / 4;  // float4s per chunk
+    constexpr int R = kQuantRows;
+    extern __shared__ float4 x_smem4[];              // [n_chunks * F], swizzled
+    __shared__ float scratch[WARPS];
+
+    const int warp = threadIdx.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    const int task_stride = gridDim.x * WARPS;
+    int task = blockIdx.x * WARPS + warp;
+
+    // Weights do not depend on earlier kernels: pull this warp's first rows into L2.
+    if (task < p.n_tasks && lane < R) {
+        int row[R], first_out, n_out;
+        quant_task_rows<MODE>(p, task, row, first_out, n_out);
+        int my_row = row[0];
+        bool distinct = true;
+#pragma unroll
+        for (int r = 1; r < R; ++r) {
+            if (lane == r) {
+                my_row = row[r];
+                distinct = row[r] != row[r - 1];
+            }
+        }
+        if (distinct) prefetch_l2(p.weight + (size_t)my_row * p.row_bytes, (uint32_t)p.row_bytes);
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+
+    const int n_float4 = p.n_chunks * F;
+    const float sum_sq = stage_vector<FMT, kThreads>(x_smem4, p.x, p.cols, n_float4, threadIdx.x);
+    if (mode_has_norm(MODE)) {
+        // block_sum ends with a barrier: every staged element is visible below.
+        const float total = block_sum<kThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+        float *x_smem = reinterpret_cast<float *>(x_smem4);
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
+            float &slot = x_smem[4 * swizzled_float4<FMT>(i >> 2) + (i & 3)];
+            const float n = slot * inv_rms * p.norm_weight[i];
+            slot = n;
+            if (write_normed) p.normed_out[i] = n;
+        }
+    }
+    __syncthreads();
+
+    for (; task < p.n_tasks; task += task_stride) {
+        int row[R], first_out, n_out;
+        quant_task_rows<MODE>(p, task, row, first_out, n_out);
+        const uint8_t *row_ptr[R];
+        const void *scale_ptr[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            row_ptr[r] = p.weight + (size_t)row[r] * p.row_bytes;
+            scale_ptr[r] = static_cast<const char *>(p.scales) +
+                           (size_t)row[r] * p.scales_per_row * weight_scale_bytes(FMT);
+        }
+        float acc[R];
+        rows_dot<FMT, R, kQuantUnroll>(row_ptr, scale_ptr, p.n_chunks, x_smem4, lane, acc);
+        if (lane == 0) {
+            if (MODE == kGemvNormSwiglu) {
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    if (k < n_out) {
+                        const float gate = acc[k], up = acc[2 + k];
+                        const float silu = gate / (1.0f + expf(-gate));
+                        p.y[first_out + k] = silu * up;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (r < n_out) {
+                        if (MODE == kGemvResidual) p.y[first_out + r] += acc[r];
+                        else p.y[first_out + r] = acc[r];
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <int FMT, int MODE>
+const void *quant_kernel_for(int warps) {
+    switch (warps) {
+        case 2: return (const void *)gemv_quant_kernel<FMT, MODE, 2>;
+        case 4: return (const void *)gemv_quant_kernel<FMT, MODE, 4>;
+        case 8: return (const void *)gemv_quant_kernel<FMT, MODE, 8>;
+    }
+    return nullptr;
+}
+
+template <int FMT>
+const void *quant_kernel_for(GemvMode mode, int warps) {
+    switch (mode) {
+        case kGemvPlain: return quant_kernel_for<FMT, kGemvPlain>(warps);
+        case kGemvNorm: return quant_kernel_for<FMT, kGemvNorm>(warps);
+        case kGemvResidual: return quant_kernel_for<FMT, kGemvResidual>(warps);
+        case kGemvNormSwiglu: return quant_kernel_for<FMT, kGemvNormSwiglu>(warps);
+    }
+    return nullptr;
+}
+
+template <int FMT, int MODE>
+cudaError_t launch_quant(int warps, dim3 grid, int smem, cudaStream_t stream, bool pdl,
+                         const QuantGemvParams &p) {
+    const dim3 block(warps * kWarpSize);
+    switch (warps) {
+        case 2: return launch_kernel(gemv_quant_kernel<FMT, MODE, 2>, grid, block, smem, stream, pdl, p);
+        case 4: return launch_kernel(gemv_quant_kernel<FMT, MODE, 4>, grid, block, smem, stream, pdl, p);
+        case 8: return launch_kernel(gemv_quant_kernel<FMT, MODE, 8>, grid, block, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidConfiguration;
+}
+
+template <int FMT>
+cudaError_t launch_quant(GemvMode mode, int warps, dim3 grid, int smem, cudaStream_t stream,
+                         bool pdl, const QuantGemvParams &p) {
+    switch (mode) {
+        case kGemvPlain: return launch_quant<FMT, kGemvPlain>(warps, grid, smem, stream, pdl, p);
+        case kGemvNorm: return launch_quant<FMT, kGemvNorm>(warps, grid, smem, stream, pdl, p);
+        case kGemvResidual: return launch_quant<FMT, kGemvResidual>(warps, grid, smem, stream, pdl, p);
+        case kGemvNormSwiglu:
+            return launch_quant<FMT, kGemvNormSwiglu>(warps, grid, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidValue;
+}
+
+// ---- dispatch ------------------------------------------------------------------------------------
 template <int WARPS>
 const void *gemv_kernel_for(GemvMode mode) {
     switch (mode) {
@@ -191,7 +369,10 @@ const void *gemv_kernel_for(GemvMode mode) {
     return nullptr;
 }
 
-const void *gemv_kernel_for(GemvMode mode, int warps) {
+const void *gemv_kernel_for(GemvMode mode, int warps, int format) {
+    if (format == OG_WEIGHTS_INT8) return quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps);
+    if (format == OG_WEIGHTS_Q4) return quant_kernel_for<OG_WEIGHTS_Q4>(mode, warps);
+    if (format != OG_WEIGHTS_BF16) return nullptr;
     switch (warps) {
         case 2: return gemv_kernel_for<2>(mode);
         case 4: return gemv_kernel_for<4>(mode);
@@ -200,7 +381,9 @@ const void *gemv_kernel_for(GemvMode mode, int warps) {
     return nullptr;
 }
 
-int gemv_tasks(GemvMode mode, int rows) {
+int gemv_tasks(GemvMode mode, int rows, int format) {
+    if (format != OG_WEIGHTS_BF16)  // kQuantRows rows (SwiGLU: 2 outputs) per task
+        return mode == kGemvNormSwiglu ? ceil_div(rows / 2, 2) : ceil_div(rows, kQuantRows);
     return mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2);
 }
 
@@ -227,19 +410,24 @@ cudaError_t launch_warps(GemvMode mode, dim3 grid, int smem, cudaStream_t stream
 
 }  // namespace
 
-cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
-    if (gemv_kernel_for(mode, kGemvMaxWarps) == nullptr || rows <= 0 || cols <= 0 ||
+size_t gemv_input_smem_bytes(int cols, int format) {
+    const int per_chunk = format == OG_WEIGHTS_BF16 ? kRowAlignElems : weight_values_per_chunk(format);
+    return (size_t)round_up(cols, per_chunk) * sizeof(float);
+}
+
+cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
+    if (gemv_kernel_for(mode, kGemvMaxWarps, format) == nullptr || rows <= 0 || cols <= 0 ||
         plan == nullptr || (mode == kGemvNormSwiglu && rows % 2 != 0))
         return cudaErrorInvalidValue;
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     // Fewer warps per block when the matrix has few rows, so that about two blocks land on
     // every SM (a block stages x once, so larger blocks are cheaper when there is work).
-    const int tasks = gemv_tasks(mode, rows);
+    const int tasks = gemv_tasks(mode, rows, format);
     int warps = kGemvMaxWarps;
     while (warps > 2 && ceil_div(tasks, warps) < 2 * sm_count) warps /= 2;
-    const void *kernel = gemv_kernel_for(mode, warps);
-    const size_t smem_bytes = (size_t)padded_cols(cols) * sizeof(float);
+    const void *kernel = gemv_kernel_for(mode, warps, format);
+    const size_t smem_bytes = gemv_input_smem_bytes(cols, format);
     OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
     int blocks_per_sm = 0;
     OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -249,14 +437,38 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
     plan->smem_bytes = (int)smem_bytes;
+    plan->format = format;
     return cudaSuccess;
 }
 
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
+    if (args.format != plan.format) return cudaErrorInvalidValue;
+    if (args.format != OG_WEIGHTS_BF16) {
+        if (args.scales == nullptr) return cudaErrorInvalidValue;
+        QuantGemvParams q;
+        q.weight = static_cast<const uint8_t *>(args.weight);
+        q.scales = args.scales;
+        q.x = args.x;
+        q.norm_weight = args.norm_weight;
+        q.y = args.y;
+        q.normed_out = args.normed_out;
+        q.rows = args.rows;
+        q.cols = args.cols;
+        q.n_chunks = ceil_div(args.cols, weight_values_per_chunk(args.format));
+        q.n_tasks = gemv_tasks(mode, args.rows, args.format);
+        q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+        q.scales_per_row = (int)weight_scales_per_row(args.format, args.cols);
+        q.row_bytes = weight_row_bytes(args.format, args.cols);
+        q.eps = args.eps;
+        const dim3 grid(plan.grid);
+        if (args.format == OG_WEIGHTS_INT8)
+            return launch_quant<OG_WEIGHTS_INT8>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
+        return launch_quant<OG_WEIGHTS_Q4>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
+    }
     GemvParams p;
-    p.weight = args.weight;
+    p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
     p.x = args.x;
     p.norm_weight = args.norm_weight;
     p.y = args.y;
@@ -264,7 +476,7 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
     p.rows = args.rows;
     p.cols = args.cols;
     p.ld = padded_cols(args.cols);
-    p.n_tasks = gemv_tasks(mode, args.rows);
+    p.n_tasks = gemv_tasks(mode, args.rows, OG_WEIGHTS_BF16);
     p.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
     p.eps = args.eps;
     const dim3 grid(plan.grid);

@@ -1,8 +1,9 @@
 // kernels.cuh — launchers of the decode body's kernels (all but the MoE ones, which are
 // in moe.cuh). One family per file:
 //   embed.cu      embedding gather                       table[token] (bf16) -> x (fp32)
-//   gemv.cu       bf16 GEMV, optionally with the RMSNorm of its input fused in front,
-//                 a residual add, or the gate/up SwiGLU pair fused behind
+//   gemv.cu       GEMV over bf16, int8 or q4 weights (quant.cuh), optionally with the
+//                 RMSNorm of its input fused in front, a residual add, or the gate/up SwiGLU
+//                 pair fused behind
 //   rope_kv.cu    per-head QK-norm + RoPE + K/V quantization into the cache row
 //   attention.cu  split-KV decode attention with the combine done by each KV head's
 //                 last finishing block
@@ -36,7 +37,7 @@ enum GemvMode : int {
 };
 
 struct GemvArgs {
-    const __nv_bfloat16 *weight;  // [rows, padded_cols(cols)] bf16, pad columns zero
+    const void *weight;           // format's layout (quant.cuh); bf16: [rows, padded_cols(cols)]
     int rows;                     // rows of weight (2*I for kGemvNormSwiglu)
     int cols;
     const float *x;               // [cols]
@@ -44,6 +45,8 @@ struct GemvArgs {
     float eps;                    // RMSNorm epsilon (norm modes)
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
+    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
+    int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
 };
 
 // Launch geometry, fixed by the matrix shape: a grid no larger than what is resident at
@@ -52,11 +55,15 @@ struct GemvPlan {
     int grid = 0;
     int warps = 0;                // per block: 8, 4 or 2
     int smem_bytes = 0;
+    int format = OG_WEIGHTS_BF16;
 };
 
 // Plan a GEMV on the current device (occupancy query, shared-memory limit). Call once
 // per shape outside stream capture.
-cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan);
+cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan,
+                      int format = OG_WEIGHTS_BF16);
+// Shared memory the GEMV's staged input needs: cols rounded up to the format's chunk, in fp32.
+size_t gemv_input_smem_bytes(int cols, int format);
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl);
 

@@ -14,6 +14,10 @@
 //   gate_up_weights [E, 2 * moe_inter, round_up(hidden, 8)]: rows [0, I) = gate_proj,
 //                                                            rows [I, 2I) = up_proj
 //   down_weights    [E, hidden, round_up(moe_inter, 8)]
+// Quantized experts (OG_WEIGHTS_INT8 / OG_WEIGHTS_Q4) keep the same row order, each row in the
+// format's layout (quant.cuh) and the scales in the same row order:
+//   gate_up  data [E * 2I rows, row_bytes(hidden)]     scales [E * 2I, scales_per_row(hidden)]
+//   down     data [E * hidden rows, row_bytes(moe_inter)] scales [E * hidden, scales_per_row(moe_inter)]
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -44,3 +48,30 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
                                               const float *selected_weights, int top_k,
                                               int hidden, int moe_inter, float *x,
                                               cudaStream_t stream);
+
+// The experts' weights in any OG_WEIGHTS_* format (scales NULL for bf16).
+struct MoeExperts {
+    const void *data;
+    const void *scales;
+    int format;
+};
+
+// The two launchers above for any weight format. bf16 runs the kernels above (pdl ignored:
+// they are launched plainly); int8 / q4 run dequantizing kernels that compute the same sums
+// up to fp32 rounding order:
+//   gate_up: a warp computes two outputs (gate rows i, i+1 and up rows I+i, I+i+1 of one
+//            selected expert), sharing each staged x value among four rows;
+//   down:    a warp computes four rows r..r+3, walking the concatenation of the top_k experts'
+//            rows as one long dot product against the concatenated act vectors, each 16-byte
+//            chunk's partial sum scaled by selected_weights[j] * (row scale or group scale);
+//            x[r] += the warp's sum.
+// With pdl, the quantized kernels are launched with programmatic dependent launch (they wait
+// on their predecessor before reading anything).
+cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_normed,
+                                      const int32_t *selected_experts, int top_k, int hidden,
+                                      int moe_inter, float *act, cudaStream_t stream, bool pdl);
+cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const float *act,
+                                              const int32_t *selected_experts,
+                                              const float *selected_weights, int top_k,
+                                              int hidden, int moe_inter, float *x,
+                                              cudaStream_t stream, bool pdl);

@@ -44,7 +44,7 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 1
+#define OG_ABI_VERSION 2   /* 2: og_config.weights_dense / _experts / _lm_head appended */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -63,11 +63,46 @@ typedef int32_t og_status;
 #define OG_E_BAD_STATE        -12  /* call out of order (e.g. end_step without begin_step)      */
 #define OG_E_BAD_FILE         -13  /* a packed model file is malformed or unreadable; the message
                                        names the file and the byte offset or tensor             */
+#define OG_E_CORRUPTED        -14  /* a guard band around the KV cache was overwritten (found by
+                                       og_check_guards, onegraph_testing.h)                     */
 
 /* ---- element types ----------------------------------------------------------------- */
 #define OG_DTYPE_F32  0
 #define OG_DTYPE_BF16 1
 #define OG_DTYPE_I8   2
+#define OG_DTYPE_Q4   3   /* packed signed 4-bit pairs (see "weight formats"); bytes as uint8 */
+
+/* ---- weight formats (og_config.weights_*) -------------------------------------------
+ * The rules runtime/quant.py implements (in fp32 on the fp32 value of each bf16 weight,
+ * rint = round half to even); the library only stores and multiplies what it is given.
+ *
+ * OG_WEIGHTS_BF16  the matrix as BF16 [rows, cols].
+ * OG_WEIGHTS_INT8  symmetric, one fp32 scale per output row:
+ *                    scale[r] = max|w[r, :]| / 127, q = rint(w / scale) in [-127, 127]
+ *                    (q = 0 when scale == 0);  w' = float(q) * scale[r].
+ *                  set_weight(name)        OG_DTYPE_I8  shape [rows, cols], two's complement
+ *                  set_weight(name.scale)  OG_DTYPE_F32 shape [rows]
+ * OG_WEIGHTS_Q4    symmetric 4-bit, one bf16 scale per group of 32 consecutive columns:
+ *                    scale[r, g] = bf16(max|w[r, 32g .. 32g+31]| / 7),
+ *                    q = clip(rint(w / scale), -7, 7);  w' = float(q) * float(scale[r, g])
+ *                    (exact in fp32).
+ *                  set_weight(name)        OG_DTYPE_Q4  shape [rows, cols] (the logical
+ *                    shape); data = rows * ceil(cols / 32) * 16 bytes: each row is
+ *                    ceil(cols / 32) groups of 16 bytes, byte j of a group holding columns
+ *                    2j (low nibble) and 2j+1 (high nibble) as two's-complement 4-bit values;
+ *                    columns past cols in the last group are padding (q = 0 by convention;
+ *                    they are multiplied by zeros).
+ *                  set_weight(name.scale)  OG_DTYPE_BF16 shape [rows, ceil(cols / 32)]
+ * "name.scale" is the matrix's Hugging Face name with ".scale" appended, e.g.
+ * "model.layers.0.self_attn.q_proj.weight.scale". Both tensors are required weights: the
+ * hit-only precheck reports a missing scale like a missing matrix.
+ * Classes: weights_dense = attention q/k/v/o and dense-FFN gate/up/down; weights_experts =
+ * the MoE experts' gate/up/down; weights_lm_head = lm_head. The embedding table, norms and
+ * the MoE router (mlp.gate) are always BF16 (norms BF16 or F32). With tied embeddings and a
+ * quantized lm_head, "lm_head.weight" (the quantized embedding table) is required too. */
+#define OG_WEIGHTS_BF16 0
+#define OG_WEIGHTS_INT8 1
+#define OG_WEIGHTS_Q4   2
 
 /* KV cache element type. INT8 stores one fp32 scale per (token, KV head):
  * scale = max|x| / 127, q = round_half_even(x / scale) (q = 0 when scale == 0). */
@@ -104,6 +139,10 @@ typedef struct og_config {
     int32_t max_seq_len;            /* KV cache rows per layer                            */
     int32_t kv_dtype;               /* OG_KV_*                                            */
     int32_t device_ordinal;
+    /* weight formats (OG_WEIGHTS_*; og_config_default: OG_WEIGHTS_BF16), ABI 2 */
+    int32_t weights_dense;          /* attention q/k/v/o, dense FFN gate/up/down           */
+    int32_t weights_experts;        /* MoE experts' gate/up/down                           */
+    int32_t weights_lm_head;        /* lm_head (a tied model then needs lm_head.weight)    */
 } og_config;
 
 /* The pinned host record copied to the device at the start of every step. The body reads
@@ -137,7 +176,7 @@ OG_API int32_t og_abi_version(void);
 OG_API const char *og_last_error(void);
 
 /* Fill *cfg with defaults (abi_version = OG_ABI_VERSION, eps 1e-6, theta 1e6, factor 1,
- * kv int8, max_seq_len 4096, device 0; sizes 0). */
+ * kv int8, max_seq_len 4096, device 0, bf16 weights; sizes 0). */
 OG_API void og_config_default(og_config *cfg);
 
 /* Number of usable CUDA devices in *count. OG_E_NO_DEVICE (with *count = 0) when the
@@ -151,8 +190,9 @@ OG_API og_status og_device_count(int32_t *count);
 OG_API og_status og_init(const og_config *cfg, og_engine **out);
 
 /* Upload one tensor by its Hugging Face name (e.g. "model.layers.3.self_attn.q_proj.weight").
- * Fused device layouts (q|k|v, gate|up) are assembled here. Matrices must be BF16; norm
- * vectors BF16 or F32. shape has ndim entries, row-major, contiguous. Synchronous: the host
+ * Fused device layouts (q|k|v, gate|up) are assembled here. Matrices must be in their
+ * class's weight format (BF16, or I8 / Q4 data plus a "<name>.scale" tensor: see "weight
+ * formats"); norm vectors BF16 or F32. shape has ndim entries, row-major, contiguous. Synchronous: the host
  * buffer may be reused on return. Errors: OG_E_UNKNOWN_WEIGHT (name not used by this
  * config), OG_E_WEIGHT_MISMATCH (dtype/rank/shape; message gives expected vs actual). */
 OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,

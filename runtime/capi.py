@@ -12,7 +12,7 @@ import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
 # The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -32,10 +32,14 @@ OG_E_CONTEXT_FULL = -10
 OG_E_UNSUPPORTED = -11
 OG_E_BAD_STATE = -12
 OG_E_BAD_FILE = -13
+OG_E_CORRUPTED = -14
 STATUS_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("OG_E_") or k == "OG_OK"}
 
 # ---- element types ----------------------------------------------------------------------
-OG_DTYPE_F32, OG_DTYPE_BF16, OG_DTYPE_I8 = 0, 1, 2
+OG_DTYPE_F32, OG_DTYPE_BF16, OG_DTYPE_I8, OG_DTYPE_Q4 = 0, 1, 2, 3
+# ---- weight formats (og_config.weights_dense / _experts / _lm_head) ------------------------
+OG_WEIGHTS_BF16, OG_WEIGHTS_INT8, OG_WEIGHTS_Q4 = 0, 1, 2
+WEIGHT_FORMATS = {"bf16": OG_WEIGHTS_BF16, "int8": OG_WEIGHTS_INT8, "q4": OG_WEIGHTS_Q4}
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = 0, 1, 2
 KV_DTYPES = {"fp32": OG_KV_F32, "bf16": OG_KV_BF16, "int8": OG_KV_INT8}
 
@@ -78,6 +82,9 @@ class OgConfig(ctypes.Structure):
         ("max_seq_len", c_int32),
         ("kv_dtype", c_int32),
         ("device_ordinal", c_int32),
+        ("weights_dense", c_int32),
+        ("weights_experts", c_int32),
+        ("weights_lm_head", c_int32),
     ]
 
 

@@ -25,6 +25,11 @@ int8 with one fp32 scale per (token, KV head); attention uses the fp32 query aga
 dequantized on the fly. The MoE weighted sum runs in selection order, as launch_moe_down_weighted_
 residual does (cuda/moe.cuh).
 
+Quantized weights (runtime/quant.py: int8 per row, q4 in groups of 32) arrive as QuantizedMatrix
+values and are dequantized once to fp32 with the GPU's rule, w = float32(q) * scale: the same weight
+values the kernels multiply by (bit for bit for q4, whose products q * scale are exact in fp32), so
+GPU vs reference stays a comparison of fp32 summation order only.
+
 The pure functions below (rmsnorm, rope, kv_quantize_int8, kv_dequantize_int8, attention_decode,
 moe_topk, swiglu, gemv) are public so that GPU kernel tests can compare against them.
 
@@ -39,6 +44,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .quant import QuantizedMatrix
 
 KV_DTYPES = ("fp32", "bf16", "int8")
 _F32 = np.float32
@@ -243,7 +249,14 @@ class ExpertsOnDemand:
         return len(self.parts)
 
     def __getitem__(self, expert: int) -> np.ndarray:
-        return np.concatenate([np.asarray(p, dtype=_F32) for p in self.parts[expert]])
+        return np.concatenate([_fp32(p) for p in self.parts[expert]])
+
+
+def _fp32(t) -> np.ndarray:
+    """A weight as fp32: bf16 / fp32 arrays converted (exact), quantized matrices dequantized."""
+    if isinstance(t, QuantizedMatrix):
+        return t.dequantize()
+    return np.asarray(t, dtype=_F32)
 
 
 def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
@@ -254,16 +267,18 @@ def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> No
         t = tensors[name]
         if tuple(t.shape) != shape:
             raise ValueError(f"tensor '{name}': expected shape {shape}, got {tuple(t.shape)}")
+        if isinstance(t, QuantizedMatrix):
+            continue
         if t.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
             raise ValueError(f"tensor '{name}': expected dtype bfloat16 or float32, got {t.dtype}")
 
 
 def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], experts_fp32: bool):
     def f32(name: str) -> np.ndarray:
-        return np.ascontiguousarray(tensors[name], dtype=_F32)
+        return np.ascontiguousarray(_fp32(tensors[name]))
 
     def fused(*names: str) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate([np.asarray(tensors[n], dtype=_F32) for n in names]))
+        return np.ascontiguousarray(np.concatenate([_fp32(tensors[n]) for n in names]))
 
     layers = []
     for layer in range(config.num_hidden_layers):
@@ -291,7 +306,9 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
             w.down_proj = f32(p + "mlp.down_proj.weight")
         layers.append(w)
     embed_tokens = f32("model.embed_tokens.weight")                        # [vocab, hidden]
-    lm_head = embed_tokens if config.tie_word_embeddings else f32("lm_head.weight")  # [vocab, hidden]
+    # A tied model's quantized lm_head is a separate tensor (quant.quantize_stream makes it).
+    tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
+    lm_head = embed_tokens if tied else f32("lm_head.weight")         # [vocab, hidden]
     return embed_tokens, layers, f32("model.norm.weight"), lm_head
 
 

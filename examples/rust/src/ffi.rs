@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 1;
+pub const OG_ABI_VERSION: i32 = 2;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -54,6 +54,9 @@ pub struct og_config {
     pub max_seq_len: i32,
     pub kv_dtype: i32,
     pub device_ordinal: i32,
+    pub weights_dense: i32,
+    pub weights_experts: i32,
+    pub weights_lm_head: i32,
 }
 
 #[repr(C)]

@@ -1,0 +1,266 @@
+"""Weight quantization at load time: int8 per output row and 4-bit in groups of 32 (numpy).
+
+Formats (cuda/onegraph.h, "weight formats", is the other half of this contract)
+-------------------------------------------------------------------------------
+Every rule below runs in fp32 on the fp32 value of the bf16 weight (bf16 -> fp32 is exact),
+with numpy's correctly rounded fp32 division and np.rint (round half to even), so the same
+weights always give the same bytes.
+
+``int8`` — symmetric, one fp32 scale per output row:
+    scale[r] = max_c |w[r, c]| / 127                    (fp32 division)
+    q[r, c]  = rint(w[r, c] / scale[r])  in [-127, 127]  (fp32 division; q = 0 where scale == 0)
+    w'       = float32(q) * scale[r]                     (the dequantized weight)
+  Data: int8 [rows, cols], two's complement. Scale: fp32 [rows]. The GPU computes
+  scale[r] * sum_c q[r, c] x[c]; the reference sum_c (q[r, c] * scale[r]) x[c]: the same number up
+  to fp32 rounding. A row's scale costs 4 bytes beside cols bytes of data (0.1% at 4096 columns).
+
+``q4`` — symmetric 4-bit, one bf16 scale per group of 32 consecutive columns of a row:
+    scale[r, g] = bf16(max_{c in g} |w[r, c]| / 7)        (fp32 division, then rounded to bf16, RNE)
+    q[r, c]     = clip(rint(w[r, c] / scale[r, g]), -7, 7)  (fp32 division by the bf16 scale's value)
+    w'          = float32(q) * float32(scale[r, g])      (exact: 4 bits x 8 bits fits in fp32)
+  Why [-7, 7] and not [-8, 7]: symmetric about zero, the group's largest magnitude maps to +-7
+  whatever its sign (no sign-dependent rule) and nothing is clipped, so every weight is within
+  half a step of its value; the 16th code (-8) would only refine the negative side. The kernels
+  accept -8 (a plain two's-complement nibble) but this quantizer never writes it.
+  Why a bf16 scale: 2 bytes per 32 weights instead of 4 (0.5625 instead of 0.625 bytes per
+  weight: 10% fewer bytes read per token), and q * scale is then exact in fp32, so the GPU and
+  the reference agree on every dequantized weight bit for bit whatever order they multiply in.
+  Rounding the scale to 8 bits moves the reconstructed group maximum by at most 2^-9 relative,
+  1/64 of the quantization step.
+  Packing: a group is 16 bytes; byte j holds columns 2j (low nibble) and 2j+1 (high nibble),
+  each a two's-complement 4-bit q. A row is ceil(cols / 32) groups: columns past ``cols`` in the
+  last group are padding with q = 0 (the matrix is padded, never rejected). Data: uint8
+  [rows, ceil(cols / 32) * 16]; scale: bf16 [rows, ceil(cols / 32)].
+
+What is quantized (``quantize``): "dense" = attention q/k/v/o and the dense FFN gate/up/down;
+"experts" = the MoE experts' gate/up/down; "all" = both. The embedding table, the norms and the
+MoE router (mlp.gate: small, and it decides which experts run) stay as loaded; the lm_head only
+with ``quantize_lm_head`` (for tied embeddings a quantized copy named ``lm_head.weight`` is made
+from the embedding table, which itself stays bf16 for the gather).
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import ml_dtypes
+import numpy as np
+
+WEIGHT_FORMATS = ("bf16", "int8", "q4")
+QUANTIZE_CLASSES = ("all", "dense", "experts")
+Q4_GROUP = 32             # columns per q4 scale
+Q4_GROUP_BYTES = Q4_GROUP // 2
+INT8_MAX = 127
+Q4_MAX = 7
+SCALE_SUFFIX = ".scale"   # og_set_weight name of a quantized matrix's scales: "<name>.scale"
+
+_F32 = np.float32
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_ROW_BLOCK = 2048         # rows per numpy pass: bounds the fp32 temporaries (~2048 x cols x 4 B)
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """A quantized [rows, cols] weight: ``data`` and ``scale`` as og_set_weight takes them.
+
+    int8: data int8 [rows, cols], scale fp32 [rows].
+    q4:   data uint8 [rows, groups * 16] (packed), scale bf16 [rows, groups], groups = ceil(cols / 32).
+    """
+    format: str
+    shape: tuple[int, int]
+    data: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+    def dequantize(self, rows: slice | None = None) -> np.ndarray:
+        """w' [rows, cols] fp32 (optionally a slice of the rows), exactly as the GPU sees it."""
+        rows = rows or slice(None)
+        if self.format == "int8":
+            return dequantize_int8(self.data[rows], self.scale[rows])
+        return dequantize_q4(self.data[rows], self.scale[rows], self.shape[1])
+
+
+# ---- int8 per row ---------------------------------------------------------------------------
+
+def _as_f32(w: np.ndarray, name: str) -> np.ndarray:
+    w32 = np.asarray(w, dtype=_F32)
+    if w32.ndim != 2:
+        raise ValueError(f"{name}: only matrices are quantized, got shape {w32.shape}")
+    if w32.size and not np.isfinite(w32).all():
+        bad = np.argwhere(~np.isfinite(w32))[0]
+        raise ValueError(f"{name}: weight [{bad[0]}, {bad[1]}] is {w32[tuple(bad)]}: cannot quantize a "
+                         f"non-finite value")
+    return w32
+
+
+def quantize_int8(w: np.ndarray, name: str = "weight") -> QuantizedMatrix:
+    """[rows, cols] bf16 or fp32 -> int8 with one fp32 scale per row (module docstring)."""
+    w = np.asarray(w)
+    rows, cols = w.shape
+    q = np.empty((rows, cols), np.int8)
+    scale = np.empty(rows, _F32)
+    for r0 in range(0, rows, _ROW_BLOCK):
+        block = _as_f32(w[r0:r0 + _ROW_BLOCK], name)
+        s = (np.max(np.abs(block), axis=1) / _F32(INT8_MAX)).astype(_F32)
+        divisor = np.where(s == 0, _F32(1), s)[:, None]
+        qb = np.rint(block / divisor)
+        qb[s == 0] = 0
+        q[r0:r0 + _ROW_BLOCK] = np.clip(qb, -INT8_MAX, INT8_MAX)
+        scale[r0:r0 + _ROW_BLOCK] = s
+    return QuantizedMatrix("int8", (rows, cols), q, scale)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """q [rows, cols] int8, scale [rows] fp32 -> float32(q) * scale [rows, cols] fp32."""
+    return q.astype(_F32) * np.asarray(scale, _F32)[:, None]
+
+
+# ---- q4 in groups of 32 ----------------------------------------------------------------------
+
+def q4_groups(cols: int) -> int:
+    return -(-cols // Q4_GROUP)
+
+
+def quantize_q4(w: np.ndarray, name: str = "weight") -> QuantizedMatrix:
+    """[rows, cols] bf16 or fp32 -> packed 4-bit codes with one bf16 scale per 32 columns."""
+    w = np.asarray(w)
+    rows, cols = w.shape
+    groups = q4_groups(cols)
+    data = np.empty((rows, groups * Q4_GROUP_BYTES), np.uint8)
+    scale = np.empty((rows, groups), _BF16)
+    for r0 in range(0, rows, _ROW_BLOCK):
+        block = _as_f32(w[r0:r0 + _ROW_BLOCK], name)
+        n = block.shape[0]
+        padded = np.zeros((n, groups * Q4_GROUP), _F32)     # pad columns are 0 -> q = 0
+        padded[:, :cols] = block
+        g = padded.reshape(n, groups, Q4_GROUP)
+        s = (np.max(np.abs(g), axis=2) / _F32(Q4_MAX)).astype(_F32).astype(_BF16)
+        s32 = s.astype(_F32)
+        divisor = np.where(s32 == 0, _F32(1), s32)[:, :, None]
+        q = np.clip(np.rint(g / divisor), -Q4_MAX, Q4_MAX).astype(np.int8)
+        q[s32 == 0] = 0
+        data[r0:r0 + n] = pack_q4(q.reshape(n, groups * Q4_GROUP))
+        scale[r0:r0 + n] = s
+    return QuantizedMatrix("q4", (rows, cols), data, scale)
+
+
+def pack_q4(q: np.ndarray) -> np.ndarray:
+    """q int [rows, 2k] in [-8, 7] -> uint8 [rows, k]: byte j = (q[2j] & 15) | (q[2j+1] & 15) << 4."""
+    u = np.asarray(q).astype(np.uint8) & np.uint8(0x0F)
+    return (u[:, 0::2] | (u[:, 1::2] << np.uint8(4))).astype(np.uint8)
+
+
+def unpack_q4(data: np.ndarray) -> np.ndarray:
+    """uint8 [rows, k] -> int8 [rows, 2k]: the two's-complement nibbles, low nibble first."""
+    data = np.asarray(data, np.uint8)
+    out = np.empty((data.shape[0], 2 * data.shape[1]), np.int8)
+    out[:, 0::2] = ((data & 0x0F).astype(np.int8) ^ 8) - 8
+    out[:, 1::2] = ((data >> 4).astype(np.int8) ^ 8) - 8
+    return out
+
+
+def dequantize_q4(data: np.ndarray, scale: np.ndarray, cols: int) -> np.ndarray:
+    """Packed data [rows, groups * 16], bf16 scale [rows, groups] -> q * scale [rows, cols] fp32."""
+    q = unpack_q4(data).astype(_F32)                               # [rows, groups * 32]
+    s = np.repeat(np.asarray(scale).astype(_F32), Q4_GROUP, axis=1)  # [rows, groups * 32]
+    return (q * s)[:, :cols]
+
+
+def quantize(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedMatrix:
+    if fmt == "int8":
+        return quantize_int8(w, name)
+    if fmt == "q4":
+        return quantize_q4(w, name)
+    raise ValueError(f"weight format {fmt!r} is not a quantized format (int8, q4)")
+
+
+# ---- which tensors, and a quantizing tensor stream ---------------------------------------------
+
+_DENSE_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                   "mlp.down_proj.weight")
+
+
+def tensor_class(name: str) -> str | None:
+    """"dense", "experts", "lm_head" or None (stays as loaded: embedding, norms, router)."""
+    if name == "lm_head.weight":
+        return "lm_head"
+    if not name.startswith("model.layers."):
+        return None
+    if ".mlp.experts." in name:
+        return "experts"
+    return "dense" if name.endswith(_DENSE_SUFFIXES) else None
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """The format of each class of matrices (og_config.weights_dense / _experts / _lm_head)."""
+    dense: str = "bf16"
+    experts: str = "bf16"
+    lm_head: str = "bf16"
+
+    @classmethod
+    def make(cls, weights: str = "bf16", quantize: str = "all", quantize_lm_head: bool = False) -> "WeightScheme":
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights={weights!r} is not one of {WEIGHT_FORMATS}")
+        if quantize not in QUANTIZE_CLASSES:
+            raise ValueError(f"quantize={quantize!r} is not one of {QUANTIZE_CLASSES}")
+        return cls(dense=weights if quantize in ("all", "dense") else "bf16",
+                   experts=weights if quantize in ("all", "experts") else "bf16",
+                   lm_head=weights if quantize_lm_head else "bf16")
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.dense == self.experts == self.lm_head == "bf16"
+
+    def format_of(self, name: str) -> str:
+        cls = tensor_class(name)
+        return "bf16" if cls is None else getattr(self, cls)
+
+    def label(self) -> str:
+        parts = {"dense": self.dense, "experts": self.experts, "lm_head": self.lm_head}
+        formats = set(parts.values())
+        if len(formats) == 1:
+            return formats.pop()
+        return ",".join(f"{k}={v}" for k, v in parts.items())
+
+
+def quantize_stream(config, tensors: Iterable[tuple[str, np.ndarray]], scheme: WeightScheme,
+                    workers: int | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedMatrix]]:
+    """(name, array) pairs -> the same pairs with the scheme's matrices as QuantizedMatrix, in order.
+
+    With a tied embedding and a quantized lm_head, ("lm_head.weight", quantized copy of the
+    embedding table) follows the embedding. Tensors are quantized on a thread pool (numpy
+    releases the GIL) with a bounded look-ahead, so memory stays a few tensors deep."""
+    if scheme.is_bf16:
+        yield from tensors
+        return
+    tied_copy = scheme.lm_head != "bf16" and config.tie_word_embeddings
+
+    def work(item):
+        name, array = item
+        fmt = scheme.format_of(name)
+        out = [(name, array if fmt == "bf16" else quantize(array, fmt, name))]
+        if tied_copy and name == "model.embed_tokens.weight":
+            out.append(("lm_head.weight", quantize(array, scheme.lm_head, "lm_head.weight")))
+        return out
+
+    workers = workers or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        for item in tensors:
+            pending.append(pool.submit(work, item))
+            if len(pending) > 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
