@@ -47,6 +47,17 @@ OG_API og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t in
                                              int32_t cols, const float *x,
                                              const float *norm_weight, float eps, float *act);
 
+/* The GEMV over quantized weights (format OG_WEIGHTS_INT8 or OG_WEIGHTS_Q4), weight and scales
+ * as og_set_weight takes them (onegraph.h "weight formats"): int8 data [rows, cols] + fp32
+ * scales [rows]; q4 packed data [rows, ceil(cols / 32) * 16] bytes + bf16 scale bits [rows,
+ * ceil(cols / 32)]. mode: the kernels.cuh GemvMode (0 plain: y = W x; 1 RMSNorm in front,
+ * normed may be NULL; 2 residual, y in/out; 3 RMSNorm + gate/up + SwiGLU: rows = 2 * inter
+ * (gate rows then up rows), y [inter]). norm_weight and eps are read in modes 1 and 3. */
+OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *weight,
+                                    const void *scales, int32_t rows, int32_t cols,
+                                    const float *x, const float *norm_weight, float eps,
+                                    float *y, float *normed);
+
 /* The RoPE table the engine uploads: inv_freq[i] = float(1 / theta^(2i/hd)) / float(factor),
  * i < head_dim / 2, the power in float64. Host only (no device needed). */
 OG_API og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
@@ -80,6 +91,47 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
                                    int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
                                    int32_t split_len, float *out, int32_t *split_len_out,
                                    int32_t *n_splits_out);
+
+/* ---- reliability hooks (cuda/reliability.cu; test-only, process-wide) ----------------
+ * They let tests inject faults and look for damage; a program never needs them. */
+
+/* Fail the n-th device or pinned allocation the library makes from now on (n = 0: the
+ * next one) as if the device were out of memory; n = -1 disarms. Counts every engine
+ * allocation (og_init's and any later one), on every thread. */
+OG_API og_status og_test_fail_allocation_at(int32_t n);
+
+/* Allocation counters (each pointer may be NULL): *calls = device and pinned allocations
+ * attempted since the library was loaded (injected failures included); *device_live /
+ * *pinned_live = allocations not yet released, *_bytes_live their sizes. */
+OG_API og_status og_test_allocation_counts(int64_t *calls, int64_t *device_live,
+                                           int64_t *pinned_live, uint64_t *device_bytes_live,
+                                           uint64_t *pinned_bytes_live);
+
+/* Make og_enqueue perform an illegal call while its stream is being captured, for the
+ * next `count` captures (enqueues on a stream that is not capturing are unaffected and do
+ * not count). kind:
+ *   OG_TEST_CAPTURE_FAULT_NONE    disarm
+ *   OG_TEST_CAPTURE_FAULT_MALLOC  cudaMalloc, checked: og_enqueue returns its error
+ *                                 (OG_E_CUDA naming cudaMalloc; the capture is invalidated)
+ *   OG_TEST_CAPTURE_FAULT_SYNC    cudaStreamSynchronize of the capturing stream, result
+ *                                 ignored: the capture is invalidated and the body's next
+ *                                 CUDA call (or the end of the capture) fails */
+#define OG_TEST_CAPTURE_FAULT_NONE   0
+#define OG_TEST_CAPTURE_FAULT_MALLOC 1
+#define OG_TEST_CAPTURE_FAULT_SYNC   2
+OG_API og_status og_test_set_capture_fault(int32_t kind, int32_t count);
+
+/* Guard bands: og_init fills 256 bytes before and after each guarded buffer (the KV cache
+ * values and its int8 scales) with a known pattern. og_check_guards synchronizes the
+ * engine's stream and compares them: OG_OK, or OG_E_CORRUPTED with a message naming the
+ * buffer, the side and the first changed byte. Call it between steps (not while a graph
+ * launched on another stream is in flight). */
+OG_API og_status og_check_guards(og_engine *e);
+
+/* Test only: flip one byte of a guard band: the last byte before `buffer` (after = 0) or
+ * the first byte after it (after = 1). OG_E_INVALID_ARGUMENT for an unknown buffer name
+ * (the message lists the guarded ones). */
+OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
 
 #ifdef __cplusplus
 }
