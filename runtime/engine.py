@@ -13,6 +13,14 @@ CPU path: the numpy reference decoder (runtime/reference.py), used when no GPU o
 library is usable, or when the hit-only precheck fails (a weight is not resident). The
 switch replays the sequence so far on the CPU from a clean start, so the tokens that
 follow are the ones an uninterrupted run would produce (up to the stated numerics bounds).
+
+Graph failures: if capturing the body fails (an illegal call during capture, an error from
+og_enqueue) or a replay fails, that step runs on the non-graph path (same result: nothing of
+the failed capture ran) and capture is tried again `recapture_after` steps later.
+
+check_weights=True scans every tensor in numpy before it is uploaded (or handed to the CPU
+reference) and refuses NaN or Inf with an EngineError naming the tensor and the first bad
+element. It is off by default: it reads every weight once more on the host.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import numpy as np
 
 from . import capi
 from .config import ModelConfig
+from .graph import GraphError
 from .sampling import SamplingParams, generate as _generate
 
 log = logging.getLogger("onegraph")
@@ -40,6 +49,36 @@ def _kv_code(kv: str) -> int:
     if kv not in capi.KV_DTYPES:
         raise ValueError(f"kv={kv!r} is not one of {sorted(capi.KV_DTYPES)}")
     return capi.KV_DTYPES[kv]
+
+
+def check_finite(name: str, array: np.ndarray, chunk_elems: int = 1 << 22) -> None:
+    """Raise EngineError if a floating tensor holds NaN or Inf (integer data, such as
+    quantized weights, is always finite). Scans in fp32 chunks to bound host memory."""
+    array = np.asarray(array)
+    if array.dtype.kind in "iub":
+        return
+    flat = array.reshape(-1)
+    bad_count, first = 0, None
+    for start in range(0, flat.size, chunk_elems):
+        bad = ~np.isfinite(flat[start:start + chunk_elems].astype(np.float32))
+        if bad.any():
+            if first is None:
+                first = start + int(np.argmax(bad))
+            bad_count += int(bad.sum())
+    if bad_count:
+        index = tuple(int(i) for i in np.unravel_index(first, array.shape)) if array.ndim else ()
+        raise EngineError(f"{name}: {bad_count} non-finite value(s) of {flat.size}, the first "
+                          f"{float(flat[first])} at index {index}; check_weights=True refuses NaN and "
+                          f"Inf weights")
+
+
+def _finite_checked(source: Callable[[], Iterable[tuple[str, np.ndarray]]]):
+    """A tensor source that runs check_finite on every tensor it yields."""
+    def checked():
+        for name, array in source():
+            check_finite(name, array)
+            yield name, array
+    return checked
 
 
 def library_status() -> tuple[bool, str]:
@@ -68,6 +107,9 @@ class GpuSession:
         cfg = self._og_config(config, kv, max_seq_len, device)
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.graph = None
+        self.capture_mode = "thread_local"  # see runtime/graph.py
+        self.captures = 0                   # graphs captured successfully
+        self.graph_copies = None            # memcpy nodes of the last captured graph
         try:
             skip = set(omit_weights)
             for name, array in tensors:
@@ -142,8 +184,21 @@ class GpuSession:
             capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
 
         if self.graph is None:
-            self.graph = DecodeGraph(enqueue)
+            self.graph = DecodeGraph(enqueue, mode=self.capture_mode)
+            self.captures += 1
         return self.graph
+
+    def drop_graph(self) -> None:
+        """Discard the graph after a failure: wait for anything it launched, then free it."""
+        if self.graph is None:
+            return
+        try:
+            self.graph_copies = self.graph.memcpy_directions()
+            self.graph.synchronize()
+        except Exception:  # the failure being handled may make these fail too
+            pass
+        self.graph.close()
+        self.graph = None
 
     def precheck(self) -> None:
         capi.check(self.lib.og_precheck(self.handle), "og_precheck")
@@ -182,9 +237,11 @@ class Engine:
 
     def __init__(self, config: ModelConfig, tensor_source: Callable[[], Iterable[tuple[str, np.ndarray]]], *,
                  kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
-                 omit_weights: Iterable[str] = ()):
+                 omit_weights: Iterable[str] = (), check_weights: bool = False):
         if device not in BACKENDS:
             raise ValueError(f"device={device!r} is not one of {BACKENDS}")
+        if check_weights:  # the weights as given, before any quantization
+            tensor_source = _finite_checked(tensor_source)
         _kv_code(kv)
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len={max_seq_len} must be positive")
@@ -196,8 +253,11 @@ class Engine:
         self._history: list[int] = []  # tokens in the KV cache, for the CPU switch
         self._gpu: GpuSession | None = None
         self._cpu = None
-        self._graph_failed_at: int | None = None
-        self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0}
+        self.recapture_after = 16      # non-graph steps after a graph failure before capturing again
+        self._graph_retry_in = 0       # graph-eligible steps left to run un-captured
+        self.last_graph_error: str | None = None
+        self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0,
+                        "graph_failures": 0}
         self.fallback_reason: str | None = None
         if device in ("auto", "gpu"):
             usable, reason = library_status()
@@ -287,23 +347,24 @@ class Engine:
     def _gpu_step(self, token: int) -> np.ndarray:
         gpu = self._gpu
         gpu.begin(token)  # validates and prechecks; on error nothing has changed
-        if self.use_graph and self._graph_failed_at is None:
+        if self.use_graph and self._graph_retry_in <= 0:
             try:
                 graph = gpu.capture()
                 graph.replay()
                 self._timing["graph_steps"] += 1
                 return gpu.end()
-            except Exception as e:  # capture or launch failed: this step runs un-captured
-                from .graph import GraphError
-                if not isinstance(e, (GraphError, capi.LibraryError)):
-                    raise
-                log.warning("onegraph: graph path failed (%s); running this step on the non-graph path", e)
-                self._graph_failed_at = len(self._history)
-                if gpu.graph is not None:
-                    gpu.graph.close()
-                    gpu.graph = None
-        elif self._graph_failed_at is not None and len(self._history) - self._graph_failed_at >= 16:
-            self._graph_failed_at = None  # try to capture again on the next step
+            except (GraphError, capi.LibraryError) as e:
+                # A failed capture ran nothing; a failed replay is waited for before the
+                # non-graph run repeats the step (it rewrites the same KV row with the same
+                # values). Capture is tried again after recapture_after steps.
+                log.warning("onegraph: graph path failed (%s); running this step on the non-graph "
+                            "path, capturing again in %d steps", e, self.recapture_after)
+                self.last_graph_error = str(e)
+                self._timing["graph_failures"] += 1
+                self._graph_retry_in = self.recapture_after
+                gpu.drop_graph()
+        elif self.use_graph:
+            self._graph_retry_in -= 1
         gpu.run_nongraph()
         self._timing["nongraph_steps"] += 1
         return gpu.end()
@@ -361,10 +422,12 @@ class Engine:
                 # Non-graph steps are counted by the library per enqueue; graph replays copy
                 # what the captured graph holds (one H2D and one D2H node, see graph.py).
                 graph_h2d = graph_d2h = 0
-                if self._gpu.graph is not None and t["graph_steps"]:
-                    dirs = self._gpu.graph.memcpy_directions()
+                if t["graph_steps"]:
+                    graph = self._gpu.graph
+                    dirs = graph.memcpy_directions() if graph is not None else self._gpu.graph_copies or {}
                     graph_h2d, graph_d2h = dirs.get("HostToDevice", 0), dirs.get("DeviceToHost", 0)
-                captures = 1 if self._gpu.graph is not None else 0
+                captures = self._gpu.captures  # each successful capture enqueued the body once
+                t["captures"] = captures
                 h2d = lib["h2d_copies"] - captures * graph_h2d + t["graph_steps"] * graph_h2d
                 d2h = lib["d2h_copies"] - captures * graph_d2h + t["graph_steps"] * graph_d2h
                 t["h2d_per_token"] = h2d / gpu_steps

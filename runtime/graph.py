@@ -7,8 +7,12 @@
     exec  = cudaGraphInstantiate(graph)
     per token: og_begin_step -> cudaGraphLaunch(exec, stream) -> cudaStreamSynchronize -> og_end_step
 
-Global capture mode makes any unsafe CUDA call from any thread during the capture (an
-allocation, a synchronization) fail the capture instead of silently escaping it.
+Capture runs in thread-local mode by default: an unsafe CUDA call (an allocation, a
+synchronization) made by the capturing thread, which is the thread running og_enqueue, fails
+and invalidates the capture instead of silently escaping it, while other threads decoding
+with their own engines are not disturbed. Global mode (mode="global") would also forbid
+those calls on every other thread for as long as the capture lasts, so a second engine's
+cudaStreamSynchronize in another thread would fail then; it is kept for tests.
 """
 from __future__ import annotations
 
@@ -50,12 +54,19 @@ def device_count() -> int:
     return int(count) if err == rt.cudaError_t.cudaSuccess else 0
 
 
-class DecodeGraph:
-    """One captured decode step. `enqueue(stream_handle: int)` must enqueue the whole body."""
+CAPTURE_MODES = ("thread_local", "global", "relaxed")
 
-    def __init__(self, enqueue: Callable[[int], None]):
+
+class DecodeGraph:
+    """One captured decode step. `enqueue(stream_handle: int)` must enqueue the whole body.
+    `mode`: the stream capture mode, one of CAPTURE_MODES (see the module docstring)."""
+
+    def __init__(self, enqueue: Callable[[int], None], mode: str = "thread_local"):
+        if mode not in CAPTURE_MODES:
+            raise ValueError(f"mode={mode!r} is not one of {CAPTURE_MODES}")
         rt = _runtime()
         self._rt = rt
+        self.mode = mode
         self.graph = None
         self.exec = None
         self.stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
@@ -67,8 +78,10 @@ class DecodeGraph:
 
     def _capture(self, enqueue: Callable[[int], None]) -> None:
         rt = self._rt
-        _check(rt.cudaStreamBeginCapture(self.stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal),
-               "cudaStreamBeginCapture")
+        modes = {"global": rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal,
+                 "thread_local": rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal,
+                 "relaxed": rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed}
+        _check(rt.cudaStreamBeginCapture(self.stream, modes[self.mode]), "cudaStreamBeginCapture")
         try:
             enqueue(int(self.stream))
         except BaseException:
