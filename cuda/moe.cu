@@ -866,3 +866,80 @@ extern "C" OG_API og_status og_test_moe_down(const uint16_t *down_bf16, int E, i
     OG_TRY(cudaMemcpy(x_inout, d_x.ptr, sizeof(float) * H, cudaMemcpyDeviceToHost));
     return OG_OK;
 }
+
+namespace {
+
+// Upload quantized rows given in og_set_weight's layout into the device layout.
+cudaError_t upload_quant_rows(DeviceBuffer &b, DeviceBuffer &s, int format, const void *data,
+                              const void *scales, long long rows, int cols) {
+    const size_t pitch = (size_t)og::weight_row_bytes(format, cols);
+    const size_t src_row = format == OG_WEIGHTS_INT8 ? (size_t)cols : pitch;
+    cudaError_t err = cudaMalloc(&b.ptr, rows * pitch);
+    if (err != cudaSuccess) {
+        b.ptr = nullptr;
+        return err;
+    }
+    err = cudaMemset(b.ptr, 0, rows * pitch);
+    if (err != cudaSuccess) return err;
+    err = cudaMemcpy2D(b.ptr, pitch, data, src_row, src_row, rows, cudaMemcpyHostToDevice);
+    if (err != cudaSuccess) return err;
+    return s.upload(scales, rows * og::weight_scales_per_row(format, cols) *
+                                og::weight_scale_bytes(format));
+}
+
+bool quant_format(int32_t f) { return f == OG_WEIGHTS_INT8 || f == OG_WEIGHTS_Q4; }
+
+}  // namespace
+
+extern "C" OG_API og_status og_test_moe_gate_up_swiglu_quant(int32_t format, const void *weights,
+                                                             const void *scales, int E, int H,
+                                                             int I, const float *x,
+                                                             const int32_t *sel, int top_k,
+                                                             float *act_out) {
+    if (!quant_format(format) || !weights || !scales || !x || !sel || !act_out)
+        return OG_E_INVALID_ARGUMENT;
+    if (E < 1 || H < 1 || I < 1 || top_k < 1 || top_k > kMaxTopK) return OG_E_INVALID_ARGUMENT;
+    if (!experts_in_range(sel, top_k, E)) return OG_E_INVALID_ARGUMENT;
+    DeviceBuffer d_w, d_s, d_x, d_sel, d_act;
+    OG_TRY(upload_quant_rows(d_w, d_s, format, weights, scales, (long long)E * 2 * I, H));
+    OG_TRY(d_x.upload(x, sizeof(float) * H));
+    OG_TRY(d_sel.upload(sel, sizeof(int32_t) * top_k));
+    OG_TRY(d_act.upload(act_out, sizeof(float) * (size_t)top_k * I));
+    TestStream stream;
+    OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+    const MoeExperts w = {d_w.ptr, d_s.ptr, format};
+    og_status st = to_status(launch_moe_gate_up_swiglu(w, d_x.as<float>(), d_sel.as<int32_t>(),
+                                                       top_k, H, I, d_act.as<float>(), stream.s,
+                                                       false));
+    if (st != OG_OK) return st;
+    OG_TRY(cudaStreamSynchronize(stream.s));
+    OG_TRY(cudaMemcpy(act_out, d_act.ptr, sizeof(float) * (size_t)top_k * I,
+                      cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
+
+extern "C" OG_API og_status og_test_moe_down_quant(int32_t format, const void *weights,
+                                                   const void *scales, int E, int H, int I,
+                                                   const float *act, const int32_t *sel,
+                                                   const float *w, int top_k, float *x_inout) {
+    if (!quant_format(format) || !weights || !scales || !act || !sel || !w || !x_inout)
+        return OG_E_INVALID_ARGUMENT;
+    if (E < 1 || H < 1 || I < 1 || top_k < 1 || top_k > kMaxTopK) return OG_E_INVALID_ARGUMENT;
+    if (!experts_in_range(sel, top_k, E)) return OG_E_INVALID_ARGUMENT;
+    DeviceBuffer d_w, d_s, d_act, d_sel, d_sw, d_x;
+    OG_TRY(upload_quant_rows(d_w, d_s, format, weights, scales, (long long)E * H, I));
+    OG_TRY(d_act.upload(act, sizeof(float) * (size_t)top_k * I));
+    OG_TRY(d_sel.upload(sel, sizeof(int32_t) * top_k));
+    OG_TRY(d_sw.upload(w, sizeof(float) * top_k));
+    OG_TRY(d_x.upload(x_inout, sizeof(float) * H));
+    TestStream stream;
+    OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
+    const MoeExperts down = {d_w.ptr, d_s.ptr, format};
+    og_status st = to_status(launch_moe_down_weighted_residual(
+        down, d_act.as<float>(), d_sel.as<int32_t>(), d_sw.as<float>(), top_k, H, I,
+        d_x.as<float>(), stream.s, false));
+    if (st != OG_OK) return st;
+    OG_TRY(cudaStreamSynchronize(stream.s));
+    OG_TRY(cudaMemcpy(x_inout, d_x.ptr, sizeof(float) * H, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}

@@ -38,6 +38,19 @@ OG_API og_status og_test_moe_down(const uint16_t *down_bf16, int E, int H, int I
                                   const float *act, const int32_t *sel, const float *w,
                                   int top_k, float *x_inout);
 
+/* The quantized experts (format OG_WEIGHTS_INT8 or OG_WEIGHTS_Q4), weights and scales as
+ * og_set_weight takes them for every expert row, experts concatenated (onegraph.h "weight
+ * formats"): gate_up rows [E * 2I] (per expert: I gate rows, then I up rows) of H columns,
+ * down rows [E * H] of I columns; int8 data unpadded [rows, cols] + fp32 scales [rows]; q4 packed
+ * [rows, ceil(cols / 32) * 16] + bf16 scale bits [rows, ceil(cols / 32)]. */
+OG_API og_status og_test_moe_gate_up_swiglu_quant(int32_t format, const void *weights,
+                                                  const void *scales, int E, int H, int I,
+                                                  const float *x, const int32_t *sel, int top_k,
+                                                  float *act_out);
+OG_API og_status og_test_moe_down_quant(int32_t format, const void *weights, const void *scales,
+                                        int E, int H, int I, const float *act, const int32_t *sel,
+                                        const float *w, int top_k, float *x_inout);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,7 @@
 
 #include "kernels.cuh"
 #include "onegraph_testing.h"
+#include "quant.cuh"
 
 using namespace og;
 
@@ -105,9 +106,54 @@ og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int
     return OG_OK;
 }
 
+// Upload a quantized matrix given in og_set_weight's layout into the device layout (int8 rows
+// padded to 16 bytes with zeros; q4 rows are already whole 16-byte groups).
+og_status upload_quant_matrix(DeviceBuffer &b, int format, const void *host, int rows, int cols) {
+    const size_t pitch = (size_t)weight_row_bytes(format, cols);
+    const size_t src_row = format == OG_WEIGHTS_INT8 ? (size_t)cols : pitch;
+    og_status s = alloc(b, (size_t)rows * pitch);
+    if (s != OG_OK) return s;
+    OG_CUDA_TRY(cudaMemset(b.ptr, 0, (size_t)rows * pitch));
+    OG_CUDA_TRY(cudaMemcpy2D(b.ptr, pitch, host, src_row, src_row, rows, cudaMemcpyHostToDevice));
+    return OG_OK;
+}
+
 }  // namespace
 
 extern "C" {
+
+OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *weight,
+                                    const void *scales, int32_t rows, int32_t cols,
+                                    const float *x, const float *norm_weight, float eps,
+                                    float *y, float *normed) {
+    const GemvMode m = static_cast<GemvMode>(mode);
+    if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || mode < kGemvPlain ||
+        mode > kGemvNormSwiglu)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_quant: format=%d mode=%d", format, mode);
+    if (weight == nullptr || scales == nullptr || x == nullptr || y == nullptr || rows <= 0 ||
+        cols <= 0 || (mode_needs_norm(m) && norm_weight == nullptr) ||
+        (m == kGemvNormSwiglu && rows % 2 != 0))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_quant: NULL array or bad size");
+    OG_TRY(require_device());
+    const int y_len = m == kGemvNormSwiglu ? rows / 2 : rows;
+    const size_t scale_bytes =
+        (size_t)rows * weight_scales_per_row(format, cols) * weight_scale_bytes(format);
+    DeviceBuffer d_w, d_s, d_x, d_norm, d_y, d_normed;
+    OG_TRY(upload_quant_matrix(d_w, format, weight, rows, cols));
+    OG_TRY(alloc_copy(d_s, scales, scale_bytes));
+    OG_TRY(alloc_copy(d_x, x, (size_t)cols * 4));
+    if (norm_weight != nullptr) OG_TRY(alloc_copy(d_norm, norm_weight, (size_t)cols * 4));
+    OG_TRY(alloc_copy(d_y, y, (size_t)y_len * 4));
+    if (normed != nullptr) OG_TRY(alloc_copy(d_normed, normed, (size_t)cols * 4));
+    GemvPlan plan;
+    OG_CUDA_TRY(gemv_plan(m, rows, cols, &plan, format));
+    GemvArgs args = {d_w.ptr, rows, cols, d_x.as<float>(), d_norm.as<float>(), eps,
+                     d_y.as<float>(), d_normed.as<float>(), d_s.ptr, format};
+    OG_TRY(finish_launch(launch_gemv(m, plan, args, 0, false), "launch_gemv"));
+    OG_TRY(copy_back(y, d_y, (size_t)y_len * 4));
+    if (normed != nullptr) OG_TRY(copy_back(normed, d_normed, (size_t)cols * 4));
+    return OG_OK;
+}
 
 OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
                                    int32_t token, float *x) {

@@ -3,9 +3,11 @@
     onegraph bench --preset qwen3-0.6b --preset qwen3-8b --kv int8 --kv bf16 \\
         --peers hf-eager,hf-compile --contexts 128,1024,4096,16384,32768 \\
         --json bench.json --plot bench.png
+    onegraph bench --preset qwen3-8b --weights bf16 --weights int8 --weights q4 --quantize-lm-head
 
 What one run does, for every model (a preset's synthetic weights streamed straight from the
-generator, or a model folder) and every KV format:
+generator, or a model folder), every KV format and every weight format (--weights, quantized at
+load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
 
 - Decode: a prompt of P random tokens (fed token by token; TTFT = until the first token id is
   on the host), then N greedy steps, each timed from feeding a token to holding the next
@@ -56,6 +58,7 @@ SCHEMA_VERSION = 1
 
 WEIGHT_FORMATS = ("bf16", "int8", "q4")
 Q4_GROUP = 32          # q4: one scale per 32 consecutive weights of a row
+Q4_SCALE_BYTES = 2     # the library's q4 scales are bf16 (runtime/quant.py)
 NORM_VECTOR_BYTES = 4  # RMSNorm weights are fp32 on the device
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 KV_SCALE_BYTES = {"fp32": 0, "bf16": 0, "int8": 4}  # int8: one fp32 scale per (token, KV head)
@@ -76,27 +79,29 @@ def matrix_bytes(rows: int, cols: int, fmt: str = "bf16", q4_scale_bytes: int = 
 
 
 def weight_bytes_per_token(c: ModelConfig, fmt: str = "bf16", lm_head_fmt: str | None = None,
-                           q4_scale_bytes: int = 4) -> dict[str, int]:
-    """Weight bytes one decode step reads, by part. Projections and experts are in `fmt`, the
-    lm_head in `lm_head_fmt` (default: `fmt`). The body gathers one embedding row, so the
-    embedding table counts one row (in the lm_head's format when the two are tied). MoE
-    layers read the router (bf16 always: small, and routing decides everything after it) and
-    the top-k experts only."""
+                           q4_scale_bytes: int = Q4_SCALE_BYTES, quantize: str = "all") -> dict[str, int]:
+    """Weight bytes one decode step reads, by part. The matrices `quantize` names ("all",
+    "dense": attention and dense FFN, "experts") are in `fmt`, the others bf16; the lm_head in
+    `lm_head_fmt` (default: `fmt`). The body gathers one bf16 embedding row (a tied model's
+    quantized lm_head is a separate copy), so the table counts one row. MoE layers read the
+    router (bf16 always: small, and routing decides everything after it) and the top-k
+    experts only."""
     H = c.hidden_size
     lm_fmt = lm_head_fmt or fmt
+    dense_fmt = fmt if quantize in ("all", "dense") else "bf16"
+    experts_fmt = fmt if quantize in ("all", "experts") else "bf16"
 
-    def mat(rows, cols, f=fmt):
+    def mat(rows, cols, f=dense_fmt):
         return matrix_bytes(rows, cols, f, q4_scale_bytes)
 
-    parts = {"embedding_row": mat(1, H, lm_fmt if c.tie_word_embeddings else "bf16"),
-             "attention": 0, "norms": 0, "router": 0, "ffn": 0}
+    parts = {"embedding_row": mat(1, H, "bf16"), "attention": 0, "norms": 0, "router": 0, "ffn": 0}
     for layer in range(c.num_hidden_layers):
         parts["attention"] += mat(c.q_size + 2 * c.kv_size, H) + mat(H, c.q_size)
         parts["norms"] += NORM_VECTOR_BYTES * (2 * H + (2 * c.head_dim if c.has_qk_norm else 0))
         if c.is_moe_layer(layer):
             parts["router"] += mat(c.num_experts, H, "bf16")
             Im = c.moe_intermediate_size
-            parts["ffn"] += c.num_experts_per_tok * (mat(2 * Im, H) + mat(H, Im))
+            parts["ffn"] += c.num_experts_per_tok * (mat(2 * Im, H, experts_fmt) + mat(H, Im, experts_fmt))
         else:
             parts["ffn"] += mat(2 * c.intermediate_size, H) + mat(H, c.intermediate_size)
     parts["norms"] += NORM_VECTOR_BYTES * H
@@ -118,13 +123,22 @@ def mean_decode_context(prompt_len: int, n: int) -> float:
     return prompt_len + (n + 1) / 2
 
 
-def bytes_per_token(c: ModelConfig, kv: str, context: float, fmt: str = "bf16") -> dict:
-    weights = weight_bytes_per_token(c, fmt)
+def bytes_per_token(c: ModelConfig, kv: str, context: float, fmt: str = "bf16",
+                    quantize: str = "all", lm_head_fmt: str | None = None) -> dict:
+    weights = weight_bytes_per_token(c, fmt, lm_head_fmt=lm_head_fmt or fmt, quantize=quantize)
     kv_read = kv_bytes_per_token(c, kv, context)
-    return {"weights": weights, "weight_format": fmt, "kv_read": kv_read, "context": context,
+    label = weights_label(fmt, quantize, lm_head_fmt or fmt)
+    return {"weights": weights, "weight_format": label, "kv_read": kv_read, "context": context,
             "total": weights["total"] + kv_read,
             "embedding_table_not_read": matrix_bytes(c.vocab_size - 1, c.hidden_size, "bf16")
             if not c.tie_word_embeddings else 0}
+
+
+def weights_label(fmt: str, quantize: str = "all", lm_head_fmt: str | None = None) -> str:
+    """"bf16" / "int8" / "q4" when every matrix has that format, else the classes spelled out."""
+    from .quant import WeightScheme
+    scheme = WeightScheme.make(fmt, quantize, (lm_head_fmt or fmt) != "bf16")
+    return scheme.label()
 
 
 def floor_fields(total_bytes: int, bandwidth: float | None, ms_per_token: float | None) -> dict:
@@ -187,7 +201,12 @@ class Settings:
     contexts: list = field(default_factory=list)
     context_steps: int = 16
     context_fill: str = "position"
-    weight_format: str = "bf16"  # what the engine uploads today; int8 / q4 count through matrix_bytes
+    weights: list = field(default_factory=lambda: ["bf16"])  # weight formats, one engine each
+    quantize: str = "all"          # which matrices a quantized format applies to
+    quantize_lm_head: bool = False
+
+    def lm_head_fmt(self, fmt: str) -> str:
+        return fmt if self.quantize_lm_head else "bf16"
 
 
 @dataclass
@@ -334,31 +353,37 @@ def usable_contexts(config: ModelConfig, contexts: list[int]) -> list[int]:
 
 # ---- one model: onegraph, the sweep, the peers ------------------------------------------------
 
-def empty_result(target: Target, runtime: str, kv: str, s: Settings) -> dict:
+def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: str = "bf16") -> dict:
     result = {key: None for key in RESULT_FIELDS}
     result.update(model=target.label, origin=target.origin, layers=target.config.num_hidden_layers,
-                  runtime=runtime, kv=kv, prompt=s.prompt, n=s.n, repeats=s.repeats, status="ok")
+                  runtime=runtime, kv=kv, weights=weights, prompt=s.prompt, n=s.n, repeats=s.repeats,
+                  status="ok")
     return result
 
 
-def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None) -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records for one model and KV format."""
+def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
+                   fmt: str = "bf16") -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records for one model, KV format and
+    weight format."""
     from .engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
     max_seq = max([s.prompt + s.n] + [c + 2 * (s.context_steps + 1) for c in contexts]) + 1
+    label = weights_label(fmt, s.quantize, s.lm_head_fmt(fmt))
+    quant = {} if label == "bf16" else {"weights": fmt, "quantize": s.quantize,
+                                        "quantize_lm_head": s.quantize_lm_head}
     t0 = time.perf_counter()
-    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device)
+    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device, **quant)
     load_s = time.perf_counter() - t0
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
         measured = alternate_modes(engine, modes, prompt, s.n, s.repeats)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
-        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth)
-    bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), s.weight_format)
+        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt)
+    bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
     results = []
     for mode, m in measured.items():
-        r = empty_result(target, f"onegraph-{mode}", kv, s)
+        r = empty_result(target, f"onegraph-{mode}", kv, s, label)
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
                  h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt)
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
@@ -367,22 +392,24 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
 
 
 def sweep_contexts(engine, modes: list[str], target: Target, kv: str, s: Settings,
-                   bandwidth: float | None) -> list[dict]:
+                   bandwidth: float | None, fmt: str = "bf16") -> list[dict]:
     fill = s.context_fill if engine.backend != "cpu" else "prefill"  # pinning needs the GPU path
     records = []
     for context in usable_contexts(target.config, s.contexts):
         times, fill_s = steps_at_context(engine, modes, context, s.context_steps, fill, s.seed)
-        records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth, s.weight_format)
+        records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth, fmt,
+                                   s.quantize, s.lm_head_fmt(fmt))
                     for mode, step_ms in times.items()]
     return records
 
 
 def context_record(target: Target, kv: str, mode: str, context: int, step_ms: list[float], fill: str,
-                   fill_s: float, bandwidth: float | None, weight_format: str = "bf16") -> dict:
+                   fill_s: float, bandwidth: float | None, weight_format: str = "bf16",
+                   quantize: str = "all", lm_head_fmt: str | None = None) -> dict:
     ms = statistics.median(step_ms)
-    bpt = bytes_per_token(target.config, kv, context, weight_format)
+    bpt = bytes_per_token(target.config, kv, context, weight_format, quantize, lm_head_fmt)
     r = {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": f"onegraph-{mode}",
-         "kv": kv, "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
+         "kv": kv, "weights": bpt["weight_format"], "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
          "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tbt_p90_ms": float(np.percentile(step_ms, 90)),
          "step_ms": step_ms, "kv_read": bpt["kv_read"], "bytes_per_token_total": bpt["total"]}
     fl = floor_fields(bpt["total"], bandwidth, ms)
@@ -412,7 +439,7 @@ def bench_peer(peer: str, target: Target, s: Settings, bandwidth: float | None) 
     r.update(status=out["status"], reason=out["reason"])
     if out["status"] != "ok":
         return r
-    bpt = bytes_per_token(target.config, "bf16", mean_decode_context(s.prompt, s.n), s.weight_format)
+    bpt = bytes_per_token(target.config, "bf16", mean_decode_context(s.prompt, s.n))
     r.update(summarize(out["runs"]), load_s=out["load_s"], warmup_s=out["warmup_s"],
              device_bytes=out["device_bytes"], bytes_per_token=bpt, details=out["details"])
     r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
@@ -424,7 +451,8 @@ def compare_tokens(results: list[dict]) -> None:
     onegraph's run of the same model (graph, or cpu on --device cpu; bf16 KV when it ran)."""
     anchors = {}
     for r in results:
-        if r["runtime"] in ("onegraph-graph", "onegraph-cpu") and (r["model"] not in anchors or r["kv"] == "bf16"):
+        if r["runtime"] in ("onegraph-graph", "onegraph-cpu") and r["weights"] == "bf16" and \
+                (r["model"] not in anchors or r["kv"] == "bf16"):
             anchors[r["model"]] = r
     for r in results:
         anchor = anchors.get(r["model"])
@@ -432,7 +460,7 @@ def compare_tokens(results: list[dict]) -> None:
             r["common_prefix_with_onegraph"] = _common_prefix(r["tokens"], anchor["tokens"])
     for g in (r for r in results if r["runtime"] == "onegraph-graph"):
         ng = next((r for r in results if r["runtime"] == "onegraph-nongraph"
-                   and (r["model"], r["kv"]) == (g["model"], g["kv"])), None)
+                   and (r["model"], r["kv"], r["weights"]) == (g["model"], g["kv"], g["weights"])), None)
         if ng is not None:
             g["speedup_over_nongraph"] = g["tokens_per_s"] / ng["tokens_per_s"]
             g["same_tokens_as_nongraph"] = g["tokens"] == ng["tokens"]
@@ -454,7 +482,8 @@ DOC_FIELDS = {
     "gpu": "CUDA device 0's name (null on --device cpu)",
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
-    "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weight_format",
+    "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
+                "quantize, quantize_lm_head",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "notes": "list of strings: what was skipped and why",
@@ -466,6 +495,8 @@ RESULT_FIELDS = {
     "layers": "num_hidden_layers",
     "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu | hf-eager | hf-compile",
     "kv": "KV cache format: int8 | bf16 | fp32 (peers: bf16)",
+    "weights": "weight format (runtime/quant.py WeightScheme.label): bf16 | int8 | q4, ':experts' / ':dense' when "
+               "only those are quantized, '+lm' with the lm_head (peers: bf16)",
     "prompt": "prompt tokens",
     "n": "decode steps timed per run",
     "repeats": "timed runs (a warm-up run comes before them)",
@@ -492,13 +523,14 @@ RESULT_FIELDS = {
     "speedup_over_nongraph": "graph tokens_per_s / non-graph tokens_per_s (graph records only)",
     "same_tokens_as_nongraph": "graph and non-graph produced identical tokens (graph records only)",
     "common_prefix_with_onegraph": "leading tokens equal to those of onegraph's graph run of the same model "
-                                   "(cpu run on --device cpu; its bf16-KV run when there is one)",
+                                   "with bf16 weights (cpu run on --device cpu; its bf16-KV run when there "
+                                   "is one)",
     "details": "peers: versions, dtype, attention / experts implementation, fullgraph",
 }
 
 SWEEP_FIELDS = {
     "model": "as in results", "layers": "as in results", "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu",
-    "kv": "as in results",
+    "kv": "as in results", "weights": "as in results",
     "context": "rows the attention reads",
     "fill": "position (step record pinned at context - 1) | prefill (a real context - 1 token prompt; "
             "each timed step then adds a row)",
@@ -557,11 +589,11 @@ def _f(value, fmt: str, width: int) -> str:
 def format_sweep(sweep: list[dict]) -> str:
     if not sweep:
         return ""
-    lines = [f"{'context sweep':<22} {'kv':<5} {'runtime':<18} {'context':>8} {'ms/tok':>8} {'p90':>8} "
-             f"{'floor ms':>9} {'% floor':>8}"]
+    lines = [f"{'context sweep':<22} {'kv':<5} {'weights':<13} {'runtime':<18} {'context':>8} {'ms/tok':>8} "
+             f"{'p90':>8} {'floor ms':>9} {'% floor':>8}"]
     for r in sweep:
         pct = 100 * r["fraction_of_floor"] if r["fraction_of_floor"] else None
-        lines.append(f"{r['model']:<22} {r['kv']:<5} {r['runtime']:<18} {r['context']:>8} "
+        lines.append(f"{r['model']:<22} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {r['runtime']:<18} {r['context']:>8} "
                      f"{_f(r['ms_per_token'], '.3f', 8)} {_f(r['tbt_p90_ms'], '.3f', 8)} "
                      f"{_f(r['floor_ms'], '.3f', 9)} {_f(pct, '.1f', 8)}")
     return "\n".join(lines)
@@ -573,11 +605,11 @@ def format_table(doc: dict) -> str:
     bw = doc["copy_bandwidth_bytes_per_s"]
     head = (f"onegraph bench on {doc['gpu'] or doc['settings']['device']}: prompt {s['prompt']}, decode {s['n']}, "
             f"{s['repeats']} timed runs" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else ""))
-    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
+    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'weights':<13} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
             f"{'TBT p90':>8} {'TTFT ms':>8} {'% floor':>8} {'H2D/D2H':>9} {'mem GB':>7}")
     lines = [head, cols, "-" * len(cols)]
     for r in doc["results"]:
-        lead = f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r['runtime']:<18}"
+        lead = f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {r['runtime']:<18}"
         if r["status"] != "ok":
             lines.append(f"{lead} skipped: {r['reason']}")
             continue
@@ -594,15 +626,22 @@ def format_table(doc: dict) -> str:
 def _footnotes(results: list[dict]) -> list[str]:
     lines, seen = [], set()
     for r in results:
+        weights = r.get("weights") or "bf16"
+        tag = f"{r['model']} {r['kv']}" + ("" if weights == "bf16" else f" {weights}")
         if r["runtime"] == "onegraph-graph" and r["speedup_over_nongraph"] is not None:
-            lines.append(f"{r['model']} {r['kv']}: graph / non-graph {r['speedup_over_nongraph']:.2f}x, "
+            lines.append(f"{tag}: graph / non-graph {r['speedup_over_nongraph']:.2f}x, "
                          f"same tokens: {r['same_tokens_as_nongraph']}")
-        key = (r["model"], r["kv"])
+        base = next((b for b in results if b["runtime"] == r["runtime"] == "onegraph-graph" and
+                     (b["model"], b["kv"], b.get("weights")) == (r["model"], r["kv"], "bf16")), None)
+        if weights != "bf16" and base is not None and r["tokens_per_s"] and base["tokens_per_s"]:
+            lines.append(f"{tag}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                         f"the bf16 weights' tok/s (graph)")
+        key = (r["model"], r["kv"], weights)
         if r["status"] == "ok" and r["bytes_per_token"] and key not in seen:
             seen.add(key)
             b = r["bytes_per_token"]
             floor = f" -> floor {r['floor_ms']:.3f} ms ({r['floor_tokens_per_s']:.0f} tok/s)" if r["floor_ms"] else ""
-            lines.append(f"{r['model']} {r['kv']}: reads {b['total'] / 1e9:.3f} GB/token (weights "
+            lines.append(f"{tag}: reads {b['total'] / 1e9:.3f} GB/token (weights "
                          f"{b['weights']['total'] / 1e9:.3f} {b['weight_format']}, KV {b['kv_read'] / 1e6:.1f} MB "
                          f"at context {b['context']:.0f}){floor}")
     return lines
@@ -623,6 +662,11 @@ def parse_args(argv):
     p.add_argument("--model", action="append", default=[], help="Hugging Face model folder (repeatable)")
     p.add_argument("--kv", action="append", default=[], choices=sorted(KV_ELEMENT_BYTES),
                    help="KV cache format (repeatable; default int8)")
+    p.add_argument("--weights", action="append", default=[], choices=list(WEIGHT_FORMATS),
+                   help="weight format, quantized at load (repeatable; default bf16)")
+    p.add_argument("--quantize", choices=["all", "dense", "experts"], default="all",
+                   help="which matrices a quantized --weights applies to")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens P")
     p.add_argument("--n", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
@@ -646,7 +690,9 @@ def parse_args(argv):
 def settings_from(args) -> Settings:
     return Settings(prompt=args.prompt, n=args.n, repeats=args.repeats, seed=args.seed, device=args.device,
                     kv=args.kv or ["int8"], peers=_csv(args.peers), contexts=_csv(args.contexts, int),
-                    context_steps=args.context_steps, context_fill=args.context_fill)
+                    context_steps=args.context_steps, context_fill=args.context_fill,
+                    weights=args.weights or ["bf16"], quantize=args.quantize,
+                    quantize_lm_head=args.quantize_lm_head)
 
 
 def targets_from(args) -> list[Target]:
@@ -663,9 +709,10 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
             notes.append(f"{target.label}: contexts {too_long} skipped, beyond max_position_embeddings "
                          f"{target.config.max_position_embeddings}")
         for kv in s.kv:
-            r, sw = bench_onegraph(target, kv, s, bandwidth)
-            results += r
-            sweep += sw
+            for fmt in s.weights:
+                r, sw = bench_onegraph(target, kv, s, bandwidth, fmt)
+                results += r
+                sweep += sw
         results += [bench_peer(peer, target, s, bandwidth) for peer in s.peers]
     compare_tokens(results)
     notes += [f"{r['model']} {r['runtime']} skipped: {r['reason']}" for r in results if r["status"] != "ok"]

@@ -32,7 +32,12 @@ def _tokenizer(model_dir: str):
 def _engine(args, model_dir: str):
     from .engine import Engine
     return Engine.from_pretrained(model_dir, kv=args.kv, max_seq_len=args.max_seq_len,
-                                  graph=not args.no_graph, device=args.device, progress=True)
+                                  graph=not args.no_graph, device=args.device, progress=True,
+                                  **_weight_flags(args))
+
+
+def _weight_flags(args) -> dict:
+    return {"weights": args.weights, "quantize": args.quantize, "quantize_lm_head": args.quantize_lm_head}
 
 
 def cmd_demo(args) -> int:
@@ -40,7 +45,8 @@ def cmd_demo(args) -> int:
     from .synth import ensure_demo_model
     model_dir = ensure_demo_model()
     print(f"model: {model_dir}")
-    engine = Engine.from_pretrained(model_dir, kv=args.kv, max_seq_len=args.max_seq_len, device=args.device)
+    engine = Engine.from_pretrained(model_dir, kv=args.kv, max_seq_len=args.max_seq_len, device=args.device,
+                                    **_weight_flags(args))
     with engine:
         print(f"backend: {engine.backend}" + (f" ({engine.fallback_reason})" if engine.fallback_reason else ""))
         prompt = DEMO_PROMPT
@@ -146,6 +152,11 @@ def main(argv=None) -> int:
         sp.add_argument("--kv", choices=["fp32", "bf16", "int8"], default="int8")
         sp.add_argument("--max-seq-len", type=int, default=4096)
         sp.add_argument("--no-graph", action="store_true", help="GPU: run the body without the CUDA graph")
+        sp.add_argument("--weights", choices=["bf16", "int8", "q4"], default="bf16",
+                        help="weight format, quantized at load (int8 per row, q4 in groups of 32)")
+        sp.add_argument("--quantize", choices=["all", "dense", "experts"], default="all",
+                        help="which matrices --weights applies to")
+        sp.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too")
 
     sp = sub.add_parser("demo", help="decode with the embedded default model (generated on first use)")
     runtime_flags(sp)

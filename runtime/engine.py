@@ -34,6 +34,7 @@ import numpy as np
 from . import capi
 from .config import ModelConfig
 from .graph import GraphError
+from .quant import QuantizedMatrix, WeightScheme, quantize_stream
 from .sampling import SamplingParams, generate as _generate
 
 log = logging.getLogger("onegraph")
@@ -99,12 +100,15 @@ class GpuSession:
 
     def __init__(self, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *,
                  kv: str, max_seq_len: int, device: int = 0,
-                 omit_weights: Iterable[str] = ()):
+                 omit_weights: Iterable[str] = (), weights: WeightScheme = WeightScheme()):
         self.lib = capi.load_library()
         self.config = config
         self.handle = capi.Handle()
         self._moe_mask = None
         cfg = self._og_config(config, kv, max_seq_len, device)
+        cfg.weights_dense = capi.WEIGHT_FORMATS[weights.dense]
+        cfg.weights_experts = capi.WEIGHT_FORMATS[weights.experts]
+        cfg.weights_lm_head = capi.WEIGHT_FORMATS[weights.lm_head]
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.graph = None
         self.capture_mode = "thread_local"  # see runtime/graph.py
@@ -151,8 +155,15 @@ class GpuSession:
         cfg.device_ordinal = device
         return cfg
 
-    def set_weight(self, name: str, array: np.ndarray) -> None:
+    def set_weight(self, name: str, array: np.ndarray | QuantizedMatrix) -> None:
         import ml_dtypes
+        if isinstance(array, QuantizedMatrix):  # the codes, then "<name>.scale"
+            code = capi.OG_DTYPE_I8 if array.format == "int8" else capi.OG_DTYPE_Q4
+            self._upload(name, code, array.shape, np.ascontiguousarray(array.data))
+            scale_code = capi.OG_DTYPE_F32 if array.format == "int8" else capi.OG_DTYPE_BF16
+            scale = np.ascontiguousarray(array.scale)
+            self._upload(name + ".scale", scale_code, scale.shape, scale)
+            return
         if array.dtype == ml_dtypes.bfloat16:
             code = capi.OG_DTYPE_BF16
         elif array.dtype == np.float32:
@@ -162,8 +173,11 @@ class GpuSession:
         else:  # fp16 / fp64 matrices: the library stores matrices as bf16
             array, code = array.astype(np.float32).astype(ml_dtypes.bfloat16), capi.OG_DTYPE_BF16
         array = np.ascontiguousarray(array)
-        shape = (ctypes.c_int64 * array.ndim)(*array.shape)
-        capi.check(self.lib.og_set_weight(self.handle, name.encode(), code, array.ndim, shape,
+        self._upload(name, code, array.shape, array)
+
+    def _upload(self, name: str, code: int, shape: tuple, array: np.ndarray) -> None:
+        dims = (ctypes.c_int64 * len(shape))(*shape)
+        capi.check(self.lib.og_set_weight(self.handle, name.encode(), code, len(shape), dims,
                                           array.ctypes.data_as(ctypes.c_void_p)), f"og_set_weight({name})")
 
     # ---- one step ------------------------------------------------------------------
@@ -237,12 +251,20 @@ class Engine:
 
     def __init__(self, config: ModelConfig, tensor_source: Callable[[], Iterable[tuple[str, np.ndarray]]], *,
                  kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
-                 omit_weights: Iterable[str] = (), check_weights: bool = False):
+                 omit_weights: Iterable[str] = (), weights: str = "bf16", quantize: str = "all",
+                 quantize_lm_head: bool = False, check_weights: bool = False):
+        """weights: "bf16" | "int8" | "q4" for the matrices `quantize` names ("all" | "dense" |
+        "experts"; runtime/quant.py), the lm_head too with quantize_lm_head. Quantized at load,
+        deterministically, for the GPU and the CPU path alike."""
         if device not in BACKENDS:
             raise ValueError(f"device={device!r} is not one of {BACKENDS}")
         if check_weights:  # the weights as given, before any quantization
             tensor_source = _finite_checked(tensor_source)
         _kv_code(kv)
+        self.weights = WeightScheme.make(weights, quantize, quantize_lm_head)
+        if not self.weights.is_bf16:
+            source = tensor_source
+            tensor_source = lambda: quantize_stream(config, source(), self.weights)  # noqa: E731
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len={max_seq_len} must be positive")
         self.config = config
@@ -263,7 +285,7 @@ class Engine:
             usable, reason = library_status()
             if usable:
                 self._gpu = GpuSession(config, tensor_source(), kv=kv, max_seq_len=max_seq_len,
-                                       omit_weights=omit_weights)
+                                       omit_weights=omit_weights, weights=self.weights)
             elif device == "gpu":
                 raise EngineError(f"device='gpu' was asked for but the GPU path is unusable: {reason}")
             else:

@@ -228,11 +228,17 @@ class WeightScheme:
         return "bf16" if cls is None else getattr(self, cls)
 
     def label(self) -> str:
-        parts = {"dense": self.dense, "experts": self.experts, "lm_head": self.lm_head}
-        formats = set(parts.values())
-        if len(formats) == 1:
-            return formats.pop()
-        return ",".join(f"{k}={v}" for k, v in parts.items())
+        """Short name: "bf16", "q4" (dense and experts), "q4:experts", "int8:dense"; "+lm" when
+        the lm_head is quantized too."""
+        if self.dense == self.experts:
+            base = self.dense
+        elif self.dense == "bf16":
+            base = f"{self.experts}:experts"
+        elif self.experts == "bf16":
+            base = f"{self.dense}:dense"
+        else:
+            base = f"{self.dense}:dense,{self.experts}:experts"
+        return base + ("+lm" if self.lm_head != "bf16" else "")
 
 
 def quantize_stream(config, tensors: Iterable[tuple[str, np.ndarray]], scheme: WeightScheme,
