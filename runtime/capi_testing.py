@@ -331,3 +331,77 @@ def check_guards(handle) -> None:
 def corrupt_guard(handle, buffer: str, after: bool) -> None:
     """Flip one byte of the guard band before (after=False) or after (after=True) `buffer`."""
     _check(reliability().og_test_corrupt_guard(handle, buffer.encode(), int(after)), "og_test_corrupt_guard")
+
+
+# ---- reliability hooks (onegraph_testing.h, cuda/reliability.cu; test-only) ----------------
+OG_TEST_CAPTURE_FAULT_NONE, OG_TEST_CAPTURE_FAULT_MALLOC, OG_TEST_CAPTURE_FAULT_SYNC = 0, 1, 2
+CAPTURE_FAULTS = {"none": OG_TEST_CAPTURE_FAULT_NONE, "malloc": OG_TEST_CAPTURE_FAULT_MALLOC,
+                  "sync": OG_TEST_CAPTURE_FAULT_SYNC}
+
+_reliability_bound: ctypes.CDLL | None = None
+
+
+def _bind_reliability(lib: ctypes.CDLL) -> None:
+    from ctypes import c_char_p, c_int64, c_uint64
+
+    def fn(name, *argtypes):
+        f = getattr(lib, name)
+        f.restype = c_int32
+        f.argtypes = list(argtypes)
+
+    # og_status og_test_fail_allocation_at(int32_t n);
+    fn("og_test_fail_allocation_at", c_int32)
+    # og_status og_test_allocation_counts(int64_t *calls, int64_t *device_live,
+    #                                     int64_t *pinned_live, uint64_t *device_bytes_live,
+    #                                     uint64_t *pinned_bytes_live);
+    fn("og_test_allocation_counts", POINTER(c_int64), POINTER(c_int64), POINTER(c_int64),
+       POINTER(c_uint64), POINTER(c_uint64))
+    # og_status og_test_set_capture_fault(int32_t kind, int32_t count);
+    fn("og_test_set_capture_fault", c_int32, c_int32)
+    # og_status og_check_guards(og_engine *e);
+    fn("og_check_guards", capi.Handle)
+    # og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
+    fn("og_test_corrupt_guard", capi.Handle, c_char_p, c_int32)
+
+
+def reliability() -> ctypes.CDLL:
+    """The library with the reliability hooks bound (raises capi.LibraryUnavailable)."""
+    global _reliability_bound
+    if _reliability_bound is None:
+        lib = capi.load_library()
+        _bind_reliability(lib)
+        _reliability_bound = lib
+    return _reliability_bound
+
+
+def fail_allocation_at(n: int) -> None:
+    """Fail the n-th device/pinned allocation from now (0 = the next); -1 disarms."""
+    _check(reliability().og_test_fail_allocation_at(n), "og_test_fail_allocation_at")
+
+
+def allocation_counts() -> dict:
+    """{"calls", "device_live", "pinned_live", "device_bytes_live", "pinned_bytes_live"}."""
+    from ctypes import c_int64, c_uint64
+    calls, device, pinned = c_int64(), c_int64(), c_int64()
+    device_bytes, pinned_bytes = c_uint64(), c_uint64()
+    _check(reliability().og_test_allocation_counts(ctypes.byref(calls), ctypes.byref(device),
+                                                   ctypes.byref(pinned), ctypes.byref(device_bytes),
+                                                   ctypes.byref(pinned_bytes)),
+           "og_test_allocation_counts")
+    return {"calls": calls.value, "device_live": device.value, "pinned_live": pinned.value,
+            "device_bytes_live": device_bytes.value, "pinned_bytes_live": pinned_bytes.value}
+
+
+def set_capture_fault(kind: str, count: int = 1) -> None:
+    """Make og_enqueue's next `count` captures make an illegal call: kind in CAPTURE_FAULTS."""
+    _check(reliability().og_test_set_capture_fault(CAPTURE_FAULTS[kind], count), "og_test_set_capture_fault")
+
+
+def check_guards(handle) -> None:
+    """Raise capi.LibraryError (OG_E_CORRUPTED, naming the band) unless every guard is intact."""
+    _check(reliability().og_check_guards(handle), "og_check_guards")
+
+
+def corrupt_guard(handle, buffer: str, after: bool) -> None:
+    """Flip one byte of the guard band before (after=False) or after (after=True) `buffer`."""
+    _check(reliability().og_test_corrupt_guard(handle, buffer.encode(), int(after)), "og_test_corrupt_guard")
