@@ -424,8 +424,11 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     // Fewer warps per block when the matrix has few rows, so that about two blocks land on
     // every SM (a block stages x once, so larger blocks are cheaper when there is work).
     const int tasks = gemv_tasks(mode, rows, format);
+    // Quantized formats aim at one block per SM rather than two: their weights are 2-3.5x
+    // smaller, so every block's staging of x (an L2 read of the whole input) weighs more.
+    const int blocks_wanted = format == OG_WEIGHTS_BF16 ? 2 * sm_count : sm_count;
     int warps = kGemvMaxWarps;
-    while (warps > 2 && ceil_div(tasks, warps) < 2 * sm_count) warps /= 2;
+    while (warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
     const void *kernel = gemv_kernel_for(mode, warps, format);
     const size_t smem_bytes = gemv_input_smem_bytes(cols, format);
     OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));

@@ -368,6 +368,9 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
 // value read feeds four rows; kQuantUnroll 16-byte chunks of each row in flight per lane.
 constexpr int kQuantRows = 4;
 constexpr int kQuantUnroll = 2;
+// down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per SM), so each lane keeps
+// more chunks in flight: 4 x 4 rows x 16 bytes.
+constexpr int kDownQuantUnroll = 4;
 
 // Task t = (selected expert j, output pair i0 = 2p): gate rows i0, i1 and up rows I+i0, I+i1 of
 // expert selected[j], i1 = min(i0 + 1, I - 1); act[j, i0 (+1)] = silu(gate) * up.
@@ -427,7 +430,7 @@ moe_down_quant_kernel(const uint8_t *__restrict__ weights, const void *__restric
                       float *__restrict__ x) {
     constexpr int F = og::QuantFormat<FMT>::kValuesPerChunk / 4;
     constexpr int R = kQuantRows;
-    constexpr int U = kQuantUnroll;
+    constexpr int U = kDownQuantUnroll;
     extern __shared__ float4 smem[];  // [top_k * n_chunks * F] swizzled act, experts concatenated
     __shared__ int32_t expert_of[kMaxTopK];
     __shared__ float weight_of[kMaxTopK];

@@ -1,0 +1,348 @@
+"""Quantized weights on the GPU: each int8 / q4 GEMV mode and the quantized MoE expert kernels
+against float64 references on the dequantized weights, then end-to-end decode with quantized
+weights against the numpy reference on the same weights, graph vs non-graph, the hit-only
+contract for scales, and quantized vs bf16 on the same model (reported). Skipped without a GPU.
+
+Kernel tolerance, stated once (as tests/test_kernels_gpu.py): |got - ref| <= (depth + SLACK) *
+U * sum|terms|, the first-order bound of an fp32 sum with at most `depth` roundings per term,
+U = 2^-24, against float64 on the same dequantized weights (w' = q * scale). Depth follows the
+kernels' summation (quant.cuh rows_dot): int8, a per-lane fma chain of 16 terms per 16-byte chunk
+over ceil(chunks / 32) chunks, a 5-level warp butterfly and the row-scale product; q4, a chain of
+32 per chunk, then one fma per chunk into the lane's sum, then the butterfly. The MoE down kernel
+adds one rounding for selected_weight * scale per chunk. Every code is exact in fp32 (an fp16
+integer converted), so the only errors are these roundings.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+
+from gpu_support import rel_l2, require_gpu, synthetic
+from runtime import capi
+from runtime import capi_testing as ct
+from runtime.engine import Engine, GpuSession
+from runtime.quant import QuantizedMatrix, WeightScheme, quantize, quantize_stream
+from runtime.reference import ReferenceDecoder
+from test_kernels_gpu import SLACK, U, assert_within, ref_rmsnorm, rng_for, sumsq_depth
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["int8", "q4"]
+VALUES_PER_CHUNK = {"int8": 16, "q4": 32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu():
+    require_gpu()
+    ct.load()
+
+
+def quant_depth(fmt: str, cols: int) -> int:
+    chunks = math.ceil(cols / VALUES_PER_CHUNK[fmt])
+    per_lane = math.ceil(chunks / 32)
+    return (16 * per_lane + 6) if fmt == "int8" else (32 + per_lane + 5)
+
+
+def random_matrix(rng, rows, cols, scale=1.0):
+    return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+
+def quantized(rng, fmt, rows, cols, scale=1.0) -> tuple[QuantizedMatrix, np.ndarray]:
+    qm = quantize(random_matrix(rng, rows, cols, scale), fmt)
+    return qm, qm.dequantize().astype(np.float64)
+
+
+# ---- GEMV ------------------------------------------------------------------------------------
+GEMV_SHAPES = [  # (rows, cols): single rows, tails of 4-row tasks, partial 16/32-value chunks,
+    (1, 1), (1, 7), (2, 16), (3, 31), (5, 33), (6, 100), (17, 257), (64, 1000), (1000, 1024),
+    (5, 4100),
+    (4096, 1024),        # qwen3-0.6b fused QKV
+    (64, 12289),         # the staged input needs more than 48 KB of shared memory
+    (20001, 64),         # more tasks than resident warps: the grid-stride loop
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
+def test_gemv_plain(fmt, rows, cols):
+    rng = rng_for("qgemv", fmt, rows, cols)
+    qm, w = quantized(rng, fmt, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y, _ = ct.gemv_quant(qm, "plain", x)
+    terms = w * x.astype(np.float64)
+    tol = (quant_depth(fmt, cols) + SLACK) * U * np.abs(terms).sum(axis=1)
+    assert_within(y, terms.sum(axis=1), tol, f"{fmt} gemv {rows}x{cols}")
+    again, _ = ct.gemv_quant(qm, "plain", x)
+    np.testing.assert_array_equal(again, y)                  # bit-identical rerun
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
+def test_gemv_residual(fmt, rows, cols):
+    rng = rng_for("qgemv_residual", fmt, rows, cols)
+    qm, w = quantized(rng, fmt, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y0 = rng.standard_normal(rows).astype(np.float32)
+    y, _ = ct.gemv_quant(qm, "residual", x, y=y0)
+    terms = w * x.astype(np.float64)
+    ref = y0.astype(np.float64) + terms.sum(axis=1)
+    tol = (quant_depth(fmt, cols) + SLACK) * U * (np.abs(terms).sum(axis=1) + np.abs(y0))
+    assert_within(y, ref, tol, f"{fmt} gemv+residual {rows}x{cols}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
+def test_gemv_rmsnorm(fmt, rows, cols):
+    rng = rng_for("qgemv_norm", fmt, rows, cols)
+    qm, w = quantized(rng, fmt, rows, cols)
+    x = (rng.standard_normal(cols) * 3.0).astype(np.float32)
+    norm_w = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32)
+    eps = 1e-6
+    y, normed = ct.gemv_quant(qm, "norm", x, norm_w, eps)
+    n_ref = ref_rmsnorm(x, norm_w.astype(np.float64), eps)
+    norm_depth = sumsq_depth(cols) + SLACK
+    assert_within(normed, n_ref, norm_depth * U * np.abs(n_ref), f"{fmt} rmsnorm n={cols}")
+    terms = w * n_ref
+    tol = (quant_depth(fmt, cols) + norm_depth + SLACK) * U * np.abs(terms).sum(axis=1)
+    assert_within(y, terms.sum(axis=1), tol, f"{fmt} rmsnorm+gemv {rows}x{cols}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("inter,cols", [(1, 1), (1, 7), (3, 13), (5, 33), (100, 1000), (37, 4100),
+                                        (3072, 1024), (8, 12289)])
+def test_gemv_rmsnorm_swiglu(fmt, inter, cols):
+    rng = rng_for("qswiglu", fmt, inter, cols)
+    qm, w = quantized(rng, fmt, 2 * inter, cols, scale=2.0 / math.sqrt(cols))
+    x = rng.standard_normal(cols).astype(np.float32)
+    norm_w = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32)
+    eps = 1e-5
+    act, _ = ct.gemv_quant(qm, "norm_swiglu", x, norm_w, eps)
+    n_ref = ref_rmsnorm(x, norm_w.astype(np.float64), eps)
+    gate_terms, up_terms = w[:inter] * n_ref, w[inter:] * n_ref
+    g, u = gate_terms.sum(axis=1), up_terms.sum(axis=1)
+    silu = g / (1.0 + np.exp(-g))
+    ref = silu * u
+    depth = quant_depth(fmt, cols) + sumsq_depth(cols) + SLACK
+    dg = depth * U * np.abs(gate_terms).sum(axis=1)
+    du = depth * U * np.abs(up_terms).sum(axis=1)
+    tol = 1.1 * dg * np.abs(u) + np.abs(silu) * du + SLACK * U * np.abs(ref)
+    assert_within(act, ref, tol, f"{fmt} rmsnorm+gate/up+swiglu inter={inter} cols={cols}")
+
+
+# ---- MoE experts ---------------------------------------------------------------------------------
+
+def _moe_lib():
+    lib = ct.load()
+    P = ctypes.c_void_p
+    F32P = np.ctypeslib.ndpointer(dtype=np.float32, flags="C_CONTIGUOUS")
+    I32P = np.ctypeslib.ndpointer(dtype=np.int32, flags="C_CONTIGUOUS")
+    c_int = ctypes.c_int
+    lib.og_test_moe_gate_up_swiglu_quant.argtypes = [ctypes.c_int32, P, P, c_int, c_int, c_int, F32P,
+                                                     I32P, c_int, F32P]
+    lib.og_test_moe_gate_up_swiglu_quant.restype = ctypes.c_int32
+    lib.og_test_moe_down_quant.argtypes = [ctypes.c_int32, P, P, c_int, c_int, c_int, F32P, I32P, F32P,
+                                           c_int, F32P]
+    lib.og_test_moe_down_quant.restype = ctypes.c_int32
+    return lib
+
+
+def _ptrs(qm):
+    data = np.ascontiguousarray(qm.data)
+    scale = np.ascontiguousarray(qm.scale).view(np.uint8)
+    return data, scale, ctypes.c_void_p(data.ctypes.data), ctypes.c_void_p(scale.ctypes.data)
+
+
+MOE_SHAPES = [  # (H, I, top_k, E)
+    (1, 1, 1, 2), (7, 13, 3, 4), (96, 48, 2, 8), (100, 33, 5, 6), (2048, 768, 8, 10), (96, 40, 32, 40)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("H,I,top_k,E", MOE_SHAPES)
+def test_moe_gate_up_swiglu(fmt, H, I, top_k, E):
+    rng = rng_for("qmoe_gate_up", fmt, H, I, top_k)
+    qm, w = quantized(rng, fmt, E * 2 * I, H, scale=1.5 / math.sqrt(H))
+    x = rng.standard_normal(H).astype(np.float32)
+    sel = rng.permutation(E)[:top_k].astype(np.int32)
+    act = np.full(top_k * I, np.nan, np.float32)
+    data, scale, dp, sp = _ptrs(qm)
+    status = _moe_lib().og_test_moe_gate_up_swiglu_quant(capi.WEIGHT_FORMATS[fmt], dp, sp, E, H, I, x,
+                                                         sel, top_k, act)
+    assert status == capi.OG_OK, capi.last_error()
+    rows = w.reshape(E, 2 * I, H)[sel]                       # [top_k, 2I, H]
+    terms = rows * x.astype(np.float64)
+    dots, sum_abs = terms.sum(axis=2), np.abs(terms).sum(axis=2)
+    err = (quant_depth(fmt, H) + SLACK) * U * sum_abs
+    g, u = dots[:, :I], dots[:, I:]
+    silu = g / (1.0 + np.exp(-g))
+    ref = silu * u
+    tol = 1.1 * err[:, :I] * np.abs(u) + np.abs(silu) * err[:, I:] + SLACK * U * np.abs(ref)
+    assert_within(act.reshape(top_k, I), ref, tol, f"{fmt} moe gate/up H={H} I={I} top_k={top_k}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("H,I,top_k,E", MOE_SHAPES)
+def test_moe_down_weighted_residual(fmt, H, I, top_k, E):
+    rng = rng_for("qmoe_down", fmt, H, I, top_k)
+    qm, w = quantized(rng, fmt, E * H, I, scale=1.0 / math.sqrt(I))
+    act = rng.standard_normal(top_k * I).astype(np.float32)
+    sel = rng.permutation(E)[:top_k].astype(np.int32)
+    sw = rng.uniform(0.05, 1.0, top_k).astype(np.float32)
+    x0 = rng.standard_normal(H).astype(np.float32)
+    x = x0.copy()
+    data, scale, dp, sp = _ptrs(qm)
+    status = _moe_lib().og_test_moe_down_quant(capi.WEIGHT_FORMATS[fmt], dp, sp, E, H, I, act, sel, sw,
+                                               top_k, x)
+    assert status == capi.OG_OK, capi.last_error()
+    rows = w.reshape(E, H, I)[sel]                           # [top_k, H, I]
+    terms = rows * act.reshape(top_k, 1, I).astype(np.float64) * sw.astype(np.float64)[:, None, None]
+    ref = x0.astype(np.float64) + terms.sum(axis=(0, 2))
+    chunks = top_k * math.ceil(I / VALUES_PER_CHUNK[fmt])   # one long row of all experts' chunks
+    depth = (VALUES_PER_CHUNK[fmt] + math.ceil(chunks / 32) + 5 + 2) + SLACK
+    tol = depth * U * (np.abs(terms).sum(axis=(0, 2)) + np.abs(x0))
+    assert_within(x, ref, tol, f"{fmt} moe down H={H} I={I} top_k={top_k}")
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
+# GPU vs reference on the same quantized weights: both multiply by the same dequantized values
+# (q4 exactly; int8 up to the fp32 rounding of q * scale), so as in test_engine_gpu.LOGITS_BOUND
+# only fp32 summation order differs (fp32 KV), plus rare rounding-boundary flips of one KV
+# quantization step (int8 KV).
+LOGITS_BOUND = {"fp32": 1e-4, "int8": 1e-2}
+
+
+def _decode(step, prompt, n):
+    logits = None
+    for t in prompt:
+        logits = step(t)
+    tokens, all_logits = [], []
+    for _ in range(n):
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        all_logits.append(logits)
+        logits = step(token)
+    return tokens, all_logits
+
+
+def _quantized_tensors(config, tensors, scheme):
+    return dict(quantize_stream(config, tensors.items(), scheme))
+
+
+CASES = [  # (preset, weights, quantize, quantize_lm_head)
+    ("tiny-dense", "int8", "all", True), ("tiny-dense", "q4", "all", True),
+    ("tiny-moe", "int8", "all", True), ("tiny-moe", "q4", "all", True),
+    ("tiny-moe", "q4", "experts", False),        # dense layers and attention bf16, experts q4
+    ("tiny-tied", "q4", "all", True),            # a quantized copy of the tied embedding table
+    ("tiny-llama", "int8", "dense", False),
+]
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("preset,fmt,which,lm_head", CASES)
+def test_greedy_matches_reference_with_the_same_quantized_weights(preset, fmt, which, lm_head, kv):
+    config, tensors = synthetic(preset)
+    scheme = WeightScheme.make(fmt, which, lm_head)
+    ref = ReferenceDecoder(config, _quantized_tensors(config, tensors, scheme), kv_dtype=kv, max_seq_len=128)
+    ref_tokens, ref_logits = _decode(ref.step, PROMPT, 64)
+    with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=128, device="gpu", weights=fmt,
+                             quantize=which, quantize_lm_head=lm_head) as engine:
+        assert engine.backend == "gpu-graph"
+        tokens, logits = _decode(engine.step, PROMPT, 64)
+        weight_bytes = engine.stats()["library"]["weight_bytes"]
+    worst = max(rel_l2(g, r) for g, r in zip(logits, ref_logits))
+    print(f"{preset} {scheme.label()} kv={kv}: GPU vs reference worst logits rel L2 {worst:.3g}, "
+          f"device weight bytes {weight_bytes}")
+    assert tokens == ref_tokens
+    assert worst < LOGITS_BOUND[kv], f"worst logits rel L2 {worst:.3g}"
+
+
+@pytest.mark.parametrize("preset,fmt", [("tiny-dense", "q4"), ("tiny-moe", "int8"), ("tiny-moe", "q4")])
+def test_graph_replay_is_bit_identical_with_quantized_weights(preset, fmt):
+    config, tensors = synthetic(preset)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", weights=fmt,
+                             quantize_lm_head=True) as engine:
+        engine.set_graph(True)
+        g_tokens, g_logits = _decode(engine.step, PROMPT, 64)
+        engine.reset()
+        engine.set_graph(False)
+        p_tokens, p_logits = _decode(engine.step, PROMPT, 64)
+    assert g_tokens == p_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(g_logits, p_logits))
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_vs_bf16_on_the_same_model(preset, fmt):
+    """Teacher-forced on the bf16 run's greedy tokens: per-step logits relative L2 error and
+    top-1 agreement of the quantized model, printed; sanity bounds only (random tiny models
+    are far more sensitive than trained ones: hidden sizes of 96 put few weights per group)."""
+    config, tensors = synthetic(preset)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu") as base:
+        tokens, base_logits = _decode(base.step, PROMPT, 64)
+    feed = PROMPT + tokens[:-1]
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", weights=fmt,
+                             quantize_lm_head=True) as engine:
+        logits = [engine.step(t) for t in feed][len(PROMPT) - 1:]
+    errors = [rel_l2(q, b) for q, b in zip(logits, base_logits)]
+    agree = np.mean([int(np.argmax(q)) == int(np.argmax(b)) for q, b in zip(logits, base_logits)])
+    print(f"{preset} {fmt} vs bf16 over 64 steps: logits rel L2 median {np.median(errors):.3g}, "
+          f"max {max(errors):.3g}; top-1 agreement {agree:.0%}")
+    bound, floor = {"int8": (0.1, 0.8), "q4": (1.0, 0.3)}[fmt]
+    assert 0 < np.median(errors) < bound and agree >= floor
+
+
+def test_missing_scale_is_a_missing_weight_and_changes_nothing():
+    config, tensors = synthetic("tiny-dense")
+    scheme = WeightScheme.make("q4")
+    quantized = _quantized_tensors(config, tensors, scheme)
+    name = "model.layers.1.mlp.down_proj.weight"
+    session = GpuSession(config, quantized.items(), kv="int8", max_seq_len=64, weights=scheme)
+    try:
+        # Re-upload only the codes of `name` into a fresh engine: the scale is missing.
+        fresh = GpuSession(config, [], kv="int8", max_seq_len=64, weights=scheme)
+        try:
+            for n, t in quantized.items():
+                if n == name:
+                    fresh._upload(n, capi.OG_DTYPE_Q4, t.shape, np.ascontiguousarray(t.data))
+                else:
+                    fresh.set_weight(n, t)
+            with pytest.raises(capi.LibraryError) as err:
+                fresh.begin(5)
+            assert err.value.status == capi.OG_E_MISSING_WEIGHT and name + ".scale" in str(err.value)
+            kv_before = fresh.kv_cache_bytes()
+            assert fresh.lib.og_enqueue(fresh.handle, None) == capi.OG_E_MISSING_WEIGHT
+            assert fresh.kv_cache_bytes() == kv_before and fresh.position == 0
+        finally:
+            fresh.close()
+        # A complete session runs.
+        session.begin(5)
+        session.run_nongraph()
+        session.end()
+        assert session.position == 1
+    finally:
+        session.close()
+
+
+def test_set_weight_checks_format_dtype_and_shape():
+    config, tensors = synthetic("tiny-dense")
+    scheme = WeightScheme.make("int8", "dense")
+    session = GpuSession(config, [], kv="int8", max_seq_len=16, weights=scheme)
+    try:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(capi.LibraryError, match=r"expected shape \[96, 96\] \(i8\), got \[96, 96\] \(bf16\)"):
+            session.set_weight(name, tensors[name])                  # bf16 into an int8 slot
+        qm = quantize(tensors[name], "int8")
+        with pytest.raises(capi.LibraryError, match=r"scale: expected shape \[96\] \(f32\)"):
+            session._upload(name + ".scale", capi.OG_DTYPE_BF16, (96,), np.zeros(96, np.uint16))
+        session.set_weight(name, qm)                                 # codes and scale
+        q4 = quantize(tensors[name], "q4")
+        with pytest.raises(capi.LibraryError, match="WEIGHT_MISMATCH"):
+            session.set_weight(name, q4)                             # q4 into an int8 slot
+        with pytest.raises(capi.LibraryError, match="UNKNOWN_WEIGHT"):
+            session._upload("model.norm.weight.scale", capi.OG_DTYPE_F32, (96,), np.zeros(96, np.float32))
+    finally:
+        session.close()
