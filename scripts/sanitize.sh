@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over a representative subset of
+# the GPU suite, with the -G debug build of the library:
+#   kernels  pytest tests/test_kernels_gpu.py tests/test_moe_kernels_gpu.py (every kernel family
+#            over awkward sizes, every KV format)
+#   dense    scripts/short_decode.py, tiny-dense, KV int8 / bf16 / fp32, graph and non-graph
+#   moe      scripts/short_decode.py, tiny-moe (mixed MoE / dense layers), KV int8
+#   guards   pytest tests/test_reliability_gpu.py -k "guards_intact or two_handles": decodes to a
+#            full context (dense, MoE, Llama, tied; fp32 / bf16 / int8 KV; both paths), guard
+#            bands checked, and two engines decoding in two threads at once
+# The whole GPU suite under four tools with -G takes far longer than a few minutes; these
+# targets run every kernel and both submission paths of the body. memcheck also runs with
+# --leak-check full on the two decode scripts (which free everything they allocate).
+#
+#   bash scripts/sanitize.sh                        # every tool, every target
+#   bash scripts/sanitize.sh memcheck racecheck     # some tools
+#   SANITIZE_TARGETS="dense moe" bash scripts/sanitize.sh initcheck
+# Environment: SANITIZE_OUT (logs; default $OUT/sanitize or ./out/sanitize), SANITIZE_TIMEOUT
+# (seconds per run, default 300), COMPUTE_SANITIZER (the binary), SANITIZE_ARCH (build arch).
+# Prints one line per run and one summary line per tool, and exits non-zero when
+# compute-sanitizer is missing, the debug build fails, or any run reports an error, fails its
+# own checks, finds nothing to test or times out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LOGS=${SANITIZE_OUT:-${OUT:-$ROOT/out}/sanitize}
+RUN_TIMEOUT=${SANITIZE_TIMEOUT:-300}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT
+
+find_sanitizer() {
+  if [ -n "${COMPUTE_SANITIZER:-}" ] && [ -x "$COMPUTE_SANITIZER" ]; then echo "$COMPUTE_SANITIZER"; return; fi
+  if command -v compute-sanitizer > /dev/null; then command -v compute-sanitizer; return; fi
+  for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+                   /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    if [ -x "$candidate" ]; then echo "$candidate"; return; fi
+  done
+}
+SANITIZER=$(find_sanitizer)
+if [ -z "$SANITIZER" ]; then
+  echo "sanitize: compute-sanitizer not found (PATH, \$COMPUTE_SANITIZER, /usr/local/cuda*/bin)" >&2
+  exit 2
+fi
+
+TOOLS=("$@")
+[ ${#TOOLS[@]} -eq 0 ] && TOOLS=(memcheck racecheck initcheck synccheck)
+for tool in "${TOOLS[@]}"; do
+  case $tool in memcheck|racecheck|initcheck|synccheck) ;;
+    *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
+  esac
+done
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe guards}"
+
+arch_args=()
+[ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
+if ! python3 build.py --debug --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
+  echo "sanitize: debug build failed (see $LOGS/build.log)" >&2
+  tail -n 20 "$LOGS/build.log" >&2
+  exit 3
+fi
+export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph.so
+
+target_command() {  # $1 target, $2 tool -> the command, one word per line
+  case $1 in
+    kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_moe_kernels_gpu.py ;;
+    dense)   printf '%s\n' python3 scripts/short_decode.py --kv int8 bf16 fp32 ;;
+    moe)     printf '%s\n' python3 scripts/short_decode.py --preset tiny-moe --kv int8 ;;
+    guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
+    *) return 1 ;;
+  esac
+}
+
+tool_args() {  # $1 tool, $2 target
+  case $1 in
+    memcheck) case $2 in dense|moe) echo "--leak-check full" ;; esac ;;
+    racecheck) echo "--racecheck-report all" ;;
+  esac
+}
+
+# Errors a log reports: racecheck counts hazards as errors and warnings, the others errors.
+count_errors() {
+  local log=$1 line
+  line=$(grep -E "RACECHECK SUMMARY:" "$log" | tail -n 1)
+  if [ -n "$line" ]; then
+    sed -E 's/.*\(([0-9]+) errors?.*/\1/' <<< "$line"
+    return
+  fi
+  line=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$log" | tail -n 1)
+  [ -n "$line" ] && sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' <<< "$line"
+}
+
+summary_line() {
+  grep -E "(ERROR|RACECHECK) SUMMARY" "$1" | tail -n 1 | sed -E 's/^=+ *//'
+}
+
+failed=0
+tool_lines=()
+echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
+for tool in "${TOOLS[@]}"; do
+  tool_errors=0 tool_failed=0 parts=()
+  for target in "${TARGETS[@]}"; do
+    mapfile -t cmd < <(target_command "$target") || true
+    if [ ${#cmd[@]} -eq 0 ]; then echo "sanitize: unknown target '$target'" >&2; exit 2; fi
+    log=$LOGS/$tool-$target.log
+    read -r -a extra <<< "$(tool_args "$tool" "$target")"
+    start=$(date +%s)
+    timeout "$RUN_TIMEOUT" "$SANITIZER" --tool "$tool" --error-exitcode 9 --target-processes all \
+      --print-limit 50 "${extra[@]}" "${cmd[@]}" > "$log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - start ))
+    errors=$(count_errors "$log")
+    verdict=ok
+    if [ "$rc" -eq 124 ]; then verdict="timed out after ${RUN_TIMEOUT}s"
+    elif [ -z "$errors" ]; then verdict="no sanitizer summary (rc=$rc)"
+    elif [ "$errors" -ne 0 ]; then verdict="$errors errors"
+    elif [ "$rc" -ne 0 ]; then verdict="program failed (rc=$rc)"
+    elif [ "${cmd[2]:-}" = pytest ] && ! grep -qE "[0-9]+ passed" "$log"; then verdict="no test ran"
+    fi
+    [ "$verdict" = ok ] || { tool_failed=1; failed=1; }
+    tool_errors=$(( tool_errors + ${errors:-0} ))
+    parts+=("$target ${errors:-?}")
+    printf '  %-9s %-8s %-4s %4ss  %s  [%s]\n' "$tool" "$target" "$([ "$verdict" = ok ] && echo ok || echo FAIL)" \
+      "$seconds" "$(summary_line "$log")" "$verdict"
+  done
+  joined=$(IFS=,; echo "${parts[*]}")
+  tool_lines+=("$(printf '%-9s %s: %d errors over %d runs (%s)' "$tool" \
+    "$([ $tool_failed -eq 0 ] && echo PASS || echo FAIL)" "$tool_errors" "${#TARGETS[@]}" "${joined//,/, }")")
+done
+echo "==== sanitize summary"
+printf '%s\n' "${tool_lines[@]}" | tee "$LOGS/summary.txt"
+exit $failed
