@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <mutex>
 #include <new>
 #include <string>
@@ -26,6 +27,7 @@
 
 #include "kernels.cuh"
 #include "moe.cuh"
+#include "quant.cuh"
 #include "packed_file.h"
 #include "reliability.cuh"
 
@@ -93,30 +95,43 @@ namespace {
 
 constexpr size_t kArenaAlign = 256;
 
+// A weight matrix in one of the OG_WEIGHTS_* formats; layouts (row bytes, scales) in quant.cuh.
+struct DeviceMatrix {
+    char *data = nullptr;                      // [rows, weight_row_bytes(format, cols)]
+    char *scales = nullptr;                    // int8: [rows] fp32; q4: [rows, groups] bf16
+    int format = OG_WEIGHTS_BF16;
+};
+
 struct LayerWeights {
     bool is_moe = false;
     float *input_layernorm = nullptr;          // (H)
-    __nv_bfloat16 *qkv = nullptr;              // (q + 2kv, ldH): q_proj | k_proj | v_proj
+    DeviceMatrix qkv;                          // (q + 2kv, H): q_proj | k_proj | v_proj
     float *q_norm = nullptr, *k_norm = nullptr;  // (hd) each, qk_norm only
-    __nv_bfloat16 *o_proj = nullptr;           // (H, ldQ)
+    DeviceMatrix o_proj;                       // (H, q)
     float *post_attention_layernorm = nullptr; // (H)
-    __nv_bfloat16 *gate_up = nullptr;          // dense: (2I, ldH): gate_proj | up_proj
-    __nv_bfloat16 *down = nullptr;             // dense: (H, ldI)
-    __nv_bfloat16 *router = nullptr;           // MoE: (E, ldH) mlp.gate
-    __nv_bfloat16 *expert_gate_up = nullptr;   // MoE: (E, 2Im, ldH)
-    __nv_bfloat16 *expert_down = nullptr;      // MoE: (E, H, ldIm)
+    DeviceMatrix gate_up;                      // dense: (2I, H): gate_proj | up_proj
+    DeviceMatrix down;                         // dense: (H, I)
+    __nv_bfloat16 *router = nullptr;           // MoE: (E, ldH) mlp.gate, always bf16
+    DeviceMatrix expert_gate_up;               // MoE: (E * 2Im, H), expert-major
+    DeviceMatrix expert_down;                  // MoE: (E * H, Im), expert-major
     void *k_cache = nullptr, *v_cache = nullptr;     // (n_kv, max_seq, hd) kv dtype
     float *k_scales = nullptr, *v_scales = nullptr;  // (n_kv, max_seq), int8 only
 };
 
-// One entry per Hugging Face tensor the config uses, in config.py's tensor_shapes order.
+// One entry per Hugging Face tensor the config uses, in config.py's tensor_shapes order (a
+// quantized matrix's "<name>.scale" right after it).
 struct WeightSlot {
+    enum Kind { kVector, kMatrix, kScales };
     std::string name;
-    bool is_matrix;
-    int64_t rows, cols;                // vectors: rows == 1, cols == length
-    __nv_bfloat16 *matrix = nullptr;   // first row in the device matrix, ld elements apart
-    int64_t ld = 0;
+    Kind kind;
+    int format = OG_WEIGHTS_BF16;      // matrices and scales: the matrix's OG_WEIGHTS_*
+    int64_t rows, cols;                // vectors: rows == 1, cols == length; matrices and
+                                       // scales: the matrix's logical shape
+    char *dst = nullptr;               // matrices: first row (pitch bytes apart); scales: first
+                                       // row's scales (contiguous)
+    int64_t pitch = 0;
     float *vector = nullptr;
+    bool is_matrix() const { return kind == kMatrix; }
 };
 
 struct Dims {
@@ -157,7 +172,7 @@ struct og_engine {
     __nv_bfloat16 *embed_tokens = nullptr;  // (V, ldH)
     std::vector<LayerWeights> layers;
     float *final_norm = nullptr;            // (H) model.norm
-    __nv_bfloat16 *lm_head = nullptr;       // (V, ldH); == embed_tokens when tied
+    DeviceMatrix lm_head;                   // (V, H); data == embed_tokens when tied and bf16
     // KV cache: values (L, 2, n_kv, max_seq, hd) then scales (L, 2, n_kv, max_seq)
     char *kv_values = nullptr;
     float *kv_scales = nullptr;
@@ -225,6 +240,7 @@ const char *dtype_name(int32_t dtype) {
         case OG_DTYPE_F32: return "f32";
         case OG_DTYPE_BF16: return "bf16";
         case OG_DTYPE_I8: return "i8";
+        case OG_DTYPE_Q4: return "q4";
     }
     return "unknown dtype";
 }
@@ -304,6 +320,17 @@ og_status validate_config(const og_config *c) {
     if (c->device_ordinal < 0)
         return set_error(OG_E_INVALID_ARGUMENT, "og_config.device_ordinal=%d must be >= 0",
                          c->device_ordinal);
+    const struct { const char *name; int32_t value; } formats[] = {
+        {"weights_dense", c->weights_dense},
+        {"weights_experts", c->weights_experts},
+        {"weights_lm_head", c->weights_lm_head},
+    };
+    for (const auto &f : formats)
+        if (f.value != OG_WEIGHTS_BF16 && f.value != OG_WEIGHTS_INT8 && f.value != OG_WEIGHTS_Q4)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_config.%s=%d is not OG_WEIGHTS_BF16 (0), OG_WEIGHTS_INT8 (1) or "
+                             "OG_WEIGHTS_Q4 (2)",
+                             f.name, f.value);
     if (c->num_experts < 0)
         return set_error(OG_E_INVALID_ARGUMENT, "og_config.num_experts=%d must be >= 0",
                          c->num_experts);
@@ -372,6 +399,17 @@ size_t kv_elem_bytes(int kv_dtype) {
     return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1;
 }
 
+// A [rows, cols] matrix of `format` (and its scales) from the arena.
+DeviceMatrix take_matrix(ArenaCursor &a, int format, int64_t rows, int64_t cols) {
+    DeviceMatrix m;
+    m.format = format;
+    m.data = a.take<char>((size_t)(rows * weight_row_bytes(format, cols)));
+    if (format != OG_WEIGHTS_BF16)
+        m.scales = a.take<char>(
+            (size_t)(rows * weight_scales_per_row(format, cols) * weight_scale_bytes(format)));
+    return m;
+}
+
 // Assign every device pointer from `base`; returns the arena size.
 size_t layout_arena(og_engine *e, uintptr_t base) {
     const Dims &d = e->d;
@@ -383,25 +421,28 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         LayerWeights &w = e->layers[l];
         w.is_moe = e->layer_is_moe[l] != 0;
         w.input_layernorm = a.take<float>(d.H);
-        w.qkv = a.take<__nv_bfloat16>((size_t)d.qkv_rows * d.ldH);
+        const int dense = e->cfg.weights_dense, experts = e->cfg.weights_experts;
+        w.qkv = take_matrix(a, dense, d.qkv_rows, d.H);
         if (e->cfg.qk_norm) {
             w.q_norm = a.take<float>(d.hd);
             w.k_norm = a.take<float>(d.hd);
         }
-        w.o_proj = a.take<__nv_bfloat16>((size_t)d.H * d.ldQ);
+        w.o_proj = take_matrix(a, dense, d.H, d.q_size);
         w.post_attention_layernorm = a.take<float>(d.H);
         if (w.is_moe) {
             w.router = a.take<__nv_bfloat16>((size_t)d.E * d.ldH);
-            w.expert_gate_up = a.take<__nv_bfloat16>((size_t)d.E * 2 * d.Im * d.ldH);
-            w.expert_down = a.take<__nv_bfloat16>((size_t)d.E * d.H * d.ldIm);
+            w.expert_gate_up = take_matrix(a, experts, (int64_t)d.E * 2 * d.Im, d.H);
+            w.expert_down = take_matrix(a, experts, (int64_t)d.E * d.H, d.Im);
         } else {
-            w.gate_up = a.take<__nv_bfloat16>((size_t)2 * d.I * d.ldH);
-            w.down = a.take<__nv_bfloat16>((size_t)d.H * d.ldI);
+            w.gate_up = take_matrix(a, dense, 2 * (int64_t)d.I, d.H);
+            w.down = take_matrix(a, dense, d.H, d.I);
         }
     }
     e->final_norm = a.take<float>(d.H);
-    e->lm_head = e->cfg.tie_word_embeddings ? e->embed_tokens
-                                            : a.take<__nv_bfloat16>((size_t)d.V * d.ldH);
+    if (e->cfg.tie_word_embeddings && e->cfg.weights_lm_head == OG_WEIGHTS_BF16)
+        e->lm_head.data = reinterpret_cast<char *>(e->embed_tokens);
+    else
+        e->lm_head = take_matrix(a, e->cfg.weights_lm_head, d.V, d.H);
     e->weight_bytes = (size_t)round_up((int64_t)a.used, kArenaAlign);
 
     // KV cache
@@ -443,22 +484,37 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 
-void add_matrix(og_engine *e, std::string name, int64_t rows, int64_t cols,
-                __nv_bfloat16 *dst, int64_t ld) {
+// The tensor `name` = rows [first_row, first_row + rows) of m (cols columns); a quantized
+// matrix adds "<name>.scale" for the same rows.
+void add_matrix(og_engine *e, const std::string &name, int64_t rows, int64_t cols,
+                const DeviceMatrix &m, int64_t first_row) {
     WeightSlot s;
-    s.name = std::move(name);
-    s.is_matrix = true;
+    s.name = name;
+    s.kind = WeightSlot::kMatrix;
+    s.format = m.format;
     s.rows = rows;
     s.cols = cols;
-    s.matrix = dst;
-    s.ld = ld;
+    s.pitch = weight_row_bytes(m.format, cols);
+    s.dst = m.data + first_row * s.pitch;
+    e->slots.push_back(s);
+    if (m.format == OG_WEIGHTS_BF16) return;
+    s.name = name + ".scale";
+    s.kind = WeightSlot::kScales;
+    s.pitch = weight_scales_per_row(m.format, cols) * weight_scale_bytes(m.format);
+    s.dst = m.scales + first_row * s.pitch;
     e->slots.push_back(std::move(s));
+}
+
+DeviceMatrix bf16_matrix(__nv_bfloat16 *data) {
+    DeviceMatrix m;
+    m.data = reinterpret_cast<char *>(data);
+    return m;
 }
 
 void add_vector(og_engine *e, std::string name, int64_t length, float *dst) {
     WeightSlot s;
     s.name = std::move(name);
-    s.is_matrix = false;
+    s.kind = WeightSlot::kVector;
     s.rows = 1;
     s.cols = length;
     s.vector = dst;
@@ -468,43 +524,38 @@ void add_vector(og_engine *e, std::string name, int64_t length, float *dst) {
 // The tensor table: HF name -> device region (fused layouts assembled by row offset).
 void build_weight_table(og_engine *e) {
     const Dims &d = e->d;
-    add_matrix(e, "model.embed_tokens.weight", d.V, d.H, e->embed_tokens, d.ldH);
+    add_matrix(e, "model.embed_tokens.weight", d.V, d.H, bf16_matrix(e->embed_tokens), 0);
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         const std::string p = "model.layers." + std::to_string(l) + ".";
         add_vector(e, p + "input_layernorm.weight", d.H, w.input_layernorm);
-        add_matrix(e, p + "self_attn.q_proj.weight", d.q_size, d.H, w.qkv, d.ldH);
-        add_matrix(e, p + "self_attn.k_proj.weight", d.kv_size, d.H,
-                   w.qkv + (size_t)d.q_size * d.ldH, d.ldH);
-        add_matrix(e, p + "self_attn.v_proj.weight", d.kv_size, d.H,
-                   w.qkv + (size_t)(d.q_size + d.kv_size) * d.ldH, d.ldH);
-        add_matrix(e, p + "self_attn.o_proj.weight", d.H, d.q_size, w.o_proj, d.ldQ);
+        add_matrix(e, p + "self_attn.q_proj.weight", d.q_size, d.H, w.qkv, 0);
+        add_matrix(e, p + "self_attn.k_proj.weight", d.kv_size, d.H, w.qkv, d.q_size);
+        add_matrix(e, p + "self_attn.v_proj.weight", d.kv_size, d.H, w.qkv, d.q_size + d.kv_size);
+        add_matrix(e, p + "self_attn.o_proj.weight", d.H, d.q_size, w.o_proj, 0);
         if (e->cfg.qk_norm) {
             add_vector(e, p + "self_attn.q_norm.weight", d.hd, w.q_norm);
             add_vector(e, p + "self_attn.k_norm.weight", d.hd, w.k_norm);
         }
         add_vector(e, p + "post_attention_layernorm.weight", d.H, w.post_attention_layernorm);
         if (w.is_moe) {
-            add_matrix(e, p + "mlp.gate.weight", d.E, d.H, w.router, d.ldH);
+            add_matrix(e, p + "mlp.gate.weight", d.E, d.H, bf16_matrix(w.router), 0);
             for (int x = 0; x < d.E; ++x) {
                 const std::string q = p + "mlp.experts." + std::to_string(x) + ".";
-                __nv_bfloat16 *gate_up = w.expert_gate_up + (size_t)x * 2 * d.Im * d.ldH;
-                add_matrix(e, q + "gate_proj.weight", d.Im, d.H, gate_up, d.ldH);
-                add_matrix(e, q + "up_proj.weight", d.Im, d.H, gate_up + (size_t)d.Im * d.ldH,
-                           d.ldH);
-                add_matrix(e, q + "down_proj.weight", d.H, d.Im,
-                           w.expert_down + (size_t)x * d.H * d.ldIm, d.ldIm);
+                const int64_t gate_row = (int64_t)x * 2 * d.Im;
+                add_matrix(e, q + "gate_proj.weight", d.Im, d.H, w.expert_gate_up, gate_row);
+                add_matrix(e, q + "up_proj.weight", d.Im, d.H, w.expert_gate_up, gate_row + d.Im);
+                add_matrix(e, q + "down_proj.weight", d.H, d.Im, w.expert_down, (int64_t)x * d.H);
             }
         } else {
-            add_matrix(e, p + "mlp.gate_proj.weight", d.I, d.H, w.gate_up, d.ldH);
-            add_matrix(e, p + "mlp.up_proj.weight", d.I, d.H, w.gate_up + (size_t)d.I * d.ldH,
-                       d.ldH);
-            add_matrix(e, p + "mlp.down_proj.weight", d.H, d.I, w.down, d.ldI);
+            add_matrix(e, p + "mlp.gate_proj.weight", d.I, d.H, w.gate_up, 0);
+            add_matrix(e, p + "mlp.up_proj.weight", d.I, d.H, w.gate_up, d.I);
+            add_matrix(e, p + "mlp.down_proj.weight", d.H, d.I, w.down, 0);
         }
     }
     add_vector(e, "model.norm.weight", d.H, e->final_norm);
-    if (!e->cfg.tie_word_embeddings)
-        add_matrix(e, "lm_head.weight", d.V, d.H, e->lm_head, d.ldH);
+    if (!e->cfg.tie_word_embeddings || e->cfg.weights_lm_head != OG_WEIGHTS_BF16)
+        add_matrix(e, "lm_head.weight", d.V, d.H, e->lm_head, 0);
     e->slot_index.reserve(e->slots.size());
     for (size_t i = 0; i < e->slots.size(); ++i) e->slot_index.emplace(e->slots[i].name, i);
     e->resident.assign(e->slots.size(), 0);
@@ -538,20 +589,22 @@ og_status plan_kernels(og_engine *e) {
         {"num_attention_heads * head_dim", d.q_size},
         {"intermediate_size", d.I},
     };
+    const int dense = e->cfg.weights_dense;
     for (const auto &in : inputs)
-        if ((size_t)padded_cols(in.cols) * sizeof(float) > (size_t)smem_optin)
+        if (std::max(gemv_input_smem_bytes(in.cols, OG_WEIGHTS_BF16),
+                     gemv_input_smem_bytes(in.cols, dense)) > (size_t)smem_optin)
             return set_error(OG_E_UNSUPPORTED,
                              "og_config.%s=%d is too large: a GEMV input of %d floats does not "
                              "fit in the %d bytes of shared memory of a block",
                              in.name, in.cols, in.cols, smem_optin);
-    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.qkv_rows, d.H, &e->plan_qkv));
-    OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.q_size, &e->plan_o));
+    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.qkv_rows, d.H, &e->plan_qkv, dense));
+    OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.q_size, &e->plan_o, dense));
     if (d.any_dense) {
-        OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up));
-        OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down));
+        OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up, dense));
+        OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down, dense));
     }
     if (d.any_moe) OG_CUDA_TRY(gemv_plan(kGemvNorm, d.E, d.H, &e->plan_router));
-    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head));
+    OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head, e->cfg.weights_lm_head));
     const cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0,
                                            &e->plan_attention);
     if (err == cudaErrorInvalidValue) {
@@ -611,16 +664,33 @@ og_status precheck(og_engine *e) {
     return OG_OK;
 }
 
+// Bytes of one row of a matrix as og_set_weight receives it (onegraph.h "weight formats").
+int64_t source_row_bytes(const WeightSlot &s) {
+    switch (s.format) {
+        case OG_WEIGHTS_INT8: return s.cols;
+        case OG_WEIGHTS_Q4: return weight_row_bytes(OG_WEIGHTS_Q4, s.cols);  // whole groups
+    }
+    return s.cols * (int64_t)sizeof(__nv_bfloat16);
+}
+
+// The dtype og_set_weight expects for slot s.
+int32_t expected_dtype(const WeightSlot &s) {
+    if (s.kind == WeightSlot::kScales) return s.format == OG_WEIGHTS_INT8 ? OG_DTYPE_F32 : OG_DTYPE_BF16;
+    return s.format == OG_WEIGHTS_INT8 ? OG_DTYPE_I8 : s.format == OG_WEIGHTS_Q4 ? OG_DTYPE_Q4 : OG_DTYPE_BF16;
+}
+
 og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *data) {
-    if (s.is_matrix) {
-        const size_t row_bytes = (size_t)s.cols * sizeof(__nv_bfloat16);
-        if (s.ld == s.cols) {
-            OG_CUDA_TRY(cudaMemcpyAsync(s.matrix, data, row_bytes * s.rows,
+    if (s.kind == WeightSlot::kScales) {
+        OG_CUDA_TRY(cudaMemcpyAsync(s.dst, data, (size_t)(s.rows * s.pitch),
+                                    cudaMemcpyHostToDevice, e->stream));
+    } else if (s.kind == WeightSlot::kMatrix) {
+        const size_t row_bytes = (size_t)source_row_bytes(s);
+        if ((int64_t)row_bytes == s.pitch) {
+            OG_CUDA_TRY(cudaMemcpyAsync(s.dst, data, row_bytes * s.rows,
                                         cudaMemcpyHostToDevice, e->stream));
         } else {  // rows land at the padded stride; the pad columns keep their zeros
-            OG_CUDA_TRY(cudaMemcpy2DAsync(s.matrix, (size_t)s.ld * sizeof(__nv_bfloat16), data,
-                                          row_bytes, row_bytes, s.rows, cudaMemcpyHostToDevice,
-                                          e->stream));
+            OG_CUDA_TRY(cudaMemcpy2DAsync(s.dst, (size_t)s.pitch, data, row_bytes, row_bytes,
+                                          s.rows, cudaMemcpyHostToDevice, e->stream));
         }
     } else {
         std::vector<float> values(s.cols);
@@ -652,8 +722,8 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         // ---- attention block: x += o_proj(attention(rope(qkv_proj(rmsnorm(x))))) ----
-        GemvArgs qkv_proj = {w.qkv, d.qkv_rows, d.H, e->x, w.input_layernorm, c.rms_norm_eps,
-                             e->qkv, nullptr};
+        GemvArgs qkv_proj = {w.qkv.data, d.qkv_rows, d.H, e->x, w.input_layernorm,
+                             c.rms_norm_eps, e->qkv, nullptr, w.qkv.scales, w.qkv.format};
         OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
 
         RopeKvArgs rope = {};
@@ -691,7 +761,8 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         attn.out = e->attn_out;
         OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
-        GemvArgs o_proj = {w.o_proj, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x, nullptr};
+        GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x,
+                           nullptr, w.o_proj.scales, w.o_proj.format};
         OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
 
         // ---- FFN block: x += mlp(rmsnorm(x)) ----
@@ -701,25 +772,29 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
             OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
             OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
                                         e->selected_experts, e->selected_weights, stream));
-            OG_CUDA_TRY(launch_moe_gate_up_swiglu(w.expert_gate_up, e->normed,
-                                                  e->selected_experts, d.top_k, d.H, d.Im,
-                                                  e->moe_act, stream));
-            OG_CUDA_TRY(launch_moe_down_weighted_residual(w.expert_down, e->moe_act,
-                                                          e->selected_experts,
+            const MoeExperts gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales,
+                                        w.expert_gate_up.format};
+            const MoeExperts down = {w.expert_down.data, w.expert_down.scales,
+                                     w.expert_down.format};
+            OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
+                                                  d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
+            OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
                                                           e->selected_weights, d.top_k, d.H,
-                                                          d.Im, e->x, stream));
+                                                          d.Im, e->x, stream, pdl));
         } else {
-            GemvArgs gate_up = {w.gate_up, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
-                                c.rms_norm_eps, e->act, nullptr};
+            GemvArgs gate_up = {w.gate_up.data, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
+                                c.rms_norm_eps, e->act, nullptr, w.gate_up.scales,
+                                w.gate_up.format};
             OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
-            GemvArgs down = {w.down, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr};
+            GemvArgs down = {w.down.data, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr,
+                             w.down.scales, w.down.format};
             OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
         }
     }
 
     // ---- logits = lm_head(rmsnorm(x)) ----
-    GemvArgs lm_head = {e->lm_head, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps, e->logits,
-                        nullptr};
+    GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps,
+                        e->logits, nullptr, e->lm_head.scales, e->lm_head.format};
     OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
     OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream));
@@ -753,6 +828,9 @@ OG_API void og_config_default(og_config *cfg) {
     cfg->kv_dtype = OG_KV_INT8;
     cfg->max_seq_len = 4096;
     cfg->device_ordinal = 0;
+    cfg->weights_dense = OG_WEIGHTS_BF16;
+    cfg->weights_experts = OG_WEIGHTS_BF16;
+    cfg->weights_lm_head = OG_WEIGHTS_BF16;
 }
 
 OG_API og_status og_device_count(int32_t *count) {
@@ -820,15 +898,23 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
     if (ndim < 0 || (ndim > 0 && shape == nullptr))
         return set_error(OG_E_INVALID_ARGUMENT, "%s: shape is NULL or ndim=%d is negative", name,
                          ndim);
-    if (dtype != OG_DTYPE_F32 && dtype != OG_DTYPE_BF16 && dtype != OG_DTYPE_I8)
+    if (dtype != OG_DTYPE_F32 && dtype != OG_DTYPE_BF16 && dtype != OG_DTYPE_I8 &&
+        dtype != OG_DTYPE_Q4)
         return set_error(OG_E_INVALID_ARGUMENT, "%s: dtype=%d is not an OG_DTYPE_* value", name,
                          dtype);
     const std::string got = shape_text(ndim, shape) + " (" + dtype_name(dtype) + ")";
-    if (s.is_matrix) {
-        const int64_t want[2] = {s.rows, s.cols};
-        if (dtype != OG_DTYPE_BF16 || ndim != 2 || shape[0] != s.rows || shape[1] != s.cols)
-            return set_error(OG_E_WEIGHT_MISMATCH, "%s: expected shape %s (bf16), got %s", name,
-                             shape_text(2, want).c_str(), got.c_str());
+    if (s.kind != WeightSlot::kVector) {
+        // Matrices [rows, cols]; int8 scales [rows]; q4 scales [rows, groups].
+        const int64_t groups = weight_scales_per_row(s.format, s.cols);
+        const bool row_scales = s.kind == WeightSlot::kScales && s.format == OG_WEIGHTS_INT8;
+        const int64_t want[2] = {s.rows, s.kind == WeightSlot::kScales ? groups : s.cols};
+        const int want_ndim = row_scales ? 1 : 2;
+        const int32_t want_dtype = expected_dtype(s);
+        if (dtype != want_dtype || ndim != want_ndim || shape[0] != want[0] ||
+            (want_ndim == 2 && shape[1] != want[1]))
+            return set_error(OG_E_WEIGHT_MISMATCH, "%s: expected shape %s (%s), got %s", name,
+                             shape_text(want_ndim, want).c_str(), dtype_name(want_dtype),
+                             got.c_str());
     } else {
         const int64_t want[1] = {s.cols};
         if ((dtype != OG_DTYPE_BF16 && dtype != OG_DTYPE_F32) || ndim != 1 || shape[0] != s.cols)

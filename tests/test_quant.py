@@ -248,3 +248,60 @@ def test_q4_dequantize_matches_manual_unpacking():
     codes[:, 1::2] = np.where(hi >= 8, hi - 16, hi)
     want = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
     np.testing.assert_array_equal(out.astype(np.float64), want[:, :50])
+
+
+# ---- the engine's CPU path, the C ABI's config, the benchmark's byte counts ---------------------
+
+def test_engine_cpu_path_decodes_the_quantized_model():
+    from runtime.engine import Engine
+    config = preset_config("tiny-moe")
+    tensors = dict(iter_tensors(config))
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu", weights="q4",
+                             quantize="experts", quantize_lm_head=True) as engine:
+        tokens = engine.generate([3, 17, 99], 8, stop_token_ids=())
+    quantized = dict(quantize_stream(config, tensors.items(), WeightScheme.make("q4", "experts", True)))
+    ref = ReferenceDecoder(config, quantized, kv_dtype="int8", max_seq_len=64)
+    logits, expected = ref.prefill([3, 17, 99]), []
+    for _ in range(8):
+        expected.append(int(np.argmax(logits)))
+        logits = ref.step(expected[-1])
+    assert tokens == expected
+
+
+def test_config_default_and_validation_of_weight_formats():
+    import ctypes
+    from runtime import capi
+    try:
+        lib = capi.load_library()
+    except capi.LibraryUnavailable as e:
+        pytest.skip(str(e))
+    cfg = capi.OgConfig()
+    lib.og_config_default(ctypes.byref(cfg))
+    assert (cfg.weights_dense, cfg.weights_experts, cfg.weights_lm_head) == (capi.OG_WEIGHTS_BF16,) * 3
+    for field in ("weights_dense", "weights_experts", "weights_lm_head"):
+        bad = capi.OgConfig()
+        lib.og_config_default(ctypes.byref(bad))
+        bad.vocab_size, bad.hidden_size, bad.intermediate_size = 64, 32, 48
+        bad.num_hidden_layers, bad.num_attention_heads, bad.num_key_value_heads, bad.head_dim = 1, 2, 1, 16
+        setattr(bad, field, 3)
+        handle = capi.Handle()
+        assert lib.og_init(ctypes.byref(bad), ctypes.byref(handle)) == capi.OG_E_INVALID_ARGUMENT
+        assert f"og_config.{field}=3" in capi.last_error()
+
+
+def test_benchmark_counts_quantized_bytes():
+    from runtime import bench
+    c = preset_config("qwen3-8b")
+    bf16 = bench.weight_bytes_per_token(c)
+    q4 = bench.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")
+    H, I = 4096, 12288
+    assert q4["ffn"] == 36 * (2 * I * (H // 32) * 18 + H * (I // 32) * 18)   # bf16 scales: 18 B per group
+    assert q4["embedding_row"] == bf16["embedding_row"] == 2 * H             # the gather stays bf16
+    print(f"qwen3-8b bytes/token: bf16 {bf16['total'] / 1e9:.2f} GB, q4 {q4['total'] / 1e9:.2f} GB "
+          f"({bf16['total'] / q4['total']:.2f}x fewer)")
+    assert 3.4 < bf16["total"] / q4["total"] < 3.6
+    moe = preset_config("qwen3-30b-a3b")
+    experts_only = bench.weight_bytes_per_token(moe, "q4", lm_head_fmt="bf16", quantize="experts")
+    base = bench.weight_bytes_per_token(moe)
+    assert experts_only["attention"] == base["attention"] and experts_only["lm_head"] == base["lm_head"]
+    assert experts_only["ffn"] * 2 * 32 == base["ffn"] * 18                 # 18 of 64 bytes per 32 weights
