@@ -10,10 +10,17 @@
  *   - Every function returns an og_status (0 = OG_OK, negative = error) unless noted.
  *     On error, og_last_error() returns a message naming the problem (tensor, expected
  *     vs actual) for the calling thread. A failed call changes no engine state.
- *   - Handles are opaque. A handle may be used by one thread at a time; distinct
- *     handles may be used from distinct threads concurrently.
+ *   - Threads: a handle may be used by one thread at a time (calls on one handle must not
+ *     overlap; moving a handle between threads is fine); distinct handles may be used from
+ *     distinct threads concurrently (tests/test_reliability_gpu.py decodes two at once).
+ *     og_init and og_free of different handles may run concurrently; og_last_error() is
+ *     per thread; the og_test_* hooks of onegraph_testing.h are process-wide. A thread that
+ *     captures og_enqueue into a graph should use cudaStreamCaptureModeThreadLocal (as
+ *     runtime/graph.py does) while other threads use the library: global mode makes their
+ *     synchronizing calls fail for as long as the capture lasts.
  *   - Calling any function with NULL or an already freed handle returns
- *     OG_E_INVALID_HANDLE; it never crashes.
+ *     OG_E_INVALID_HANDLE; it never crashes. (A freed address may be handed out again by a
+ *     later og_init; until then it is refused.)
  *   - The library never prints and never exits the process.
  *
  * Typical use (non-graph path, from C):
