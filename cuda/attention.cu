@@ -2,7 +2,10 @@
 // fixed grid so that a captured graph serves every position.
 //
 //   q:        [n_heads, hd] fp32 (normed and rotated by rope_kv.cu)
-//   K, V:     [n_kv, max_seq_len, hd] fp32 / bf16 / int8, int8 with scales [n_kv, max_seq_len]
+//   K, V:     the paged pool (kernels.cuh, KvPages): row t of KV head g is row
+//             g * page + t % page of the K / V page (fp32 / bf16 / int8; int8 with a scale
+//             page [n_kv, page] fp32) in block table[t / page], where table is row
+//             step->seq_slot of the block tables
 //   out:      [n_heads, hd] fp32
 //   visible length len = position + 1 (read from the device step record)
 //   score[t] = (q . dequant(K[t])) / sqrt(hd); p = softmax(score) (fp32, max
@@ -12,8 +15,10 @@
 //
 // Grid (n_kv, n_splits), 128 threads. Block (g, s) covers positions [s*S, s*S + S) of KV
 // head g for all G of its query heads, so K and V are read once. Splits at or beyond len
-// return at once. A block computes its scores (one thread per position), a softmax per
-// head (one warp per head) and o = sum p * V (warps split positions, lanes split hd),
+// return at once. A block computes its scores (one thread per position; the thread also
+// looks up the row's block, and keeps the row's byte offset and V scale in shared memory
+// for the V pass), a softmax per head (one warp per head) and o = sum p * V (warps split
+// positions, lanes split hd),
 // then writes o, max and sum as a partial. The last of the n_active = ceil(len / S)
 // blocks of a KV head to finish (an atomic counter, reset by that block) combines the
 // partials in split order — the same arithmetic whichever block is last, so results
@@ -120,9 +125,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
     const int hd = HD > 0 ? HD : a.head_dim;
     const int group = a.n_heads / a.n_kv_heads;
     const int S = p.split_len;
-    // Shared memory: q [G, hd] | scores [G, S] | reduce [warps, 8, hd] | stats [G, 2]
-    //                | combine factors [G, n_splits]
-    float *q_s = reinterpret_cast<float *>(smem4);
+    // Shared memory: row offsets [S] (int64: bytes from a page of block 0 to the row, the
+    // same for K and V) | V scales [S] | q [G, hd] | scores [G, S] | reduce [warps, 8, hd]
+    // | stats [G, 2] | combine factors [G, n_splits]. S is a multiple of 32, so q stays
+    // 16-byte aligned.
+    int64_t *row_offset_s = reinterpret_cast<int64_t *>(smem4);
+    float *v_scale_s = reinterpret_cast<float *>(row_offset_s + S);
+    float *q_s = v_scale_s + S;
     float *scores = q_s + group * hd;
     float *reduce = scores + group * S;
     float *stats = reduce + kAttnWarps * kHeadGroup * hd;
@@ -143,15 +152,28 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
     if (begin >= len) return;
     const int n = min(S, len - begin);
     const int n_active = ceil_div(len, S);
-    const size_t first_row = (size_t)kv_head * a.max_seq_len + begin;
+    const KvPages &kv = a.kv;
+    const int table_row = a.step->seq_slot * kv.max_blocks_per_seq;
+    constexpr int kElemBytes = KV == OG_KV_F32 ? 4 : KV == OG_KV_BF16 ? 2 : 1;
 
     for (int i = tid; i < group * hd; i += kAttnThreads) q_s[i] = a.q[(size_t)head0 * hd + i];
     __syncthreads();
 
     // ---- scores: one thread per position ------------------------------------------------
     for (int t = tid; t < n; t += kAttnThreads) {
-        const size_t row = first_row + t;
-        const float k_scale = KV == OG_KV_INT8 ? a.k_scales[row] : 1.f;
+        const int position = begin + t;
+        const int chunk = position / kv.page_size;
+        const int block = __ldg(kv.block_tables + table_row + chunk);
+        const int row = kv_head * kv.page_size + (position - chunk * kv.page_size);
+        const int64_t block_offset = (int64_t)block * kv.block_stride;
+        const int64_t row_offset = block_offset + (int64_t)row * (hd * kElemBytes);
+        row_offset_s[t] = row_offset;
+        const char *k_row = kv.k + row_offset;
+        float k_scale = 1.f;
+        if constexpr (KV == OG_KV_INT8) {
+            k_scale = reinterpret_cast<const float *>(kv.k_scales + block_offset)[row];
+            v_scale_s[t] = reinterpret_cast<const float *>(kv.v_scales + block_offset)[row];
+        }
         for (int hg = 0; hg < group; hg += kHeadGroup) {
             float acc[kHeadGroup];
 #pragma unroll
@@ -160,7 +182,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
 #pragma unroll
                 for (int c = 0; c < HD / 8; ++c) {
                     float k8[8];
-                    load_dequant<KV, 8>(a.k_cache, row * HD + c * 8, k_scale, k8);
+                    load_dequant<KV, 8>(k_row, c * 8, k_scale, k8);
 #pragma unroll
                     for (int j = 0; j < kHeadGroup; ++j) {
                         if (hg + j < group) {
@@ -183,7 +205,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
             } else {
                 for (int d = 0; d < hd; ++d) {
                     float k1[1];
-                    load_dequant<KV, 1>(a.k_cache, row * hd + d, k_scale, k1);
+                    load_dequant<KV, 1>(k_row, d, k_scale, k1);
 #pragma unroll
                     for (int j = 0; j < kHeadGroup; ++j)
                         if (hg + j < group) acc[j] = fmaf(q_s[(hg + j) * hd + d], k1[0], acc[j]);
@@ -231,10 +253,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
                 for (int e = 0; e < kPerLane; ++e) acc[j][e] = 0.f;
 #pragma unroll 2
             for (int t = warp; t < n; t += kAttnWarps) {
-                const size_t row = first_row + t;
-                const float v_scale = KV == OG_KV_INT8 ? a.v_scales[row] : 1.f;
+                const char *v_row = kv.v + row_offset_s[t];
+                const float v_scale = KV == OG_KV_INT8 ? v_scale_s[t] : 1.f;
                 float v[kPerLane];
-                load_dequant<KV, kPerLane>(a.v_cache, row * HD + lane * kPerLane, v_scale, v);
+                load_dequant<KV, kPerLane>(v_row, lane * kPerLane, v_scale, v);
 #pragma unroll
                 for (int j = 0; j < kHeadGroup; ++j) {
                     if (j < heads_here) {
@@ -258,14 +280,14 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
 #pragma unroll
                 for (int e = 0; e < kMaxPerLane; ++e) acc[j][e] = 0.f;
             for (int t = warp; t < n; t += kAttnWarps) {
-                const size_t row = first_row + t;
-                const float v_scale = KV == OG_KV_INT8 ? a.v_scales[row] : 1.f;
+                const char *v_row = kv.v + row_offset_s[t];
+                const float v_scale = KV == OG_KV_INT8 ? v_scale_s[t] : 1.f;
 #pragma unroll
                 for (int e = 0; e < kMaxPerLane; ++e) {
                     const int d = lane + e * kWarpSize;
                     if (d < hd) {
                         float v1[1];
-                        load_dequant<KV, 1>(a.v_cache, row * hd + d, v_scale, v1);
+                        load_dequant<KV, 1>(v_row, d, v_scale, v1);
 #pragma unroll
                         for (int j = 0; j < kHeadGroup; ++j)
                             if (j < heads_here)
@@ -365,7 +387,7 @@ size_t attention_smem_bytes(int group, int head_dim, int split_len, int n_splits
     const size_t floats = (size_t)group * head_dim + (size_t)group * split_len +
                           (size_t)kAttnWarps * kHeadGroup * head_dim + 2 * (size_t)group +
                           (size_t)group * n_splits;
-    return floats * sizeof(float);
+    return floats * sizeof(float) + (size_t)split_len * (sizeof(int64_t) + sizeof(float));
 }
 
 }  // namespace
@@ -413,6 +435,7 @@ size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
                              cudaStream_t stream, bool pdl) {
     if (plan.split_len <= 0 || plan.n_splits <= 0) return cudaErrorInvalidConfiguration;
+    if (args.kv.page_size <= 0 || args.kv.block_tables == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;
     p.split_len = plan.split_len;

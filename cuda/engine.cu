@@ -26,8 +26,10 @@
 #include <vector>
 
 #include "kernels.cuh"
+#include "kv_pool.h"
 #include "moe.cuh"
 #include "quant.cuh"
+#include "onegraph_testing.h"
 #include "packed_file.h"
 #include "reliability.cuh"
 
@@ -114,8 +116,6 @@ struct LayerWeights {
     __nv_bfloat16 *router = nullptr;           // MoE: (E, ldH) mlp.gate, always bf16
     DeviceMatrix expert_gate_up;               // MoE: (E * 2Im, H), expert-major
     DeviceMatrix expert_down;                  // MoE: (E * H, Im), expert-major
-    void *k_cache = nullptr, *v_cache = nullptr;     // (n_kv, max_seq, hd) kv dtype
-    float *k_scales = nullptr, *v_scales = nullptr;  // (n_kv, max_seq), int8 only
 };
 
 // One entry per Hugging Face tensor the config uses, in config.py's tensor_shapes order (a
@@ -164,7 +164,7 @@ struct og_engine {
     cudaStream_t stream = nullptr;
 
     char *arena = nullptr;               // every device buffer below lives in it
-    size_t arena_bytes = 0, weight_bytes = 0, kv_values_bytes = 0, kv_scales_bytes = 0;
+    size_t arena_bytes = 0, weight_bytes = 0;
     og_step_record *step_host = nullptr; // pinned
     float *logits_host = nullptr;        // pinned (V)
 
@@ -173,10 +173,9 @@ struct og_engine {
     std::vector<LayerWeights> layers;
     float *final_norm = nullptr;            // (H) model.norm
     DeviceMatrix lm_head;                   // (V, H); data == embed_tokens when tied and bf16
-    // KV cache: values (L, 2, n_kv, max_seq, hd) then scales (L, 2, n_kv, max_seq)
-    char *kv_values = nullptr;
-    float *kv_scales = nullptr;
-    og::GuardSet kv_guards;              // guard bands around kv_values and kv_scales
+    // KV cache: the block pool, the block tables and the sequences (kv_pool.h)
+    KvPool kv;
+    og::GuardSet kv_guards;              // guard bands around the pool and the block tables
     // run state (names as in runtime/reference.py)
     og_step_record *step = nullptr;      // device copy of the step record
     float *inv_freq = nullptr;           // (hd/2)
@@ -201,8 +200,8 @@ struct og_engine {
     std::vector<uint8_t> resident;       // per slot
     size_t n_missing = 0;
 
-    int32_t position = 0;
     bool step_pending = false;
+    int32_t step_seq = -1;               // the sequence of the pending step
     og_stats stats = {};
 };
 
@@ -331,6 +330,20 @@ og_status validate_config(const og_config *c) {
                              "og_config.%s=%d is not OG_WEIGHTS_BF16 (0), OG_WEIGHTS_INT8 (1) or "
                              "OG_WEIGHTS_Q4 (2)",
                              f.name, f.value);
+    const struct { const char *name; int32_t value; } kv_fields[] = {
+        {"kv_page_size", c->kv_page_size},
+        {"kv_pool_blocks", c->kv_pool_blocks},
+        {"kv_max_sequences", c->kv_max_sequences},
+    };
+    for (const auto &f : kv_fields)
+        if (f.value < 0)
+            return set_error(OG_E_INVALID_ARGUMENT, "og_config.%s=%d must be >= 0 (0: the default)",
+                             f.name, f.value);
+    const int64_t page = c->kv_page_size > 0 ? c->kv_page_size : kKvDefaultPageSize;
+    if (page * c->num_key_value_heads > INT32_MAX)  // the kernels index a page's rows with int
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_config.kv_page_size=%d is too large for num_key_value_heads=%d",
+                         c->kv_page_size, c->num_key_value_heads);
     if (c->num_experts < 0)
         return set_error(OG_E_INVALID_ARGUMENT, "og_config.num_experts=%d must be >= 0",
                          c->num_experts);
@@ -395,10 +408,6 @@ Dims derive_dims(const og_engine *e) {
     return d;
 }
 
-size_t kv_elem_bytes(int kv_dtype) {
-    return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1;
-}
-
 // A [rows, cols] matrix of `format` (and its scales) from the arena.
 DeviceMatrix take_matrix(ArenaCursor &a, int format, int64_t rows, int64_t cols) {
     DeviceMatrix m;
@@ -409,7 +418,6 @@ DeviceMatrix take_matrix(ArenaCursor &a, int format, int64_t rows, int64_t cols)
             (size_t)(rows * weight_scales_per_row(format, cols) * weight_scale_bytes(format)));
     return m;
 }
-
 // Assign every device pointer from `base`; returns the arena size.
 size_t layout_arena(og_engine *e, uintptr_t base) {
     const Dims &d = e->d;
@@ -445,24 +453,19 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         e->lm_head = take_matrix(a, e->cfg.weights_lm_head, d.V, d.H);
     e->weight_bytes = (size_t)round_up((int64_t)a.used, kArenaAlign);
 
-    // KV cache
-    const size_t head_rows = (size_t)d.n_kv * d.max_seq;  // rows of one (layer, K|V)
-    const size_t esize = kv_elem_bytes(d.kv_dtype);
-    e->kv_values_bytes = (size_t)d.L * 2 * head_rows * d.hd * esize;
-    e->kv_scales_bytes = d.kv_dtype == OG_KV_INT8 ? (size_t)d.L * 2 * head_rows * sizeof(float) : 0;
-    e->kv_values = static_cast<char *>(e->kv_guards.place(
-        "kv_values", a.take<char>(GuardSet::reserve_bytes(e->kv_values_bytes)), e->kv_values_bytes));
-    e->kv_scales = static_cast<float *>(e->kv_guards.place(
-        "kv_scales", a.take<char>(GuardSet::reserve_bytes(e->kv_scales_bytes)), e->kv_scales_bytes));
-    for (int l = 0; l < d.L; ++l) {
-        LayerWeights &w = e->layers[l];
-        w.k_cache = e->kv_values + (2 * (size_t)l) * head_rows * d.hd * esize;
-        w.v_cache = e->kv_values + (2 * (size_t)l + 1) * head_rows * d.hd * esize;
-        if (d.kv_dtype == OG_KV_INT8) {
-            w.k_scales = e->kv_scales + (2 * (size_t)l) * head_rows;
-            w.v_scales = e->kv_scales + (2 * (size_t)l + 1) * head_rows;
-        }
-    }
+    // KV cache: the block pool (n_blocks, block_stride) bytes and the block tables
+    // (max_sequences, max_blocks_per_seq), each between guard bands (kernels index both by
+    // position); the segment table and the zeroing id scratch
+    KvPool &kv = e->kv;
+    const size_t pool_bytes = (size_t)kv.layout.pool_bytes();
+    kv.pool = static_cast<char *>(e->kv_guards.place(
+        "kv_pool", a.take<char>(GuardSet::reserve_bytes(pool_bytes)), pool_bytes));
+    const size_t table_bytes =
+        (size_t)kv.layout.max_sequences * kv.layout.max_blocks_per_seq * sizeof(int32_t);
+    kv.tables = static_cast<int32_t *>(e->kv_guards.place(
+        "kv_tables", a.take<char>(GuardSet::reserve_bytes(table_bytes)), table_bytes));
+    kv.segments_dev = a.take<KvSegment>(kv.layout.segments.size());
+    kv.ids_dev = a.take<int32_t>((size_t)kv.layout.n_blocks);
 
     // activations and scratch
     e->step = a.take<og_step_record>(1);
@@ -627,6 +630,14 @@ og_status init_engine(og_engine *e) {
     e->d = derive_dims(e);
     og_status status = plan_kernels(e);
     if (status != OG_OK) return status;
+    const og_config &c = e->cfg;
+    const int page = c.kv_page_size > 0 ? c.kv_page_size : kKvDefaultPageSize;
+    const int n_blocks = c.kv_pool_blocks > 0 ? c.kv_pool_blocks : ceil_div(c.max_seq_len, page);
+    e->kv.layout = plan_kv_layout(e->d.L, e->d.n_kv, e->d.hd, e->d.kv_dtype, page, n_blocks,
+                                  c.max_seq_len,
+                                  c.kv_max_sequences > 0 ? c.kv_max_sequences : kKvDefaultMaxSequences);
+    e->kv.kv_dtype = e->d.kv_dtype;
+    e->kv.max_seq_len = e->d.max_seq;
 
     e->arena_bytes = layout_arena(e, 0);
     OG_CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
@@ -646,11 +657,13 @@ og_status init_engine(og_engine *e) {
     OG_CUDA_TRY(cudaMemcpyAsync(e->inv_freq, inv_freq.data(), inv_freq.size() * sizeof(float),
                                 cudaMemcpyHostToDevice, e->stream));
     OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    status = e->kv.init(e->stream);  // sequence 0, selected; the pool is zero (memset above)
+    if (status != OG_OK) return status;
 
     build_weight_table(e);
     e->stats.device_bytes = e->arena_bytes;
     e->stats.weight_bytes = e->weight_bytes;
-    e->stats.kv_cache_bytes = e->kv_values_bytes + e->kv_scales_bytes;
+    e->stats.kv_cache_bytes = (uint64_t)e->kv.layout.pool_bytes();
     return OG_OK;
 }
 
@@ -738,18 +751,15 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         rope.head_dim = d.hd;
         rope.max_seq_len = d.max_seq;
         rope.kv_dtype = d.kv_dtype;
-        rope.k_cache = w.k_cache;
-        rope.v_cache = w.v_cache;
-        rope.k_scales = w.k_scales;
-        rope.v_scales = w.v_scales;
+        rope.kv = e->kv.pages(l);
+        // Layer 0 stores the row's block into the block table; every layer's attention
+        // reads the table after it.
+        rope.table_update = l == 0 ? e->kv.tables : nullptr;
         OG_CUDA_TRY(launch_qk_norm_rope_kv(rope, stream, pdl));
 
         AttentionArgs attn = {};
         attn.q = e->qkv;
-        attn.k_cache = w.k_cache;
-        attn.v_cache = w.v_cache;
-        attn.k_scales = w.k_scales;
-        attn.v_scales = w.v_scales;
+        attn.kv = rope.kv;
         attn.step = e->step;
         attn.n_heads = d.n_heads;
         attn.n_kv_heads = d.n_kv;
@@ -950,18 +960,30 @@ OG_API og_status og_begin_step(og_engine *e, int32_t token) {
     if (token < 0 || token >= e->d.V)
         return set_error(OG_E_TOKEN_OUT_OF_RANGE, "token %d is outside the vocabulary [0, %d)",
                          token, e->d.V);
-    if (e->position >= e->d.max_seq)
+    const int32_t id = e->kv.current;
+    KvSequence *seq = nullptr;
+    if (id < 0 || e->kv.lookup(id, "og_begin_step", &seq) != OG_OK)
+        return set_error(OG_E_BAD_STATE, "og_begin_step: no sequence is selected (og_seq_select)");
+    const int32_t position = seq->length;
+    if (position >= e->d.max_seq)
         return set_error(OG_E_CONTEXT_FULL,
-                         "position %d: the KV cache is full (max_seq_len=%d); og_reset starts a "
-                         "new sequence",
-                         e->position, e->d.max_seq);
-    const og_status status = precheck(e);
+                         "position %d: sequence %d is full (max_seq_len=%d); og_reset starts it "
+                         "over",
+                         position, id, e->d.max_seq);
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // The only state this changes before the record: the row's block (a fresh block, or a
+    // private copy of a shared one), which any later step of the sequence would take too.
+    status = e->kv.reserve(id, 1, e->stream);
     if (status != OG_OK) return status;
     e->step_host->token = token;
-    e->step_host->position = e->position;
-    e->step_host->reserved[0] = 0;
-    e->step_host->reserved[1] = 0;
+    e->step_host->position = position;
+    e->step_host->seq_slot = seq->slot;
+    e->step_host->row_block = seq->blocks[position / e->kv.layout.page_size];
     e->step_pending = true;
+    e->step_seq = id;
     return OG_OK;
 }
 
@@ -995,7 +1017,10 @@ OG_API og_status og_end_step(og_engine *e) {
     OG_CHECK_HANDLE(e);
     if (!e->step_pending)
         return set_error(OG_E_BAD_STATE, "og_end_step: no step begun (call og_begin_step first)");
-    e->position += 1;
+    KvSequence *seq = nullptr;
+    const og_status status = e->kv.lookup(e->step_seq, "og_end_step", &seq);
+    if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its step
+    seq->length += 1;
     e->step_pending = false;
     e->stats.steps += 1;
     return OG_OK;
@@ -1017,16 +1042,18 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits) {
 
 OG_API og_status og_reset(og_engine *e) {
     OG_CHECK_HANDLE(e);
-    e->position = 0;
-    e->step_pending = false;
-    return OG_OK;
+    if (e->kv.current < 0) return OG_OK;
+    return og_seq_reset(e, e->kv.current);
 }
 
 OG_API og_status og_get_position(og_engine *e, int32_t *position) {
     OG_CHECK_HANDLE(e);
     if (position == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_get_position: position is NULL");
-    *position = e->position;
+    KvSequence *seq = nullptr;
+    if (e->kv.current < 0 || e->kv.lookup(e->kv.current, "og_get_position", &seq) != OG_OK)
+        return set_error(OG_E_BAD_STATE, "og_get_position: no sequence is selected");
+    *position = seq->length;
     return OG_OK;
 }
 
@@ -1064,7 +1091,7 @@ OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacit
     OG_CHECK_HANDLE(e);
     if (host_dst == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_copy_kv_cache: host_dst is NULL");
-    const uint64_t needed = e->kv_values_bytes + e->kv_scales_bytes;
+    const uint64_t needed = (uint64_t)e->kv.layout.pool_bytes();
     if (capacity_bytes < needed)
         return set_error(OG_E_INVALID_ARGUMENT,
                          "og_copy_kv_cache: capacity_bytes=%llu < kv_cache_bytes=%llu",
@@ -1073,11 +1100,8 @@ OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacit
     if (status != OG_OK) return status;
     OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
     char *dst = static_cast<char *>(host_dst);
-    OG_CUDA_TRY(cudaMemcpyAsync(dst, e->kv_values, e->kv_values_bytes, cudaMemcpyDeviceToHost,
+    OG_CUDA_TRY(cudaMemcpyAsync(dst, e->kv.pool, (size_t)needed, cudaMemcpyDeviceToHost,
                                 e->stream));
-    if (e->kv_scales_bytes > 0)
-        OG_CUDA_TRY(cudaMemcpyAsync(dst + e->kv_values_bytes, e->kv_scales, e->kv_scales_bytes,
-                                    cudaMemcpyDeviceToHost, e->stream));
     OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
     return OG_OK;
 }
@@ -1110,6 +1134,167 @@ OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t
     const og_status status = use_device(e);
     if (status != OG_OK) return status;
     return e->kv_guards.corrupt(buffer, after, e->stream);
+}
+
+// ---- sequences and the KV block pool (the work is in kv_pool.cu) -----------------------
+
+// A step begun on a sequence whose blocks change is no longer valid: it must be begun again.
+static void cancel_step_of(og_engine *e, int32_t seq) {
+    if (e->step_pending && e->step_seq == seq) e->step_pending = false;
+}
+
+#define OG_CHECK_OUT(p)                                                                      \
+    do {                                                                                     \
+        if ((p) == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "%s: %s is NULL", __func__, #p); \
+    } while (0)
+
+OG_API og_status og_seq_create(og_engine *e, int32_t *seq) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(seq);
+    return e->kv.create(seq);
+}
+
+OG_API og_status og_seq_fork(og_engine *e, int32_t src, int32_t *seq) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(seq);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv.fork(src, seq, e->stream);
+}
+
+OG_API og_status og_seq_select(og_engine *e, int32_t seq) {
+    OG_CHECK_HANDLE(e);
+    KvSequence *found = nullptr;
+    const og_status status = e->kv.lookup(seq, "og_seq_select", &found);
+    if (status != OG_OK) return status;
+    e->kv.current = seq;
+    e->step_pending = false;
+    return OG_OK;
+}
+
+OG_API og_status og_seq_current(og_engine *e, int32_t *seq) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(seq);
+    *seq = e->kv.current;
+    return OG_OK;
+}
+
+OG_API og_status og_seq_reset(og_engine *e, int32_t seq) {
+    OG_CHECK_HANDLE(e);
+    og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    status = e->kv.reset(seq, e->stream);
+    if (status == OG_OK) cancel_step_of(e, seq);
+    return status;
+}
+
+OG_API og_status og_seq_free(og_engine *e, int32_t seq) {
+    OG_CHECK_HANDLE(e);
+    og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    status = e->kv.free_sequence(seq, e->stream);
+    if (status == OG_OK) cancel_step_of(e, seq);
+    return status;
+}
+
+OG_API og_status og_seq_length(og_engine *e, int32_t seq, int32_t *length) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(length);
+    KvSequence *found = nullptr;
+    const og_status status = e->kv.lookup(seq, "og_seq_length", &found);
+    if (status != OG_OK) return status;
+    *length = found->length;
+    return OG_OK;
+}
+
+OG_API og_status og_seq_set_length(og_engine *e, int32_t seq, int32_t length) {
+    OG_CHECK_HANDLE(e);
+    og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    status = e->kv.set_length(seq, length, e->stream);
+    if (status == OG_OK) cancel_step_of(e, seq);
+    return status;
+}
+
+OG_API og_status og_seq_reserve(og_engine *e, int32_t seq, int32_t n_tokens) {
+    OG_CHECK_HANDLE(e);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv.reserve(seq, n_tokens, e->stream);
+}
+
+OG_API og_status og_seq_blocks(og_engine *e, int32_t seq, int32_t *blocks, int32_t capacity,
+                               int32_t *count) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(count);
+    if (capacity < 0 || (capacity > 0 && blocks == nullptr))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_seq_blocks: blocks is NULL or capacity=%d < 0",
+                         capacity);
+    KvSequence *found = nullptr;
+    const og_status status = e->kv.lookup(seq, "og_seq_blocks", &found);
+    if (status != OG_OK) return status;
+    const int32_t n = (int32_t)found->blocks.size();
+    for (int32_t i = 0; i < n && i < capacity; ++i) blocks[i] = found->blocks[i];
+    *count = n;
+    return OG_OK;
+}
+
+OG_API og_status og_get_kv_pool_info(og_engine *e, og_kv_pool_info *info) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(info);
+    const KvLayout &l = e->kv.layout;
+    memset(info, 0, sizeof *info);
+    info->page_size = l.page_size;
+    info->n_blocks = l.n_blocks;
+    info->free_blocks = e->kv.blocks.free_count();
+    info->max_blocks_per_seq = l.max_blocks_per_seq;
+    info->max_sequences = l.max_sequences;
+    info->live_sequences = (int32_t)e->kv.seqs.size();
+    info->n_segments = (int32_t)l.segments.size();
+    info->current_sequence = e->kv.current;
+    info->block_stride_bytes = (uint64_t)l.block_stride;
+    info->pool_bytes = (uint64_t)l.pool_bytes();
+    return OG_OK;
+}
+
+OG_API og_status og_kv_segments(og_engine *e, int64_t *offsets, int64_t *page_bytes,
+                                int32_t capacity, int32_t *count) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(count);
+    if (capacity < 0 || (capacity > 0 && (offsets == nullptr || page_bytes == nullptr)))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_kv_segments: offsets or page_bytes is NULL, or capacity=%d < 0", capacity);
+    const std::vector<KvSegment> &segments = e->kv.layout.segments;
+    const int32_t n = (int32_t)segments.size();
+    for (int32_t i = 0; i < n && i < capacity; ++i) {
+        offsets[i] = segments[i].offset_bytes;
+        page_bytes[i] = segments[i].page_bytes;
+    }
+    *count = n;
+    return OG_OK;
+}
+
+OG_API og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *count) {
+    OG_CHECK_HANDLE(e);
+    OG_CHECK_OUT(count);
+    const int32_t refs = e->kv.blocks.refcount(block);
+    if (refs < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_kv_block_refcount: block %d is outside the pool [0, %d)",
+                         block, e->kv.layout.n_blocks);
+    *count = refs;
+    return OG_OK;
+}
+
+OG_API og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count) {
+    OG_CHECK_HANDLE(e);
+    const og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv.zero_blocks(blocks, count, e->stream);
+}
+
+OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count) {
+    OG_CHECK_HANDLE(e);
+    return e->kv.blocks.set_free_order(blocks, count);
 }
 
 }  // extern "C"

@@ -7,6 +7,7 @@
 //   rope_kv.cu    per-head QK-norm + RoPE + K/V quantization into the cache row
 //   attention.cu  split-KV decode attention with the combine done by each KV head's
 //                 last finishing block
+//   kv_blocks.cu  KV block ops: zeroing a list of blocks across every segment of the pool
 // Each launcher takes a cudaStream_t and returns the cudaError_t of its launch. `pdl`
 // adds the programmatic-dependent-launch attribute (see common.cuh).
 #pragma once
@@ -67,6 +68,31 @@ size_t gemv_input_smem_bytes(int cols, int format);
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl);
 
+// ---- the paged KV cache (laid out by kv_pool.h) --------------------------------------
+// The cache is a pool of fixed-size blocks. A block is packed: it holds, for every layer,
+// a K page [n_kv, page_size, hd] and a V page of the KV element type and (int8 only) a K
+// and a V scale page [n_kv, page_size] fp32, each at a fixed byte offset inside the block.
+// So the distance from one block to the next (block_stride) is larger than any one page.
+// Row t of KV head h of a sequence lives in block b = table[t / page_size], at row
+// h * page_size + t % page_size of each page of that block.
+struct KvPages {
+    char *k, *v;                  // the layer's K and V page in block 0 of the pool
+    char *k_scales, *v_scales;    // its scale pages in block 0 (OG_KV_INT8), else NULL
+    int64_t block_stride;         // bytes from a block to the next
+    int page_size;                // rows per block
+    int n_blocks;                 // blocks in the pool
+    const int32_t *block_tables;  // [max_sequences, max_blocks_per_seq] block ids; a step
+                                  // reads row step->seq_slot
+    int max_blocks_per_seq;
+};
+
+// One segment of a packed block: bytes [offset_bytes, offset_bytes + page_bytes) of every
+// block of the pool hold one page (a layer's K, V, K scales or V scales).
+struct KvSegment {
+    int64_t offset_bytes;
+    int64_t page_bytes;
+};
+
 // ---- rope_kv.cu ---------------------------------------------------------------------
 // inv_freq[i] = float(1 / theta^(2i / head_dim)) / float(linear_factor): the power in
 // float64, the division by the 'linear' rope_scaling factor in fp32 (as the reference).
@@ -78,13 +104,15 @@ struct RopeKvArgs {
     const float *k_norm;          // [hd] or NULL
     float eps;
     const float *inv_freq;        // [hd / 2]
-    const og_step_record *step;   // position = the cache row written
+    const og_step_record *step;   // position = the row written, into block step->row_block
     int n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype;
-    void *k_cache, *v_cache;      // [n_kv, max_seq_len, hd] of kv_dtype
-    float *k_scales, *v_scales;   // [n_kv, max_seq_len] (OG_KV_INT8 only, else unused)
+    KvPages kv;                   // the layer's pages; kv.block_tables is not read
+    int32_t *table_update;        // NULL, or the block tables: entry position / page_size of
+                                  // row step->seq_slot is set to step->row_block
 };
 // Grid: one block per query head and per KV head. Query heads: QK-norm, RoPE, in place.
-// KV heads: QK-norm + RoPE of k, then k and v (v as is) stored at row `position`.
+// KV heads: QK-norm + RoPE of k, then k and v (v as is) stored at row `position` of block
+// step->row_block (nothing is stored when the position or the block is out of range).
 cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, bool pdl);
 
 // ---- attention.cu -------------------------------------------------------------------
@@ -103,8 +131,8 @@ size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &
 
 struct AttentionArgs {
     const float *q;               // [n_heads * hd], normed and rotated
-    const void *k_cache, *v_cache;    // [n_kv, max_seq_len, hd] of kv_dtype
-    const float *k_scales, *v_scales; // [n_kv, max_seq_len] (OG_KV_INT8)
+    KvPages kv;                   // the layer's pages, read through row step->seq_slot of
+                                  // kv.block_tables
     const og_step_record *step;   // visible length = position + 1
     int n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype;
     float *partials;              // attention_partial_floats(...) floats
@@ -114,5 +142,22 @@ struct AttentionArgs {
 };
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
                              cudaStream_t stream, bool pdl);
+
+// ---- kv_blocks.cu -------------------------------------------------------------------
+struct ZeroBlocksArgs {
+    char *base;                   // block 0 of the pool
+    int64_t block_stride;         // bytes from a block to the next
+    int n_blocks;                 // blocks in the pool (ids outside [0, n_blocks) are skipped)
+    const KvSegment *segments;    // [n_segments], device memory
+    int n_segments;
+    const int32_t *block_ids;     // [n_ids], device memory
+    int n_ids;
+};
+// One launch zeroes every segment's page of every listed block: for block b and segment s
+// the bytes [base + b * block_stride + s.offset_bytes, ... + s.page_bytes). Blocks step by
+// the block stride, never by the page size (a packed block's segments are smaller than
+// the block), and nothing outside a page is written. Any byte alignment. No launch when
+// there is nothing to zero.
+cudaError_t launch_zero_blocks(const ZeroBlocksArgs &args, cudaStream_t stream);
 
 }  // namespace og

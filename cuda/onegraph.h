@@ -1,8 +1,8 @@
 /*
  * onegraph.h — the C ABI of the onegraph decode library.
  *
- * One token of decode costs one host->device copy (the step record: token id and
- * position) and one device->host copy (the logits). Everything in between — every
+ * One token of decode costs one host->device copy (the step record: token id, position,
+ * and the KV block of the row) and one device->host copy (the logits). Everything in between — every
  * layer, every intermediate, the KV cache — lives on the GPU, and the per-token body
  * (og_enqueue) is capturable into one CUDA graph that is replayed for every token.
  *
@@ -51,7 +51,9 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 2   /* 2: og_config.weights_dense / _experts / _lm_head appended */
+#define OG_ABI_VERSION 3   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+                              3: og_config.kv_page_size / _pool_blocks / _max_sequences
+                                 appended, og_step_record.seq_slot / row_block, sequences */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -72,6 +74,8 @@ typedef int32_t og_status;
                                        names the file and the byte offset or tensor             */
 #define OG_E_CORRUPTED        -14  /* a guard band around the KV cache was overwritten (found by
                                        og_check_guards, onegraph_testing.h)                     */
+#define OG_E_POOL_EXHAUSTED   -15  /* the KV block pool has too few free blocks, or every
+                                       sequence slot is in use; nothing was changed            */
 
 /* ---- element types ----------------------------------------------------------------- */
 #define OG_DTYPE_F32  0
@@ -143,23 +147,46 @@ typedef struct og_config {
     const uint8_t *layer_is_moe;    /* [num_hidden_layers]; NULL = every layer MoE when
                                        num_experts > 0, else every layer dense              */
     /* runtime */
-    int32_t max_seq_len;            /* KV cache rows per layer                            */
+    int32_t max_seq_len;            /* the most rows (tokens) one sequence can hold        */
     int32_t kv_dtype;               /* OG_KV_*                                            */
     int32_t device_ordinal;
     /* weight formats (OG_WEIGHTS_*; og_config_default: OG_WEIGHTS_BF16), ABI 2 */
     int32_t weights_dense;          /* attention q/k/v/o, dense FFN gate/up/down           */
     int32_t weights_experts;        /* MoE experts' gate/up/down                           */
     int32_t weights_lm_head;        /* lm_head (a tied model then needs lm_head.weight)    */
+    /* paged KV cache (see "sequences and the KV block pool" below), ABI 3 */
+    int32_t kv_page_size;           /* rows per KV block; 0 = 64. A page size >= max_seq_len
+                                       gives one block per sequence (a contiguous cache)   */
+    int32_t kv_pool_blocks;         /* blocks in the pool; 0 = ceil(max_seq_len / page), room
+                                       for one full-length sequence                       */
+    int32_t kv_max_sequences;       /* sequences alive at once; 0 = 16                    */
 } og_config;
 
-/* The pinned host record copied to the device at the start of every step. The body reads
- * token and position from its device copy, so a captured graph replays unchanged. */
+/* The pinned host record copied to the device at the start of every step (og_begin_step
+ * fills it). The body reads everything per-token from its device copy, so a captured graph
+ * replays unchanged for every token, every sequence and every block assignment. */
 typedef struct og_step_record {
     int32_t token;
-    int32_t position;               /* row of the KV cache this step writes; visible length
+    int32_t position;               /* row of the sequence this step writes; visible length
                                        during attention is position + 1                      */
-    int32_t reserved[2];
+    int32_t seq_slot;               /* the sequence's row of the device block tables         */
+    int32_t row_block;              /* the KV block that holds row `position`; the body also
+                                       stores it into the sequence's block table             */
 } og_step_record;
+
+/* The KV block pool, as og_get_kv_pool_info reports it. */
+typedef struct og_kv_pool_info {
+    int32_t page_size;              /* rows per block                                     */
+    int32_t n_blocks;               /* blocks in the pool                                 */
+    int32_t free_blocks;            /* blocks no sequence holds (all zeros)               */
+    int32_t max_blocks_per_seq;     /* ceil(max_seq_len / page_size)                      */
+    int32_t max_sequences;
+    int32_t live_sequences;
+    int32_t n_segments;             /* pages per block: per layer K, V (+ K, V scales for int8) */
+    int32_t current_sequence;       /* the selected sequence, -1 none                    */
+    uint64_t block_stride_bytes;    /* bytes from one block to the next (> any one page)  */
+    uint64_t pool_bytes;            /* n_blocks * block_stride_bytes                      */
+} og_kv_pool_info;
 
 typedef struct og_stats {
     uint64_t steps;                 /* completed steps (og_end_step calls)                */
@@ -209,8 +236,11 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
  * OG_E_MISSING_WEIGHT naming the first missing tensor and the count missing. */
 OG_API og_status og_precheck(og_engine *e);
 
-/* Prepare a step: check token range, free KV row and precheck, then write {token,
- * position} into the pinned step record. On error nothing changes. */
+/* Prepare a step of the selected sequence: check the token range, the row (position <
+ * max_seq_len, else OG_E_CONTEXT_FULL) and the precheck; make the row's block writable
+ * (og_seq_reserve of one row: OG_E_POOL_EXHAUSTED without a free block); then write {token,
+ * position, seq_slot, row_block} into the pinned step record. On error nothing changes.
+ * OG_E_BAD_STATE when no sequence is selected. */
 OG_API og_status og_begin_step(og_engine *e, int32_t token);
 
 /* THE BODY. Enqueue one decode step on stream (a cudaStream_t; NULL = the engine's own
@@ -231,10 +261,12 @@ OG_API og_status og_end_step(og_engine *e);
  * the pinned logits [vocab_size] fp32, valid until the next step. */
 OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
 
-/* Start a new sequence: position = 0. */
+/* Start the selected sequence over: og_seq_reset of the selected sequence (no-op when none
+ * is selected). */
 OG_API og_status og_reset(og_engine *e);
 
-/* Current position (= tokens in the KV cache). */
+/* Position of the selected sequence (= its rows in the KV cache). OG_E_BAD_STATE when no
+ * sequence is selected. */
 OG_API og_status og_get_position(og_engine *e, int32_t *position);
 
 /* The pinned step record the body copies from (stable address for the engine's life). */
@@ -248,14 +280,86 @@ OG_API og_status og_stream(og_engine *e, void **stream);
 
 OG_API og_status og_get_stats(og_engine *e, og_stats *stats);
 
-/* Copy the whole KV cache (values then scales, every layer; og_stats.kv_cache_bytes bytes)
- * into host memory, for tests that check state is unchanged. OG_E_INVALID_ARGUMENT if
- * capacity_bytes is too small. */
+/* Copy the whole KV block pool (og_stats.kv_cache_bytes = n_blocks * block stride bytes;
+ * layout in og_kv_segments) into host memory, for tests that check state is unchanged.
+ * OG_E_INVALID_ARGUMENT if capacity_bytes is too small. */
 OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
 
 /* Release everything. Safe on a partially initialized engine; a second og_free of the
  * same handle returns OG_E_INVALID_HANDLE. */
 OG_API og_status og_free(og_engine *e);
+
+/* ---- sequences and the KV block pool -------------------------------------------------
+ * The KV cache is a pool of blocks of kv_page_size rows. A block is packed: it holds every
+ * layer's K and V page (and for int8 their scale pages), so one block id covers a row range
+ * in all layers, and the distance between blocks (the block stride) is larger than any page.
+ * A sequence is a block table (block i holds rows [i * page, (i + 1) * page)) and a length.
+ * og_init creates sequence 0 and selects it, so a caller that never uses sequences decodes
+ * one sequence as before. og_begin_step works on the selected sequence: it takes a free
+ * block when the row starts one (or copies a shared block on write) and puts the block id
+ * in the step record; the body writes K/V there and stores the id into the device block
+ * table, so steady-state decode stays at one H2D and one D2H copy per token, and one
+ * captured graph serves every sequence, length and block assignment.
+ * Free blocks are all zeros: blocks are zeroed as their last holder releases them.
+ * Sequence ids are never reused. Calls that change sequences must not overlap a step's work
+ * in flight (call them after og_run, or after synchronizing the stream a graph ran on). */
+
+/* A new empty sequence (not selected). OG_E_POOL_EXHAUSTED when kv_max_sequences are live. */
+OG_API og_status og_seq_create(og_engine *e, int32_t *seq);
+
+/* A new sequence holding src's rows, sharing src's blocks (reference counted, no copy). The
+ * first write into a shared block (the partial last one) copies that block first
+ * (copy-on-write), by whichever sequence writes first. Not selected. */
+OG_API og_status og_seq_fork(og_engine *e, int32_t src, int32_t *seq);
+
+/* Later steps decode `seq`. Cancels a step begun but not ended. */
+OG_API og_status og_seq_select(og_engine *e, int32_t seq);
+
+/* The selected sequence in *seq, -1 when none. */
+OG_API og_status og_seq_current(og_engine *e, int32_t *seq);
+
+/* Length 0; the sequence's blocks are released (zeroed when no other sequence holds them). */
+OG_API og_status og_seq_reset(og_engine *e, int32_t seq);
+
+/* Release the sequence's blocks and the sequence; a freed id is an error everywhere after
+ * (OG_E_INVALID_ARGUMENT, "not live"), so a second free is caught. Freeing the selected
+ * sequence leaves none selected. */
+OG_API og_status og_seq_free(og_engine *e, int32_t seq);
+
+/* Rows the sequence holds in *length. */
+OG_API og_status og_seq_length(og_engine *e, int32_t seq, int32_t *length);
+
+/* Truncate to `length` rows (blocks past them are released), or extend to `length` rows
+ * whose K/V content is unspecified (fresh blocks are zeros; benchmarks use this to reach a
+ * long context without a prompt). 0 <= length <= max_seq_len; OG_E_POOL_EXHAUSTED (nothing
+ * changed) without enough free blocks. */
+OG_API og_status og_seq_set_length(og_engine *e, int32_t seq, int32_t length);
+
+/* Make the next n_tokens rows of the sequence writable now (allocate their blocks, copy a
+ * shared block on write), so that a prompt either fits entirely or fails before any state
+ * changes: OG_E_CONTEXT_FULL past max_seq_len, OG_E_POOL_EXHAUSTED without enough blocks. */
+OG_API og_status og_seq_reserve(og_engine *e, int32_t seq, int32_t n_tokens);
+
+/* The sequence's block table: up to `capacity` ids into blocks, the table's size in *count
+ * (blocks may be NULL with capacity 0 to ask for the size). */
+OG_API og_status og_seq_blocks(og_engine *e, int32_t seq, int32_t *blocks, int32_t capacity,
+                               int32_t *count);
+
+OG_API og_status og_get_kv_pool_info(og_engine *e, og_kv_pool_info *info);
+
+/* The packed block's segments (pages) in address order, per layer: K, V, then for int8 K
+ * scales, V scales. Up to `capacity` byte offsets (from the start of a block) and page sizes
+ * in bytes; the number of segments in *count. Block b's page of segment s is the bytes
+ * [b * block_stride + offsets[s], ... + page_bytes[s]) of the pool (og_copy_kv_cache). */
+OG_API og_status og_kv_segments(og_engine *e, int64_t *offsets, int64_t *page_bytes,
+                                int32_t capacity, int32_t *count);
+
+/* Reference count of a block in *count (0 = free). OG_E_INVALID_ARGUMENT outside the pool. */
+OG_API og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *count);
+
+/* Zero every page of the listed blocks now (one kernel launch; ids checked first, any state),
+ * synchronously. The library zeroes released blocks itself; this is for tests and tools. */
+OG_API og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
 
 /* ---- packed model files (cuda/packed_file.c) -----------------------------------------
  * One safetensors file written by `onegraph pack` (runtime/pack.py): the tensors the library

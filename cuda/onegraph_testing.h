@@ -121,8 +121,8 @@ OG_API og_status og_test_allocation_counts(int64_t *calls, int64_t *device_live,
 #define OG_TEST_CAPTURE_FAULT_SYNC   2
 OG_API og_status og_test_set_capture_fault(int32_t kind, int32_t count);
 
-/* Guard bands: og_init fills 256 bytes before and after each guarded buffer (the KV cache
- * values and its int8 scales) with a known pattern. og_check_guards synchronizes the
+/* Guard bands: og_init fills 256 bytes before and after each guarded buffer (the KV block
+ * pool "kv_pool" and the block tables "kv_tables") with a known pattern. og_check_guards synchronizes the
  * engine's stream and compares them: OG_OK, or OG_E_CORRUPTED with a message naming the
  * buffer, the side and the first changed byte. Call it between steps (not while a graph
  * launched on another stream is in flight). */
@@ -132,6 +132,70 @@ OG_API og_status og_check_guards(og_engine *e);
  * the first byte after it (after = 1). OG_E_INVALID_ARGUMENT for an unknown buffer name
  * (the message lists the guarded ones). */
 OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
+
+/* ---- the paged KV cache ---------------------------------------------------------------
+ * A test pool is [n_blocks, block_stride] bytes; every block holds one layer's K page
+ * [n_kv, page_size, hd] at byte k_offset, its V page at v_offset and, for OG_KV_INT8, scale
+ * pages [n_kv, page_size] fp32 at k_scales_offset / v_scales_offset (ignored otherwise);
+ * pages must lie inside the block, 16-byte aligned. Row t of KV head h is row
+ * h * page_size + t % page_size of the pages of block block_table[t / page_size]. */
+
+/* og_test_attention over a paged pool: the same kernel, reading through block_table
+ * [n_table] (n_table * page_size >= max_seq_len). With the same split_len, the output is
+ * bit-identical to og_test_attention over the same rows stored contiguously. */
+OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64_t block_stride,
+                                         int32_t n_blocks, int32_t page_size, int64_t k_offset,
+                                         int64_t v_offset, int64_t k_scales_offset,
+                                         int64_t v_scales_offset, const int32_t *block_table,
+                                         int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
+                                         int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
+                                         int32_t visible_len, int32_t split_len, float *out);
+
+/* og_test_qk_norm_rope_kv writing into a paged pool (in/out): the row `position` goes to
+ * block row_block, and entry position / page_size of row seq_slot of block_tables
+ * [n_tables, max_blocks_per_seq] (in/out) is set to row_block, as the body does. A row_block
+ * outside [0, n_blocks) stores nothing. */
+OG_API og_status og_test_qk_norm_rope_kv_paged(
+    float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    int32_t max_blocks_per_seq);
+
+/* The block-zeroing kernel on a host buffer (in/out) of backing_bytes: the pool starts at
+ * byte pool_offset (the bytes around it are guard regions the kernel must not touch) and
+ * has n_blocks blocks of block_stride bytes; segment s is the page [segment_offsets[s],
+ * + segment_page_bytes[s]) of each block (any byte alignment). Zeroes the pages of the
+ * listed blocks in one launch. */
+OG_API og_status og_test_zero_blocks(void *backing, uint64_t backing_bytes, uint64_t pool_offset,
+                                     int64_t block_stride, int32_t n_blocks,
+                                     const int64_t *segment_offsets,
+                                     const int64_t *segment_page_bytes, int32_t n_segments,
+                                     const int32_t *block_ids, int32_t n_ids);
+
+/* The engine's block allocator (cuda/kv_pool.h) alone, on the host: no device needed.
+ * Blocks are handed out 0, 1, 2, ... from a fresh allocator; a released block is handed out
+ * next (a stack). Errors: OG_E_POOL_EXHAUSTED (allocate with no free block),
+ * OG_E_INVALID_ARGUMENT (a block outside [0, n_blocks), or retain / release of a free block:
+ * a double free). */
+typedef struct og_test_allocator og_test_allocator;
+OG_API og_status og_test_allocator_create(int32_t n_blocks, og_test_allocator **out);
+OG_API og_status og_test_allocator_destroy(og_test_allocator *a);
+OG_API og_status og_test_allocator_allocate(og_test_allocator *a, int32_t *block);
+OG_API og_status og_test_allocator_retain(og_test_allocator *a, int32_t block);
+/* *freed (may be NULL) = 1 when the count reached 0 and the block went back to the free list. */
+OG_API og_status og_test_allocator_release(og_test_allocator *a, int32_t block, int32_t *freed);
+/* *count = the block's reference count, 0 free, -1 outside the pool. */
+OG_API og_status og_test_allocator_refcount(og_test_allocator *a, int32_t block, int32_t *count);
+OG_API og_status og_test_allocator_free_count(og_test_allocator *a, int32_t *count);
+/* `blocks` must list exactly the free blocks, each once; they are handed out in that order. */
+OG_API og_status og_test_allocator_set_free_order(og_test_allocator *a, const int32_t *blocks,
+                                                  int32_t count);
+
+/* The same hook on an engine's pool: its free blocks are handed out in this order (to build
+ * block tables that are deliberately non-contiguous and out of order). */
+OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
 
 #ifdef __cplusplus
 }

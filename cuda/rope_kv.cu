@@ -4,7 +4,12 @@
 //   grid:  n_heads + n_kv blocks; block b < n_heads owns query head b, block
 //          n_heads + h owns KV head h (its k and its v)
 //   query head:  q = rope(rmsnorm(q) * q_norm)             written back in place
-//   KV head:     k = rope(rmsnorm(k) * k_norm), v as is    stored at cache row `position`
+//   KV head:     k = rope(rmsnorm(k) * k_norm), v as is    stored at row `position` of the
+//                sequence, in block step->row_block of the paged pool (kernels.cuh, KvPages):
+//                row kv_head * page + position % page of the layer's K and V pages there
+//   table:       the first KV head's block also stores step->row_block into the sequence's
+//                block-table entry position / page (when table_update is set), so that the
+//                attention that follows reads the row's block through the table
 //
 // rmsnorm over head_dim: x * (1 / sqrt(mean(x^2) + eps)) (skipped when q_norm is NULL).
 // rope (rotate-half): angle_i = float(position) * inv_freq[i], i < hd/2, sincosf;
@@ -98,19 +103,27 @@ __global__ void __launch_bounds__(kRopeThreads) qk_norm_rope_kv_kernel(const Rop
         for (int i = threadIdx.x; i < hd; i += kRopeThreads) src[i] = head[i];
         return;
     }
-    // Unreachable through og_begin_step's check; never write outside the cache.
-    if (position < 0 || position >= a.max_seq_len) return;
+    // Unreachable through og_begin_step's checks; never write outside the pool.
+    const KvPages &kv = a.kv;
+    const int block = a.step->row_block;
+    if (position < 0 || position >= a.max_seq_len || block < 0 || block >= kv.n_blocks) return;
+    const int chunk = position / kv.page_size;
+    if (a.table_update != nullptr && kv_head == 0 && threadIdx.x == 0)
+        a.table_update[(size_t)a.step->seq_slot * kv.max_blocks_per_seq + chunk] = block;
 
-    const size_t row = (size_t)kv_head * a.max_seq_len + position;
+    const size_t block_offset = (size_t)block * kv.block_stride;
+    const size_t row = (size_t)kv_head * kv.page_size + (position - chunk * kv.page_size);
     const size_t elem_bytes = a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1;
-    char *k_row = static_cast<char *>(a.k_cache) + row * hd * elem_bytes;
-    char *v_row = static_cast<char *>(a.v_cache) + row * hd * elem_bytes;
-    store_cache_row(head, hd, a.kv_dtype, k_row, a.k_scales ? a.k_scales + row : nullptr, scratch);
+    char *k_row = kv.k + block_offset + row * hd * elem_bytes;
+    char *v_row = kv.v + block_offset + row * hd * elem_bytes;
+    float *k_scale = kv.k_scales ? reinterpret_cast<float *>(kv.k_scales + block_offset) + row : nullptr;
+    float *v_scale = kv.v_scales ? reinterpret_cast<float *>(kv.v_scales + block_offset) + row : nullptr;
+    store_cache_row(head, hd, a.kv_dtype, k_row, k_scale, scratch);
     __syncthreads();  // head[] is reused for v
     const float *v_src = a.qkv + q_size + kv_size + (size_t)kv_head * hd;
     for (int i = threadIdx.x; i < hd; i += kRopeThreads) head[i] = v_src[i];
     __syncthreads();
-    store_cache_row(head, hd, a.kv_dtype, v_row, a.v_scales ? a.v_scales + row : nullptr, scratch);
+    store_cache_row(head, hd, a.kv_dtype, v_row, v_scale, scratch);
 }
 
 }  // namespace
@@ -125,7 +138,8 @@ void rope_inv_freq(int head_dim, double theta, double linear_factor, float *inv_
 }
 
 cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, bool pdl) {
-    if (args.head_dim <= 0 || args.head_dim > kMaxHeadDim || args.head_dim % 2 != 0)
+    if (args.head_dim <= 0 || args.head_dim > kMaxHeadDim || args.head_dim % 2 != 0 ||
+        args.kv.page_size <= 0)
         return cudaErrorInvalidValue;
     const dim3 grid(args.n_heads + args.n_kv_heads), block(kRopeThreads);
     return launch_kernel(qk_norm_rope_kv_kernel, grid, block, 0, stream, pdl, args);

@@ -5,9 +5,11 @@
 // fills them with NaN sees any element a kernel failed to write.
 #include <string.h>
 
+#include <new>
 #include <vector>
 
 #include "kernels.cuh"
+#include "kv_pool.h"
 #include "onegraph_testing.h"
 #include "quant.cuh"
 
@@ -77,11 +79,116 @@ size_t kv_elem_bytes(int kv_dtype) {
 
 bool mode_needs_norm(GemvMode mode) { return mode == kGemvNorm || mode == kGemvNormSwiglu; }
 
+// A contiguous cache [n_kv, max_seq_len, hd] as the paged kernels see it: one block whose
+// page holds max_seq_len rows, a one-entry block table {0}.
+KvPages contiguous_pages(void *k, void *v, float *k_scales, float *v_scales, int max_seq_len,
+                         const int32_t *table_dev) {
+    KvPages p = {};
+    p.k = static_cast<char *>(k);
+    p.v = static_cast<char *>(v);
+    p.k_scales = reinterpret_cast<char *>(k_scales);
+    p.v_scales = reinterpret_cast<char *>(v_scales);
+    p.block_stride = 0;
+    p.page_size = max_seq_len;
+    p.n_blocks = 1;
+    p.block_tables = table_dev;
+    p.max_blocks_per_seq = 1;
+    return p;
+}
+
+// The pool pages of a paged test call: offsets inside each block; scales -1 unless int8.
+og_status paged_pages(const char *fn, char *pool, int64_t block_stride, int32_t n_blocks,
+                      int32_t page_size, int32_t n_kv_heads, int32_t head_dim, int32_t kv_dtype,
+                      int64_t k_offset, int64_t v_offset, int64_t k_scales_offset,
+                      int64_t v_scales_offset, const int32_t *table_dev, int32_t n_table,
+                      KvPages *out) {
+    const bool int8 = kv_dtype == OG_KV_INT8;
+    const int64_t value_page = (int64_t)n_kv_heads * page_size * head_dim * kv_elem_bytes(kv_dtype);
+    const int64_t scale_page = (int64_t)n_kv_heads * page_size * 4;
+    auto inside = [&](int64_t offset, int64_t bytes) {
+        return offset >= 0 && offset + bytes <= block_stride && offset % 16 == 0;
+    };
+    if (n_blocks <= 0 || page_size <= 0 || n_table <= 0 || block_stride % 16 != 0 ||
+        !inside(k_offset, value_page) ||
+        !inside(v_offset, value_page) ||
+        (int8 && (!inside(k_scales_offset, scale_page) || !inside(v_scales_offset, scale_page))))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "%s: a page is outside its block (or not 16-byte aligned), the block "
+                         "stride is not a multiple of 16, or a size is not positive",
+                         fn);
+    KvPages p = {};
+    p.k = pool + k_offset;
+    p.v = pool + v_offset;
+    p.k_scales = int8 ? pool + k_scales_offset : nullptr;
+    p.v_scales = int8 ? pool + v_scales_offset : nullptr;
+    p.block_stride = block_stride;
+    p.page_size = page_size;
+    p.n_blocks = n_blocks;
+    p.block_tables = table_dev;
+    p.max_blocks_per_seq = n_table;
+    *out = p;
+    return OG_OK;
+}
+
 #define OG_TRY(expr)                      \
     do {                                  \
         const og_status og_s_ = (expr);   \
         if (og_s_ != OG_OK) return og_s_; \
     } while (0)
+
+bool attention_shape_ok(int n_heads, int n_kv_heads, int head_dim, int max_seq_len, int kv_dtype,
+                        int visible_len, int split_len) {
+    return n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim > 0 &&
+           head_dim % 2 == 0 && head_dim <= 256 && max_seq_len > 0 && visible_len >= 1 &&
+           visible_len <= max_seq_len && split_len >= 0 &&
+           (kv_dtype == OG_KV_F32 || kv_dtype == OG_KV_BF16 || kv_dtype == OG_KV_INT8);
+}
+
+// Attention of q over the cache `kv` (already on the device) at visible_len rows, as the body
+// launches it; checks that the split counters are left at zero.
+og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n_heads,
+                        int n_kv_heads, int head_dim, int max_seq_len, int kv_dtype,
+                        int visible_len, int split_len, float *out, int32_t *split_len_out,
+                        int32_t *n_splits_out) {
+    AttentionPlan plan;
+    OG_CUDA_TRY(attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len,
+                               &plan));
+    const size_t q_len = (size_t)n_heads * head_dim;
+    DeviceBuffer d_q, d_step, d_partials, d_counters, d_out;
+    OG_TRY(alloc_copy(d_q, q, q_len * 4));
+    OG_TRY(upload_step(d_step, 0, visible_len - 1));
+    const size_t partial_bytes = attention_partial_floats(n_heads, head_dim, plan) * 4;
+    OG_TRY(alloc(d_partials, partial_bytes));
+    OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
+    OG_TRY(alloc(d_counters, (size_t)n_kv_heads * sizeof(unsigned)));
+    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)n_kv_heads * sizeof(unsigned)));
+    OG_TRY(alloc_copy(d_out, out, q_len * 4));
+    AttentionArgs a = {};
+    a.q = d_q.as<float>();
+    a.kv = kv;
+    a.step = d_step.as<og_step_record>();
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.head_dim = head_dim;
+    a.max_seq_len = max_seq_len;
+    a.kv_dtype = kv_dtype;
+    a.partials = d_partials.as<float>();
+    a.counters = d_counters.as<unsigned>();
+    a.out = d_out.as<float>();
+    OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
+    OG_TRY(copy_back(out, d_out, q_len * 4));
+    std::vector<unsigned> counters(n_kv_heads);
+    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
+    for (int h = 0; h < n_kv_heads; ++h)
+        if (counters[h] != 0)
+            return set_error(OG_E_CUDA,
+                             "%s: split counter of KV head %d is %u after the launch (must be "
+                             "reset to 0)",
+                             fn, h, counters[h]);
+    if (split_len_out != nullptr) *split_len_out = plan.split_len;
+    if (n_splits_out != nullptr) *n_splits_out = plan.n_splits;
+    return OG_OK;
+}
 
 og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int rows, int cols,
                       const float *x, const float *norm_weight, float eps, float *y,
@@ -228,7 +335,7 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
     const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
     const size_t rows = (size_t)n_kv_heads * max_seq_len;
     const size_t cache_bytes = rows * head_dim * kv_elem_bytes(kv_dtype);
-    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_k, d_v, d_ks, d_vs;
+    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_k, d_v, d_ks, d_vs, d_table;
     OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
     if (q_norm != nullptr) {
         OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
@@ -254,10 +361,11 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
     a.head_dim = head_dim;
     a.max_seq_len = max_seq_len;
     a.kv_dtype = kv_dtype;
-    a.k_cache = d_k.ptr;
-    a.v_cache = d_v.ptr;
-    a.k_scales = d_ks.as<float>();
-    a.v_scales = d_vs.as<float>();
+    const int32_t table[1] = {0};
+    OG_TRY(alloc_copy(d_table, table, sizeof table));
+    a.kv = contiguous_pages(d_k.ptr, d_v.ptr, d_ks.as<float>(), d_vs.as<float>(), max_seq_len,
+                            d_table.as<int32_t>());
+    a.table_update = nullptr;
     OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
     OG_TRY(copy_back(qkv, d_qkv, qkv_len * 4));
     OG_TRY(copy_back(k_cache, d_k, cache_bytes));
@@ -277,62 +385,215 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
                                    int32_t *n_splits_out) {
     const bool int8 = kv_dtype == OG_KV_INT8;
     if (q == nullptr || k_cache == nullptr || v_cache == nullptr || out == nullptr ||
-        n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 ||
-        head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 || visible_len < 1 ||
-        visible_len > max_seq_len || split_len < 0 ||
-        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && !int8) ||
+        !attention_shape_ok(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, visible_len,
+                            split_len) ||
         (int8 && (k_scales == nullptr || v_scales == nullptr)))
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention: bad argument");
     OG_TRY(require_device());
-    AttentionPlan plan;
-    OG_CUDA_TRY(attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len,
-                               &plan));
-    const size_t q_len = (size_t)n_heads * head_dim;
     const size_t rows = (size_t)n_kv_heads * max_seq_len;
     const size_t cache_bytes = rows * head_dim * kv_elem_bytes(kv_dtype);
-    DeviceBuffer d_q, d_k, d_v, d_ks, d_vs, d_step, d_partials, d_counters, d_out;
-    OG_TRY(alloc_copy(d_q, q, q_len * 4));
+    DeviceBuffer d_k, d_v, d_ks, d_vs, d_table;
     OG_TRY(alloc_copy(d_k, k_cache, cache_bytes));
     OG_TRY(alloc_copy(d_v, v_cache, cache_bytes));
     if (int8) {
         OG_TRY(alloc_copy(d_ks, k_scales, rows * 4));
         OG_TRY(alloc_copy(d_vs, v_scales, rows * 4));
     }
-    OG_TRY(upload_step(d_step, 0, visible_len - 1));
-    const size_t partial_bytes = attention_partial_floats(n_heads, head_dim, plan) * 4;
-    OG_TRY(alloc(d_partials, partial_bytes));
-    OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
-    OG_TRY(alloc(d_counters, (size_t)n_kv_heads * sizeof(unsigned)));
-    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)n_kv_heads * sizeof(unsigned)));
-    OG_TRY(alloc_copy(d_out, out, q_len * 4));
-    AttentionArgs a = {};
-    a.q = d_q.as<float>();
-    a.k_cache = d_k.ptr;
-    a.v_cache = d_v.ptr;
-    a.k_scales = d_ks.as<float>();
-    a.v_scales = d_vs.as<float>();
+    const int32_t table[1] = {0};
+    OG_TRY(alloc_copy(d_table, table, sizeof table));
+    const KvPages kv = contiguous_pages(d_k.ptr, d_v.ptr, d_ks.as<float>(), d_vs.as<float>(),
+                                        max_seq_len, d_table.as<int32_t>());
+    return run_attention("og_test_attention", q, kv, n_heads, n_kv_heads, head_dim, max_seq_len,
+                         kv_dtype, visible_len, split_len, out, split_len_out, n_splits_out);
+}
+
+OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64_t block_stride,
+                                         int32_t n_blocks, int32_t page_size, int64_t k_offset,
+                                         int64_t v_offset, int64_t k_scales_offset,
+                                         int64_t v_scales_offset, const int32_t *block_table,
+                                         int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
+                                         int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
+                                         int32_t visible_len, int32_t split_len, float *out) {
+    if (q == nullptr || pool == nullptr || block_table == nullptr || out == nullptr ||
+        !attention_shape_ok(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, visible_len,
+                            split_len) ||
+        page_size <= 0 || (int64_t)n_table * page_size < max_seq_len)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_paged: bad argument");
+    for (int32_t i = 0; i < n_table; ++i)
+        if (block_table[i] < 0 || block_table[i] >= n_blocks)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_test_attention_paged: block_table[%d]=%d is outside [0, %d)", i,
+                             block_table[i], n_blocks);
+    OG_TRY(require_device());
+    const size_t pool_bytes = (size_t)block_stride * n_blocks;
+    DeviceBuffer d_pool, d_table;
+    OG_TRY(alloc_copy(d_pool, pool, pool_bytes));
+    OG_TRY(alloc_copy(d_table, block_table, (size_t)n_table * sizeof(int32_t)));
+    KvPages kv;
+    OG_TRY(paged_pages("og_test_attention_paged", d_pool.as<char>(), block_stride, n_blocks,
+                       page_size, n_kv_heads, head_dim, kv_dtype, k_offset, v_offset,
+                       k_scales_offset, v_scales_offset, d_table.as<int32_t>(), n_table, &kv));
+    return run_attention("og_test_attention_paged", q, kv, n_heads, n_kv_heads, head_dim,
+                         max_seq_len, kv_dtype, visible_len, split_len, out, nullptr, nullptr);
+}
+
+OG_API og_status og_test_qk_norm_rope_kv_paged(
+    float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    int32_t max_blocks_per_seq) {
+    if (qkv == nullptr || inv_freq == nullptr || pool == nullptr || block_tables == nullptr ||
+        n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 ||
+        head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 ||
+        (q_norm == nullptr) != (k_norm == nullptr) ||
+        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && kv_dtype != OG_KV_INT8) ||
+        n_tables <= 0 || max_blocks_per_seq <= 0 || seq_slot < 0 || seq_slot >= n_tables ||
+        page_size <= 0 || (int64_t)max_blocks_per_seq * page_size < max_seq_len)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_qk_norm_rope_kv_paged: bad argument");
+    OG_TRY(require_device());
+    const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
+    const size_t pool_bytes = (size_t)block_stride * n_blocks;
+    const size_t table_bytes = (size_t)n_tables * max_blocks_per_seq * sizeof(int32_t);
+    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_pool, d_tables;
+    OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
+    if (q_norm != nullptr) {
+        OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
+        OG_TRY(alloc_copy(d_kn, k_norm, (size_t)head_dim * 4));
+    }
+    OG_TRY(alloc_copy(d_freq, inv_freq, (size_t)head_dim / 2 * 4));
+    og_step_record record = {};
+    record.position = position;
+    record.seq_slot = seq_slot;
+    record.row_block = row_block;
+    OG_TRY(alloc_copy(d_step, &record, sizeof record));
+    OG_TRY(alloc_copy(d_pool, pool, pool_bytes));
+    OG_TRY(alloc_copy(d_tables, block_tables, table_bytes));
+    RopeKvArgs a = {};
+    OG_TRY(paged_pages("og_test_qk_norm_rope_kv_paged", d_pool.as<char>(), block_stride, n_blocks,
+                       page_size, n_kv_heads, head_dim, kv_dtype, k_offset, v_offset,
+                       k_scales_offset, v_scales_offset, d_tables.as<int32_t>(),
+                       max_blocks_per_seq, &a.kv));
+    a.qkv = d_qkv.as<float>();
+    a.q_norm = d_qn.as<float>();
+    a.k_norm = d_kn.as<float>();
+    a.eps = eps;
+    a.inv_freq = d_freq.as<float>();
     a.step = d_step.as<og_step_record>();
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
     a.head_dim = head_dim;
     a.max_seq_len = max_seq_len;
     a.kv_dtype = kv_dtype;
-    a.partials = d_partials.as<float>();
-    a.counters = d_counters.as<unsigned>();
-    a.out = d_out.as<float>();
-    OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
-    OG_TRY(copy_back(out, d_out, q_len * 4));
-    std::vector<unsigned> counters(n_kv_heads);
-    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
-    for (int h = 0; h < n_kv_heads; ++h)
-        if (counters[h] != 0)
-            return set_error(OG_E_CUDA,
-                             "og_test_attention: split counter of KV head %d is %u after the "
-                             "launch (must be reset to 0)",
-                             h, counters[h]);
-    if (split_len_out != nullptr) *split_len_out = plan.split_len;
-    if (n_splits_out != nullptr) *n_splits_out = plan.n_splits;
+    a.table_update = d_tables.as<int32_t>();
+    OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
+    OG_TRY(copy_back(qkv, d_qkv, qkv_len * 4));
+    OG_TRY(copy_back(pool, d_pool, pool_bytes));
+    return copy_back(block_tables, d_tables, table_bytes);
+}
+
+OG_API og_status og_test_zero_blocks(void *backing, uint64_t backing_bytes, uint64_t pool_offset,
+                                     int64_t block_stride, int32_t n_blocks,
+                                     const int64_t *segment_offsets,
+                                     const int64_t *segment_page_bytes, int32_t n_segments,
+                                     const int32_t *block_ids, int32_t n_ids) {
+    if (backing == nullptr || block_stride < 0 || n_blocks < 0 || n_segments < 0 || n_ids < 0 ||
+        (n_segments > 0 && (segment_offsets == nullptr || segment_page_bytes == nullptr)) ||
+        (n_ids > 0 && block_ids == nullptr) ||
+        pool_offset + (uint64_t)block_stride * (uint64_t)n_blocks > backing_bytes)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_zero_blocks: bad argument");
+    for (int32_t s = 0; s < n_segments; ++s)
+        if (segment_offsets[s] < 0 || segment_page_bytes[s] < 0 ||
+            segment_offsets[s] + segment_page_bytes[s] > block_stride)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_test_zero_blocks: segment %d [%lld, +%lld) is outside a block of "
+                             "%lld bytes",
+                             s, (long long)segment_offsets[s], (long long)segment_page_bytes[s],
+                             (long long)block_stride);
+    for (int32_t i = 0; i < n_ids; ++i)
+        if (block_ids[i] < 0 || block_ids[i] >= n_blocks)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_test_zero_blocks: block_ids[%d]=%d is outside [0, %d)", i,
+                             block_ids[i], n_blocks);
+    OG_TRY(require_device());
+    std::vector<KvSegment> segments(n_segments);
+    for (int32_t s = 0; s < n_segments; ++s)
+        segments[s] = KvSegment{segment_offsets[s], segment_page_bytes[s]};
+    DeviceBuffer d_backing, d_segments, d_ids;
+    OG_TRY(alloc_copy(d_backing, backing, backing_bytes));
+    OG_TRY(alloc_copy(d_segments, segments.data(), segments.size() * sizeof(KvSegment)));
+    OG_TRY(alloc_copy(d_ids, block_ids, (size_t)n_ids * sizeof(int32_t)));
+    ZeroBlocksArgs a = {};
+    a.base = d_backing.as<char>() + pool_offset;
+    a.block_stride = block_stride;
+    a.n_blocks = n_blocks;
+    a.segments = d_segments.as<KvSegment>();
+    a.n_segments = n_segments;
+    a.block_ids = d_ids.as<int32_t>();
+    a.n_ids = n_ids;
+    OG_TRY(finish_launch(launch_zero_blocks(a, 0), "launch_zero_blocks"));
+    return copy_back(backing, d_backing, backing_bytes);
+}
+
+// ---- the block allocator, host only --------------------------------------------------
+
+struct og_test_allocator {
+    BlockAllocator blocks;
+};
+
+OG_API og_status og_test_allocator_create(int32_t n_blocks, og_test_allocator **out) {
+    if (out == nullptr || n_blocks < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_create: bad argument");
+    og_test_allocator *a = new (std::nothrow) og_test_allocator();
+    if (a == nullptr) return set_error(OG_E_OUT_OF_MEMORY, "og_test_allocator_create: no memory");
+    a->blocks.init(n_blocks);
+    *out = a;
     return OG_OK;
+}
+
+OG_API og_status og_test_allocator_destroy(og_test_allocator *a) {
+    delete a;
+    return OG_OK;
+}
+
+OG_API og_status og_test_allocator_allocate(og_test_allocator *a, int32_t *block) {
+    if (a == nullptr || block == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_allocate: NULL argument");
+    return a->blocks.allocate(block);
+}
+
+OG_API og_status og_test_allocator_retain(og_test_allocator *a, int32_t block) {
+    if (a == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_retain: NULL");
+    return a->blocks.retain(block);
+}
+
+OG_API og_status og_test_allocator_release(og_test_allocator *a, int32_t block, int32_t *freed) {
+    if (a == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_release: NULL");
+    bool was_freed = false;
+    const og_status status = a->blocks.release(block, &was_freed);
+    if (status == OG_OK && freed != nullptr) *freed = was_freed ? 1 : 0;
+    return status;
+}
+
+OG_API og_status og_test_allocator_refcount(og_test_allocator *a, int32_t block, int32_t *count) {
+    if (a == nullptr || count == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_refcount: NULL argument");
+    *count = a->blocks.refcount(block);
+    return OG_OK;
+}
+
+OG_API og_status og_test_allocator_free_count(og_test_allocator *a, int32_t *count) {
+    if (a == nullptr || count == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_free_count: NULL argument");
+    *count = a->blocks.free_count();
+    return OG_OK;
+}
+
+OG_API og_status og_test_allocator_set_free_order(og_test_allocator *a, const int32_t *blocks,
+                                                  int32_t count) {
+    if (a == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_test_allocator_set_free_order: NULL");
+    return a->blocks.set_free_order(blocks, count);
 }
 
 }  // extern "C"

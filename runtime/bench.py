@@ -23,11 +23,14 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   token count and dtype (bf16 weights and KV), each skipped with a reason when torch,
   transformers or CUDA is absent.
 - Context sweep (--contexts): decode ms/token with the attention reading C rows. By default
-  the step record's position is pinned at C - 1 (og_begin_step fills the pinned record; its
-  position is overwritten before the body copies it to the device), so no C-token prompt is
-  fed; the rows before it hold whatever the cache holds, which changes no timing.
-  --context-fill prefill feeds a real C - 1 token prompt instead (token by token; its time
-  is recorded as fill_s).
+  the position is pinned at C - 1: before every step the sequence is set to C - 1 rows
+  (og_seq_set_length: their KV blocks are allocated, their content unspecified), so no
+  C-token prompt is fed and each step writes row C - 1 and attends over C rows; what the
+  rows hold changes no timing. --context-fill prefill feeds a real C - 1 token prompt
+  instead (token by token; its time is recorded as fill_s).
+- Paged KV cache (--kv-page): rows per KV block, e.g. 64,contiguous: "contiguous" gives one
+  block per sequence (page = max_seq_len), the cache without paging; 0 = the library's default.
+  Every record carries the page size used, so paged and contiguous sit side by side.
 
 Output: the context table, then one summary table last; --json writes the document whose
 fields are listed in DOC_FIELDS, RESULT_FIELDS and SWEEP_FIELDS below (`onegraph bench
@@ -205,8 +208,17 @@ class Settings:
     quantize: str = "all"          # which matrices a quantized format applies to
     quantize_lm_head: bool = False
 
+    kv_pages: list = field(default_factory=lambda: [0])  # rows per KV block; 0 default, -1 contiguous
+
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
+
+
+CONTIGUOUS = -1  # --kv-page contiguous: one KV block holds a whole sequence
+
+
+def page_spec(text: str) -> int:
+    return CONTIGUOUS if text.strip() == "contiguous" else int(text)
 
 
 @dataclass
@@ -305,8 +317,9 @@ def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats
 @contextlib.contextmanager
 def pinned_position(engine, position: int | None):
     """While active, every GPU step writes KV row `position` and attends over position + 1 rows,
-    whatever the engine's own position: og_begin_step fills the pinned step record, and its
-    position is overwritten before the body (graph or not) copies the record to the device."""
+    whatever the engine's own position: before og_begin_step the selected sequence is set to
+    `position` rows (GpuSession.seek: the KV blocks of those rows are allocated, their content
+    unspecified), so the step record og_begin_step fills carries that position and its block."""
     gpu = getattr(engine, "_gpu", None)
     if position is None or gpu is None:
         yield
@@ -314,8 +327,8 @@ def pinned_position(engine, position: int | None):
     begin = gpu.begin
 
     def begin_pinned(token: int) -> None:
+        gpu.seek(position)
         begin(token)
-        gpu.step_record.position = position
 
     gpu.begin = begin_pinned
     try:
@@ -362,9 +375,9 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
 
 
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
-                   fmt: str = "bf16") -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records for one model, KV format and
-    weight format."""
+                   fmt: str = "bf16", kv_page: int = 0) -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records for one model, KV format,
+    weight format and KV page size (0 the library's default, CONTIGUOUS one block per sequence)."""
     from .engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
@@ -373,8 +386,10 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     quant = {} if label == "bf16" else {"weights": fmt, "quantize": s.quantize,
                                         "quantize_lm_head": s.quantize_lm_head}
     t0 = time.perf_counter()
-    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device, **quant)
+    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device,
+                    kv_page_size=max_seq if kv_page == CONTIGUOUS else kv_page, **quant)
     load_s = time.perf_counter() - t0
+    page_size = getattr(engine, "kv_page_size", None)
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
         measured = alternate_modes(engine, modes, prompt, s.n, s.repeats)
@@ -385,9 +400,12 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     for mode, m in measured.items():
         r = empty_result(target, f"onegraph-{mode}", kv, s, label)
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
-                 h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt)
+                 h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt,
+                 kv_page_size=page_size)
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
         results.append(r)
+    for r in sweep:
+        r["kv_page_size"] = page_size
     return results, sweep
 
 
@@ -409,7 +427,7 @@ def context_record(target: Target, kv: str, mode: str, context: int, step_ms: li
     ms = statistics.median(step_ms)
     bpt = bytes_per_token(target.config, kv, context, weight_format, quantize, lm_head_fmt)
     r = {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": f"onegraph-{mode}",
-         "kv": kv, "weights": bpt["weight_format"], "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
+         "kv": kv, "weights": bpt["weight_format"], "kv_page_size": None, "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
          "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tbt_p90_ms": float(np.percentile(step_ms, 90)),
          "step_ms": step_ms, "kv_read": bpt["kv_read"], "bytes_per_token_total": bpt["total"]}
     fl = floor_fields(bpt["total"], bandwidth, ms)
@@ -460,7 +478,8 @@ def compare_tokens(results: list[dict]) -> None:
             r["common_prefix_with_onegraph"] = _common_prefix(r["tokens"], anchor["tokens"])
     for g in (r for r in results if r["runtime"] == "onegraph-graph"):
         ng = next((r for r in results if r["runtime"] == "onegraph-nongraph"
-                   and (r["model"], r["kv"], r["weights"]) == (g["model"], g["kv"], g["weights"])), None)
+                   and (r["model"], r["kv"], r["weights"], r["kv_page_size"])
+                   == (g["model"], g["kv"], g["weights"], g["kv_page_size"])), None)
         if ng is not None:
             g["speedup_over_nongraph"] = g["tokens_per_s"] / ng["tokens_per_s"]
             g["same_tokens_as_nongraph"] = g["tokens"] == ng["tokens"]
@@ -483,7 +502,7 @@ DOC_FIELDS = {
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
     "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
-                "quantize, quantize_lm_head",
+                "quantize, quantize_lm_head, kv_pages (-1: contiguous)",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "notes": "list of strings: what was skipped and why",
@@ -495,6 +514,7 @@ RESULT_FIELDS = {
     "layers": "num_hidden_layers",
     "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu | hf-eager | hf-compile",
     "kv": "KV cache format: int8 | bf16 | fp32 (peers: bf16)",
+    "kv_page_size": "rows per KV block of onegraph's paged cache (= max_seq_len: contiguous); null for peers and cpu",
     "weights": "weight format (runtime/quant.py WeightScheme.label): bf16 | int8 | q4, ':experts' / ':dense' when "
                "only those are quantized, '+lm' with the lm_head (peers: bf16)",
     "prompt": "prompt tokens",
@@ -530,7 +550,7 @@ RESULT_FIELDS = {
 
 SWEEP_FIELDS = {
     "model": "as in results", "layers": "as in results", "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu",
-    "kv": "as in results", "weights": "as in results",
+    "kv": "as in results", "weights": "as in results", "kv_page_size": "as in results",
     "context": "rows the attention reads",
     "fill": "position (step record pinned at context - 1) | prefill (a real context - 1 token prompt; "
             "each timed step then adds a row)",
@@ -589,11 +609,12 @@ def _f(value, fmt: str, width: int) -> str:
 def format_sweep(sweep: list[dict]) -> str:
     if not sweep:
         return ""
-    lines = [f"{'context sweep':<22} {'kv':<5} {'weights':<13} {'runtime':<18} {'context':>8} {'ms/tok':>8} "
-             f"{'p90':>8} {'floor ms':>9} {'% floor':>8}"]
+    lines = [f"{'context sweep':<22} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<18} {'context':>8} "
+             f"{'ms/tok':>8} {'p90':>8} {'floor ms':>9} {'% floor':>8}"]
     for r in sweep:
         pct = 100 * r["fraction_of_floor"] if r["fraction_of_floor"] else None
-        lines.append(f"{r['model']:<22} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {r['runtime']:<18} {r['context']:>8} "
+        page = r.get("kv_page_size") or "-"
+        lines.append(f"{r['model']:<22} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {page:>6} {r['runtime']:<18} {r['context']:>8} "
                      f"{_f(r['ms_per_token'], '.3f', 8)} {_f(r['tbt_p90_ms'], '.3f', 8)} "
                      f"{_f(r['floor_ms'], '.3f', 9)} {_f(pct, '.1f', 8)}")
     return "\n".join(lines)
@@ -605,11 +626,12 @@ def format_table(doc: dict) -> str:
     bw = doc["copy_bandwidth_bytes_per_s"]
     head = (f"onegraph bench on {doc['gpu'] or doc['settings']['device']}: prompt {s['prompt']}, decode {s['n']}, "
             f"{s['repeats']} timed runs" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else ""))
-    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'weights':<13} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
+    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
             f"{'TBT p90':>8} {'TTFT ms':>8} {'% floor':>8} {'H2D/D2H':>9} {'mem GB':>7}")
     lines = [head, cols, "-" * len(cols)]
     for r in doc["results"]:
-        lead = f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {r['runtime']:<18}"
+        lead = (f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r.get('weights') or 'bf16':<13} "
+                f"{r.get('kv_page_size') or '-':>6} {r['runtime']:<18}")
         if r["status"] != "ok":
             lines.append(f"{lead} skipped: {r['reason']}")
             continue
@@ -676,6 +698,9 @@ def parse_args(argv):
     p.add_argument("--context-steps", type=int, default=16, help="timed steps per context and mode")
     p.add_argument("--context-fill", choices=["position", "prefill"], default="position",
                    help="reach a context by pinning the step position (fast) or a real prompt")
+    p.add_argument("--kv-page", default="0",
+                   help="comma-separated rows per KV block, e.g. 64,contiguous (contiguous: one block per "
+                        "sequence; 0: the library's default)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -692,7 +717,7 @@ def settings_from(args) -> Settings:
                     kv=args.kv or ["int8"], peers=_csv(args.peers), contexts=_csv(args.contexts, int),
                     context_steps=args.context_steps, context_fill=args.context_fill,
                     weights=args.weights or ["bf16"], quantize=args.quantize,
-                    quantize_lm_head=args.quantize_lm_head)
+                    quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0])
 
 
 def targets_from(args) -> list[Target]:
@@ -710,9 +735,10 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
                          f"{target.config.max_position_embeddings}")
         for kv in s.kv:
             for fmt in s.weights:
-                r, sw = bench_onegraph(target, kv, s, bandwidth, fmt)
-                results += r
-                sweep += sw
+                for page in s.kv_pages:
+                    r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page)
+                    results += r
+                    sweep += sw
         results += [bench_peer(peer, target, s, bandwidth) for peer in s.peers]
     compare_tokens(results)
     notes += [f"{r['model']} {r['runtime']} skipped: {r['reason']}" for r in results if r["status"] != "ok"]

@@ -12,7 +12,7 @@ import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
 # The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -33,6 +33,7 @@ OG_E_UNSUPPORTED = -11
 OG_E_BAD_STATE = -12
 OG_E_BAD_FILE = -13
 OG_E_CORRUPTED = -14
+OG_E_POOL_EXHAUSTED = -15
 STATUS_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("OG_E_") or k == "OG_OK"}
 
 # ---- element types ----------------------------------------------------------------------
@@ -85,12 +86,35 @@ class OgConfig(ctypes.Structure):
         ("weights_dense", c_int32),
         ("weights_experts", c_int32),
         ("weights_lm_head", c_int32),
+        ("kv_page_size", c_int32),
+        ("kv_pool_blocks", c_int32),
+        ("kv_max_sequences", c_int32),
     ]
 
 
-# typedef struct og_step_record { int32_t token; int32_t position; int32_t reserved[2]; } og_step_record;
+# typedef struct og_step_record { int32_t token; int32_t position; int32_t seq_slot;
+#                                  int32_t row_block; } og_step_record;
 class OgStepRecord(ctypes.Structure):
-    _fields_ = [("token", c_int32), ("position", c_int32), ("reserved", c_int32 * 2)]
+    _fields_ = [("token", c_int32), ("position", c_int32), ("seq_slot", c_int32), ("row_block", c_int32)]
+
+
+# typedef struct og_kv_pool_info {...} og_kv_pool_info;
+class OgKvPoolInfo(ctypes.Structure):
+    _fields_ = [
+        ("page_size", c_int32),
+        ("n_blocks", c_int32),
+        ("free_blocks", c_int32),
+        ("max_blocks_per_seq", c_int32),
+        ("max_sequences", c_int32),
+        ("live_sequences", c_int32),
+        ("n_segments", c_int32),
+        ("current_sequence", c_int32),
+        ("block_stride_bytes", c_uint64),
+        ("pool_bytes", c_uint64),
+    ]
+
+    def as_dict(self) -> dict:
+        return {name: int(getattr(self, name)) for name, _ in self._fields_}
 
 
 # typedef struct og_stats {...} og_stats;
@@ -189,6 +213,36 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_copy_kv_cache", c_int32, Handle, c_void_p, c_uint64)
     # og_status og_free(og_engine *e);
     fn("og_free", c_int32, Handle)
+    # og_status og_seq_create(og_engine *e, int32_t *seq);
+    fn("og_seq_create", c_int32, Handle, POINTER(c_int32))
+    # og_status og_seq_fork(og_engine *e, int32_t src, int32_t *seq);
+    fn("og_seq_fork", c_int32, Handle, c_int32, POINTER(c_int32))
+    # og_status og_seq_select(og_engine *e, int32_t seq);
+    fn("og_seq_select", c_int32, Handle, c_int32)
+    # og_status og_seq_current(og_engine *e, int32_t *seq);
+    fn("og_seq_current", c_int32, Handle, POINTER(c_int32))
+    # og_status og_seq_reset(og_engine *e, int32_t seq);
+    fn("og_seq_reset", c_int32, Handle, c_int32)
+    # og_status og_seq_free(og_engine *e, int32_t seq);
+    fn("og_seq_free", c_int32, Handle, c_int32)
+    # og_status og_seq_length(og_engine *e, int32_t seq, int32_t *length);
+    fn("og_seq_length", c_int32, Handle, c_int32, POINTER(c_int32))
+    # og_status og_seq_set_length(og_engine *e, int32_t seq, int32_t length);
+    fn("og_seq_set_length", c_int32, Handle, c_int32, c_int32)
+    # og_status og_seq_reserve(og_engine *e, int32_t seq, int32_t n_tokens);
+    fn("og_seq_reserve", c_int32, Handle, c_int32, c_int32)
+    # og_status og_seq_blocks(og_engine *e, int32_t seq, int32_t *blocks, int32_t capacity,
+    #                         int32_t *count);
+    fn("og_seq_blocks", c_int32, Handle, c_int32, POINTER(c_int32), c_int32, POINTER(c_int32))
+    # og_status og_get_kv_pool_info(og_engine *e, og_kv_pool_info *info);
+    fn("og_get_kv_pool_info", c_int32, Handle, POINTER(OgKvPoolInfo))
+    # og_status og_kv_segments(og_engine *e, int64_t *offsets, int64_t *page_bytes,
+    #                          int32_t capacity, int32_t *count);
+    fn("og_kv_segments", c_int32, Handle, POINTER(c_int64), POINTER(c_int64), c_int32, POINTER(c_int32))
+    # og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *count);
+    fn("og_kv_block_refcount", c_int32, Handle, c_int32, POINTER(c_int32))
+    # og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
+    fn("og_zero_blocks", c_int32, Handle, POINTER(c_int32), c_int32)
     # og_status og_packed_validate(const char *path);
     fn("og_packed_validate", c_int32, c_char_p)
     # og_status og_open_packed(const char *path, int32_t kv_dtype, int32_t max_seq_len,

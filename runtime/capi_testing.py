@@ -10,7 +10,7 @@ buffer, so an element a kernel fails to write shows up.
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_double, c_float, c_int32, c_uint16, c_void_p
+from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_uint16, c_uint64, c_void_p
 
 import numpy as np
 
@@ -72,6 +72,53 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                             int32_t *n_splits_out);
     fn("og_test_attention", P_f32, c_void_p, c_void_p, P_f32, P_f32, c_int32, c_int32, c_int32,
        c_int32, c_int32, c_int32, c_int32, P_f32, P_i32, P_i32)
+    P_i64 = POINTER(c_int64)
+    # og_status og_test_attention_paged(const float *q, const void *pool, int64_t block_stride,
+    #                                   int32_t n_blocks, int32_t page_size, int64_t k_offset,
+    #                                   int64_t v_offset, int64_t k_scales_offset,
+    #                                   int64_t v_scales_offset, const int32_t *block_table,
+    #                                   int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
+    #                                   int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
+    #                                   int32_t visible_len, int32_t split_len, float *out);
+    fn("og_test_attention_paged", P_f32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
+       c_int64, c_int64, P_i32, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32,
+       c_int32, P_f32)
+    # og_status og_test_qk_norm_rope_kv_paged(
+    #     float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    #     const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    #     int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    #     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    #     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    #     int32_t max_blocks_per_seq);
+    fn("og_test_qk_norm_rope_kv_paged", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
+       P_f32, c_int32, c_int32, c_int32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
+       c_int64, c_int64, c_int32, c_int32, P_i32, c_int32, c_int32)
+    # og_status og_test_zero_blocks(void *backing, uint64_t backing_bytes, uint64_t pool_offset,
+    #                               int64_t block_stride, int32_t n_blocks,
+    #                               const int64_t *segment_offsets,
+    #                               const int64_t *segment_page_bytes, int32_t n_segments,
+    #                               const int32_t *block_ids, int32_t n_ids);
+    fn("og_test_zero_blocks", c_void_p, c_uint64, c_uint64, c_int64, c_int32, P_i64, P_i64, c_int32,
+       P_i32, c_int32)
+    # og_status og_test_allocator_create(int32_t n_blocks, og_test_allocator **out);
+    fn("og_test_allocator_create", c_int32, POINTER(c_void_p))
+    # og_status og_test_allocator_destroy(og_test_allocator *a);
+    fn("og_test_allocator_destroy", c_void_p)
+    # og_status og_test_allocator_allocate(og_test_allocator *a, int32_t *block);
+    fn("og_test_allocator_allocate", c_void_p, P_i32)
+    # og_status og_test_allocator_retain(og_test_allocator *a, int32_t block);
+    fn("og_test_allocator_retain", c_void_p, c_int32)
+    # og_status og_test_allocator_release(og_test_allocator *a, int32_t block, int32_t *freed);
+    fn("og_test_allocator_release", c_void_p, c_int32, P_i32)
+    # og_status og_test_allocator_refcount(og_test_allocator *a, int32_t block, int32_t *count);
+    fn("og_test_allocator_refcount", c_void_p, c_int32, P_i32)
+    # og_status og_test_allocator_free_count(og_test_allocator *a, int32_t *count);
+    fn("og_test_allocator_free_count", c_void_p, P_i32)
+    # og_status og_test_allocator_set_free_order(og_test_allocator *a, const int32_t *blocks,
+    #                                            int32_t count);
+    fn("og_test_allocator_set_free_order", c_void_p, P_i32, c_int32)
+    # og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
+    fn("og_test_kv_set_free_order", c_void_p, P_i32, c_int32)
 
 
 def load() -> ctypes.CDLL:
@@ -331,3 +378,125 @@ def check_guards(handle) -> None:
 def corrupt_guard(handle, buffer: str, after: bool) -> None:
     """Flip one byte of the guard band before (after=False) or after (after=True) `buffer`."""
     _check(reliability().og_test_corrupt_guard(handle, buffer.encode(), int(after)), "og_test_corrupt_guard")
+
+
+# ---- the paged KV cache --------------------------------------------------------------------
+
+def _pages(offsets: dict):
+    return (offsets["k"], offsets["v"], offsets.get("k_scales", -1), offsets.get("v_scales", -1))
+
+
+def attention_paged(q, pool: np.ndarray, block_stride: int, page_size: int, offsets: dict,
+                    block_table, n_heads: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
+                    visible_len: int, split_len: int = 0, kv_dtype=OG_KV_F32) -> np.ndarray:
+    """Attention through a paged pool (uint8 [n_blocks * block_stride]); offsets: byte offsets
+    of the layer's pages in a block, keys "k", "v" (and "k_scales", "v_scales" for int8)."""
+    q = _array(q, np.float32)
+    pool = np.ascontiguousarray(pool, dtype=np.uint8)
+    table = _array(block_table, np.int32)
+    out = _out(n_heads * head_dim)
+    _check(load().og_test_attention_paged(_p(q, c_float), _vp(pool), block_stride,
+                                          pool.size // block_stride, page_size, *_pages(offsets),
+                                          _p(table, c_int32), table.size, n_heads, n_kv_heads,
+                                          head_dim, max_seq_len, kv_dtype, visible_len, split_len,
+                                          _p(out, c_float)),
+           "og_test_attention_paged")
+    return out
+
+
+def qk_norm_rope_kv_paged(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, position,
+                          max_seq_len, pool, block_stride, page_size, offsets, seq_slot, row_block,
+                          block_tables, kv_dtype=OG_KV_F32):
+    """Runs on copies; -> (qkv, pool, block_tables) after the kernel. block_tables: int32
+    [n_tables, max_blocks_per_seq]."""
+    qkv = np.array(qkv, dtype=np.float32, copy=True, order="C")
+    pool = np.array(pool, dtype=np.uint8, copy=True, order="C")
+    tables = np.array(block_tables, dtype=np.int32, copy=True, order="C")
+    q_norm = None if q_norm is None else _array(q_norm, np.float32)
+    k_norm = None if k_norm is None else _array(k_norm, np.float32)
+    inv_freq = _array(inv_freq, np.float32)
+    _check(load().og_test_qk_norm_rope_kv_paged(
+        _p(qkv, c_float), n_heads, n_kv_heads, head_dim, _p(q_norm, c_float), _p(k_norm, c_float), eps,
+        _p(inv_freq, c_float), position, max_seq_len, kv_dtype, _vp(pool), block_stride,
+        pool.size // block_stride, page_size, *_pages(offsets), seq_slot, row_block, _p(tables, c_int32),
+        tables.shape[0], tables.shape[1]),
+        "og_test_qk_norm_rope_kv_paged")
+    return qkv, pool, tables
+
+
+def zero_blocks(backing: np.ndarray, pool_offset: int, block_stride: int, n_blocks: int,
+                segments, block_ids) -> np.ndarray:
+    """The zeroing kernel on a copy of `backing` (any dtype; addressed in bytes); segments:
+    (offset_bytes, page_bytes) pairs. -> the copy after the launch."""
+    out = np.array(backing, copy=True, order="C")
+    raw = out.view(np.uint8).reshape(-1)
+    offsets = np.array([s[0] for s in segments], dtype=np.int64)
+    pages = np.array([s[1] for s in segments], dtype=np.int64)
+    ids = _array(block_ids, np.int32)
+    _check(load().og_test_zero_blocks(_vp(raw), raw.size, pool_offset, block_stride, n_blocks,
+                                      _p(offsets, c_int64), _p(pages, c_int64), offsets.size,
+                                      _p(ids, c_int32), ids.size),
+           "og_test_zero_blocks")
+    return out
+
+
+class BlockAllocator:
+    """The library's block allocator (cuda/kv_pool.h) on the host, through og_test_allocator_*.
+    Errors raise capi.LibraryError (OG_E_POOL_EXHAUSTED, OG_E_INVALID_ARGUMENT)."""
+
+    def __init__(self, n_blocks: int):
+        self._lib = load()
+        self._handle = c_void_p()
+        _check(self._lib.og_test_allocator_create(n_blocks, ctypes.byref(self._handle)),
+               "og_test_allocator_create")
+
+    def allocate(self) -> int:
+        block = c_int32(-1)
+        _check(self._lib.og_test_allocator_allocate(self._handle, ctypes.byref(block)),
+               "og_test_allocator_allocate")
+        return block.value
+
+    def retain(self, block: int) -> None:
+        _check(self._lib.og_test_allocator_retain(self._handle, block), "og_test_allocator_retain")
+
+    def release(self, block: int) -> bool:
+        """-> whether the block went back to the free list."""
+        freed = c_int32(-1)
+        _check(self._lib.og_test_allocator_release(self._handle, block, ctypes.byref(freed)),
+               "og_test_allocator_release")
+        return bool(freed.value)
+
+    def refcount(self, block: int) -> int:
+        count = c_int32(-2)
+        _check(self._lib.og_test_allocator_refcount(self._handle, block, ctypes.byref(count)),
+               "og_test_allocator_refcount")
+        return count.value
+
+    @property
+    def free_count(self) -> int:
+        count = c_int32(-1)
+        _check(self._lib.og_test_allocator_free_count(self._handle, ctypes.byref(count)),
+               "og_test_allocator_free_count")
+        return count.value
+
+    def set_free_order(self, blocks) -> None:
+        ids = _array(blocks, np.int32)
+        _check(self._lib.og_test_allocator_set_free_order(self._handle, _p(ids, c_int32), ids.size),
+               "og_test_allocator_set_free_order")
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.og_test_allocator_destroy(self._handle)
+            self._handle = c_void_p()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def kv_set_free_order(handle, blocks) -> None:
+    """og_test_kv_set_free_order on an engine handle (GpuSession.handle)."""
+    ids = _array(blocks, np.int32)
+    _check(load().og_test_kv_set_free_order(handle, _p(ids, c_int32), ids.size), "og_test_kv_set_free_order")

@@ -21,12 +21,23 @@ the failed capture ran) and capture is tried again `recapture_after` steps later
 check_weights=True scans every tensor in numpy before it is uploaded (or handed to the CPU
 reference) and refuses NaN or Inf with an EngineError naming the tensor and the first bad
 element. It is off by default: it reads every weight once more on the host.
+
+Sequences: an engine holds several sequences (sequence 0 is created with it and selected);
+steps decode the selected one. On the GPU their KV rows live in one paged block pool
+(runtime/kvpool.py, cuda/kv_pool.h) and one captured graph serves them all:
+
+    a = engine.sequence                   # 0
+    engine.prefill(prompt)
+    b = engine.fork()                     # shares a's KV blocks (copy-on-write)
+    engine.use(b); engine.step(token)     # a is untouched
+    engine.free_sequence(b); engine.use(a)
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -34,6 +45,7 @@ import numpy as np
 from . import capi
 from .config import ModelConfig
 from .graph import GraphError
+from .kvpool import DevicePool
 from .quant import QuantizedMatrix, WeightScheme, quantize_stream
 from .sampling import SamplingParams, generate as _generate
 
@@ -96,11 +108,13 @@ def library_status() -> tuple[bool, str]:
 
 
 class GpuSession:
-    """One og_engine handle: weights uploaded, KV cache on the device, optional graph."""
+    """One og_engine handle: weights uploaded, KV cache on the device, optional graph.
+    kv_page_size, kv_pool_blocks, kv_max_sequences: the og_config fields (0 = defaults)."""
 
     def __init__(self, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *,
                  kv: str, max_seq_len: int, device: int = 0,
-                 omit_weights: Iterable[str] = (), weights: WeightScheme = WeightScheme()):
+                 omit_weights: Iterable[str] = (), weights: WeightScheme = WeightScheme(),
+                 kv_page_size: int = 0, kv_pool_blocks: int = 0, kv_max_sequences: int = 0):
         self.lib = capi.load_library()
         self.config = config
         self.handle = capi.Handle()
@@ -109,7 +123,9 @@ class GpuSession:
         cfg.weights_dense = capi.WEIGHT_FORMATS[weights.dense]
         cfg.weights_experts = capi.WEIGHT_FORMATS[weights.experts]
         cfg.weights_lm_head = capi.WEIGHT_FORMATS[weights.lm_head]
+        cfg.kv_page_size, cfg.kv_pool_blocks, cfg.kv_max_sequences = kv_page_size, kv_pool_blocks, kv_max_sequences
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
+        self.pool = DevicePool(self.lib, self.handle)
         self.graph = None
         self.capture_mode = "thread_local"  # see runtime/graph.py
         self.captures = 0                   # graphs captured successfully
@@ -226,6 +242,11 @@ class GpuSession:
     def reset(self) -> None:
         capi.check(self.lib.og_reset(self.handle), "og_reset")
 
+    def seek(self, position: int) -> None:
+        """The selected sequence holds `position` rows from now on: truncated, or extended with
+        rows of unspecified content (benchmarks reach a long context this way)."""
+        self.pool.set_length(self.pool.current(), position)
+
     def stats(self) -> dict:
         s = capi.OgStats()
         capi.check(self.lib.og_get_stats(self.handle, ctypes.byref(s)), "og_get_stats")
@@ -246,16 +267,28 @@ class GpuSession:
             self.handle = capi.Handle()
 
 
+@dataclass
+class _Sequence:
+    history: list[int] = field(default_factory=list)  # tokens in its KV cache
+    lib_id: int | None = None     # the library's sequence id (GPU path)
+    cpu_state: tuple | None = None  # (KVCache, position) while not selected (CPU path)
+
+
 class Engine:
-    """Batch-1 decode of one sequence. Use from_pretrained() or from_tensors()."""
+    """Batch-1 decode of one sequence at a time, of several held at once. Use from_pretrained()
+    or from_tensors()."""
 
     def __init__(self, config: ModelConfig, tensor_source: Callable[[], Iterable[tuple[str, np.ndarray]]], *,
                  kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
                  omit_weights: Iterable[str] = (), weights: str = "bf16", quantize: str = "all",
-                 quantize_lm_head: bool = False, check_weights: bool = False):
+                 quantize_lm_head: bool = False, check_weights: bool = False, kv_page_size: int = 0,
+                 kv_pool_blocks: int = 0, kv_max_sequences: int = 0):
         """weights: "bf16" | "int8" | "q4" for the matrices `quantize` names ("all" | "dense" |
         "experts"; runtime/quant.py), the lm_head too with quantize_lm_head. Quantized at load,
-        deterministically, for the GPU and the CPU path alike."""
+        deterministically, for the GPU and the CPU path alike.
+        kv_page_size (rows per KV block), kv_pool_blocks and kv_max_sequences size the GPU's
+        paged KV cache (0 = the library's defaults: 64 rows, room for one sequence of
+        max_seq_len, 16 sequences)."""
         if device not in BACKENDS:
             raise ValueError(f"device={device!r} is not one of {BACKENDS}")
         if check_weights:  # the weights as given, before any quantization
@@ -272,7 +305,9 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.use_graph = graph
         self._tensor_source = tensor_source
-        self._history: list[int] = []  # tokens in the KV cache, for the CPU switch
+        self._seqs: dict[int, _Sequence] = {0: _Sequence()}  # histories replay on a CPU switch
+        self._current: int | None = 0
+        self._next_seq = 1
         self._gpu: GpuSession | None = None
         self._cpu = None
         self.recapture_after = 16      # non-graph steps after a graph failure before capturing again
@@ -285,7 +320,10 @@ class Engine:
             usable, reason = library_status()
             if usable:
                 self._gpu = GpuSession(config, tensor_source(), kv=kv, max_seq_len=max_seq_len,
-                                       omit_weights=omit_weights, weights=self.weights)
+                                       omit_weights=omit_weights, weights=self.weights,
+                                       kv_page_size=kv_page_size, kv_pool_blocks=kv_pool_blocks,
+                                       kv_max_sequences=kv_max_sequences)
+                self._seqs[0].lib_id = self._gpu.pool.current()
             elif device == "gpu":
                 raise EngineError(f"device='gpu' was asked for but the GPU path is unusable: {reason}")
             else:
@@ -324,8 +362,15 @@ class Engine:
     def position(self) -> int:
         return len(self._history)
 
+    @property
+    def _history(self) -> list[int]:
+        """Tokens in the selected sequence's KV cache."""
+        if self._current is None:
+            raise EngineError("no sequence is selected: use(seq) one, or new_sequence() first")
+        return self._seqs[self._current].history
+
     def _switch_to_cpu(self, reason: str | None) -> None:
-        """Continue on the numpy reference: rebuild its KV cache from a clean start."""
+        """Continue on the numpy reference: rebuild every sequence's KV cache from a clean start."""
         from .reference import ReferenceDecoder
         if reason:
             log.warning("onegraph: continuing on the CPU reference path: %s", reason)
@@ -335,8 +380,98 @@ class Engine:
             self._gpu = None
         tensors = dict(self._tensor_source())
         self._cpu = ReferenceDecoder(self.config, tensors, kv_dtype=self.kv, max_seq_len=self.max_seq_len)
-        for token in self._history:
-            self._cpu.step(token)
+        for seq in self._seqs.values():
+            seq.lib_id = None
+            self._cpu.load_sequence(None)
+            for token in seq.history:
+                self._cpu.step(token)
+            seq.cpu_state = self._cpu.save_sequence()
+        if self._current is not None:
+            self._cpu.load_sequence(self._seqs[self._current].cpu_state)
+
+    # ---- sequences ---------------------------------------------------------------------
+    @property
+    def kv_page_size(self) -> int | None:
+        """Rows per block of the GPU's paged KV cache (None on the CPU path)."""
+        return self._gpu.pool.info()["page_size"] if self._gpu is not None else None
+
+    @property
+    def sequence(self) -> int | None:
+        """The selected sequence (steps decode it); sequence 0 comes with the engine."""
+        return self._current
+
+    def _lookup(self, seq: int) -> _Sequence:
+        if seq not in self._seqs:
+            raise EngineError(f"sequence {seq!r} does not exist (never created, or freed)")
+        return self._seqs[seq]
+
+    @staticmethod
+    def _refusal(e: "capi.LibraryError") -> Exception:
+        """The library's refusals of a request (nothing changed) as EngineError."""
+        if e.status in (capi.OG_E_POOL_EXHAUSTED, capi.OG_E_CONTEXT_FULL):
+            return EngineError(str(e))
+        return e
+
+    def _register(self, seq: _Sequence) -> int:
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = seq
+        return sid
+
+    def new_sequence(self) -> int:
+        """A new empty sequence (not selected); returns its id."""
+        seq = _Sequence()
+        if self._gpu is not None:
+            try:
+                seq.lib_id = self._gpu.pool.create()
+            except capi.LibraryError as e:
+                raise self._refusal(e) from e
+        return self._register(seq)
+
+    def use(self, seq: int) -> None:
+        """Select a sequence: later steps decode it. The others keep their KV caches."""
+        target = self._lookup(seq)
+        if self._gpu is not None:
+            self._gpu.pool.select(target.lib_id)
+        elif self._cpu is not None and seq != self._current:
+            if self._current is not None:
+                self._seqs[self._current].cpu_state = self._cpu.save_sequence()
+            self._cpu.load_sequence(target.cpu_state)
+            target.cpu_state = None
+        self._current = seq
+
+    def fork(self, seq: int | None = None, length: int | None = None) -> int:
+        """A new sequence (not selected) holding the first `length` tokens (default: all) of
+        `seq` (default: the selected one). On the GPU it shares their KV blocks; the first
+        write into a shared block copies it, so neither sequence sees the other's tokens."""
+        src_id = self._current if seq is None else seq
+        if src_id is None:
+            raise EngineError("fork: no sequence given and none is selected")
+        src = self._lookup(src_id)
+        n = len(src.history) if length is None else int(length)
+        if not 0 <= n <= len(src.history):
+            raise EngineError(f"fork: length {length} is outside 0..{len(src.history)} (tokens of sequence {src_id})")
+        new = _Sequence(history=src.history[:n])
+        if self._gpu is not None:
+            try:
+                new.lib_id = self._gpu.pool.fork(src.lib_id)
+            except capi.LibraryError as e:
+                raise self._refusal(e) from e
+            if n < len(src.history):
+                self._gpu.pool.set_length(new.lib_id, n)  # truncation: needs no block
+        elif self._cpu is not None:
+            state = self._cpu.save_sequence() if src_id == self._current else src.cpu_state
+            new.cpu_state = None if state is None else (state[0].copy(), n)  # None: never stepped
+        return self._register(new)
+
+    def free_sequence(self, seq: int) -> None:
+        """Release a sequence and its KV blocks; freeing the selected one leaves none selected."""
+        target = self._lookup(seq)
+        if self._gpu is not None:
+            self._gpu.pool.free(target.lib_id)
+        del self._seqs[seq]
+        if seq == self._current:
+            self._current = None
 
     def _validate(self, token: int) -> None:
         if not isinstance(token, (int, np.integer)) or not 0 <= int(token) < self.config.vocab_size:
@@ -354,7 +489,7 @@ class Engine:
                 logits = self._gpu_step(int(token))
             except capi.LibraryError as e:
                 if e.status != capi.OG_E_MISSING_WEIGHT:
-                    raise
+                    raise self._refusal(e) from e
                 self._switch_to_cpu(f"hit-only precheck failed ({e}); the GPU state was left unchanged")
                 logits = self._cpu.step(int(token))
                 self._timing["cpu_steps"] += 1
@@ -400,6 +535,7 @@ class Engine:
         for t in tokens:
             if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
                 raise EngineError(f"prompt token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        self._reserve(len(tokens))
         logits = None
         for t in tokens:
             logits = self.step(t)
@@ -417,12 +553,24 @@ class Engine:
         for t in prompt_ids:
             if not 0 <= t < self.config.vocab_size:
                 raise EngineError(f"prompt token id {t} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        self._reserve(len(prompt_ids) + max(0, max_new_tokens - 1))
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
                          stop_token_ids=stops, on_token=on_token)
 
+    def _reserve(self, n_tokens: int) -> None:
+        """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not
+        fit in the pool fails before any state changes (EngineError)."""
+        if self._gpu is not None and n_tokens > 0:
+            try:
+                self._gpu.pool.reserve(self._seqs[self._current].lib_id, n_tokens)
+            except capi.LibraryError as e:
+                raise self._refusal(e) from e
+
     def reset(self) -> None:
-        """Start a new sequence (the KV cache is reused from position 0)."""
+        """Start the selected sequence over (its KV rows are released; others keep theirs)."""
+        if self._current is None:
+            return
         if self._gpu is not None:
             self._gpu.reset()
         if self._cpu is not None:

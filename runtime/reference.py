@@ -197,6 +197,11 @@ class KVCache:
         """Every array of the cache: k, v, then k_scale, v_scale for int8."""
         return [a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None]
 
+    def copy(self) -> "KVCache":
+        """An independent copy (a forked sequence on the CPU path)."""
+        return KVCache(self.dtype, *(None if a is None else a.copy()
+                                     for a in (self.k, self.v, self.k_scale, self.v_scale)))
+
     def write(self, layer: int, position: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [n_kv, head_dim] fp32 at (layer, position) in the cache's element type."""
         if self.dtype == "int8":
@@ -350,6 +355,20 @@ class ReferenceDecoder:
         """Start a new sequence. Old rows stay in memory but are never read (attention reads
         rows [0, position])."""
         self._position = 0
+
+    # -- several sequences on one decoder (the Engine's CPU path) --
+    def save_sequence(self) -> tuple[KVCache, int]:
+        """The current sequence's state, (KV cache, position), for load_sequence."""
+        return self.kv_cache, self._position
+
+    def load_sequence(self, state: tuple[KVCache, int] | None = None) -> None:
+        """Make `state` (from save_sequence) the current sequence; None starts an empty one
+        with a cache of its own."""
+        if state is None:
+            cfg = self.config
+            state = (KVCache.allocate(self.kv_dtype, cfg.num_hidden_layers, self.max_seq_len,
+                                      cfg.num_key_value_heads, cfg.head_dim), 0)
+        self.kv_cache, self._position = state
 
     def step(self, token: int) -> np.ndarray:
         """Decode one token at `position`; returns logits [vocab] fp32 and advances position."""

@@ -128,9 +128,14 @@ def test_pinned_position_overrides_the_step_record_and_restores():
         def __init__(self):
             self.step_record = Record()
             self.seen = []
+            self.rows = None
 
-        def begin(self, token):
-            self.step_record.position = len(self.seen)  # what og_begin_step writes
+        def seek(self, position):  # og_seq_set_length: the sequence holds `position` rows
+            self.rows = position
+
+        def begin(self, token):  # what og_begin_step writes: the row after the sequence's rows
+            self.step_record.position = len(self.seen) if self.rows is None else self.rows
+            self.rows = None
             self.seen.append(token)
 
     class FakeEngine:
@@ -258,17 +263,23 @@ class FakeGpuEngine:
     """The Engine interface as the benchmark uses it, GPU flavour: the CPU reference computes the
     logits; a stand-in session records the position each step's body would read."""
 
-    def __init__(self, config, source, *, kv, max_seq_len, graph, device):
+    def __init__(self, config, source, *, kv, max_seq_len, graph, device, kv_page_size=0):
         self.inner = CpuEngine(config, source, kv=kv, max_seq_len=max_seq_len, device="cpu")
         self.config, self.backend, self.use_graph = config, "gpu-graph", graph
+        self.kv_page_size = kv_page_size or 64  # what the library reports
         self.counts = {"graph_steps": 0, "nongraph_steps": 0}
         self.seen = []  # (mode, position read by the body) per step
 
         class Session:
             step_record = type("Record", (), {"position": 0})()
+            rows = None
+
+            def seek(session, position):  # og_seq_set_length
+                session.rows = position
 
             def begin(session, token):  # what og_begin_step writes
-                session.step_record.position = self.inner.position
+                session.step_record.position = self.inner.position if session.rows is None else session.rows
+                session.rows = None
 
         self._gpu = Session()
 
@@ -327,6 +338,12 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch):
         (40, "onegraph-graph", "position", 2), (40, "onegraph-nongraph", "position", 2),
         (100, "onegraph-graph", "position", 2), (100, "onegraph-nongraph", "position", 2)]
     assert engines[0].inner.position == 0  # the sweep leaves a reset engine
+    assert all(r["kv_page_size"] == 64 for r in results + sweep)
+
+
+def test_kv_page_option():
+    assert bench.settings_from(bench.parse_args([])).kv_pages == [0]
+    assert bench.settings_from(bench.parse_args(["--kv-page", "16,contiguous"])).kv_pages == [16, bench.CONTIGUOUS]
 
 
 def test_runtime_bench_never_imports_torch():

@@ -116,7 +116,7 @@ def test_guard_corruption_is_found_and_named(hooks):
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="gpu") as engine:
         handle = engine._gpu.handle
         engine.prefill(PROMPT[:4])
-        for buffer in ("kv_values", "kv_scales"):
+        for buffer in ("kv_pool", "kv_tables"):
             for after, side in ((False, "before"), (True, "after")):
                 hooks.corrupt_guard(handle, buffer, after)
                 with pytest.raises(capi.LibraryError) as err:
@@ -128,7 +128,7 @@ def test_guard_corruption_is_found_and_named(hooks):
         with pytest.raises(capi.LibraryError) as err:
             hooks.corrupt_guard(handle, "weights", True)
         assert err.value.status == capi.OG_E_INVALID_ARGUMENT
-        assert "kv_values, kv_scales" in str(err.value)
+        assert "kv_pool, kv_tables" in str(err.value)
 
 
 # ---- handles ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 2;
+pub const OG_ABI_VERSION: i32 = 3;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -21,6 +21,8 @@ pub const OG_E_CONTEXT_FULL: og_status = -10;
 pub const OG_E_UNSUPPORTED: og_status = -11;
 pub const OG_E_BAD_STATE: og_status = -12;
 pub const OG_E_BAD_FILE: og_status = -13;
+pub const OG_E_CORRUPTED: og_status = -14;
+pub const OG_E_POOL_EXHAUSTED: og_status = -15;
 
 pub const OG_DTYPE_F32: i32 = 0;
 pub const OG_DTYPE_BF16: i32 = 1;
@@ -57,6 +59,9 @@ pub struct og_config {
     pub weights_dense: i32,
     pub weights_experts: i32,
     pub weights_lm_head: i32,
+    pub kv_page_size: i32,
+    pub kv_pool_blocks: i32,
+    pub kv_max_sequences: i32,
 }
 
 #[repr(C)]
@@ -64,7 +69,8 @@ pub struct og_config {
 pub struct og_step_record {
     pub token: i32,
     pub position: i32,
-    pub reserved: [i32; 2],
+    pub seq_slot: i32,
+    pub row_block: i32,
 }
 
 #[repr(C)]
