@@ -27,7 +27,7 @@ note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log")"
 if [ "$MODE" = bench ]; then :
 elif command -v compute-sanitizer > /dev/null; then
   ONEGRAPH_LIB=$PWD/build/debug/libonegraph.so timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 scripts/short_decode.py --kv int8 bf16 fp32 > "$OUT/sanitizer.log" 2>&1
+    python3 scripts/short_decode.py --kv int8 bf16 fp32 --paged > "$OUT/sanitizer.log" 2>&1
   note "memcheck dense: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)"
   ONEGRAPH_LIB=$PWD/build/debug/libonegraph.so timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 scripts/short_decode.py --preset tiny-moe --kv int8 > "$OUT/sanitizer_moe.log" 2>&1
