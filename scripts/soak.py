@@ -40,6 +40,11 @@ from runtime.synth import iter_tensors, preset_config  # noqa: E402
 
 # Same bounds and reasons as tests/test_engine_gpu.py LOGITS_BOUND.
 LOGITS_BOUND = {"fp32": 1e-4, "bf16": 1e-2, "int8": 1e-2}
+# With real vocabularies (151,936 ids) random-weight models have near ties: the reference's
+# top two logits closer than the GPU-vs-reference difference (rel L2 ~3e-3 with int8 KV on the
+# 0.6b shape, logits of std ~4, so absolute differences of ~0.01). An argmax that differs
+# only where the reference's own top-two margin is below this is a tie, not drift.
+NEAR_TIE_LOGITS = 0.05
 # cudaMemGetInfo may move by driver bookkeeping without anything leaking; the engine holds
 # gigabytes, and any per-step or per-sequence leak would add up far beyond this over a soak.
 FREE_MEMORY_SLACK_BYTES = 2 << 20
@@ -136,19 +141,25 @@ class Soak:
         ref = self.reference
         ref.reset()
         t0 = time.perf_counter()
-        worst, greedy_same = 0.0, True
+        worst, greedy_same, flip_margins = 0.0, True, []
         for i, gpu_logits in enumerate(kept):
-            ref_logits = ref.step(fed[i])
+            ref_logits = ref.step(fed[i])  # teacher-forced: the reference is fed the GPU's tokens
             worst = max(worst, rel_l2(gpu_logits, ref_logits))
-            greedy_same &= int(np.argmax(gpu_logits)) == int(np.argmax(ref_logits))
+            gpu_top, ref_top = int(np.argmax(gpu_logits)), int(np.argmax(ref_logits))
+            if gpu_top != ref_top:
+                greedy_same = False
+                flip_margins.append(float(ref_logits[ref_top] - ref_logits[gpu_top]))
         bound = LOGITS_BOUND[self.args.kv]
-        ok = greedy_same and worst < bound
+        # A different argmax is a failure unless the reference itself had a near tie there.
+        ok = worst < bound and all(m < NEAR_TIE_LOGITS for m in flip_margins)
         check = {"sequence": sequence, "after_steps": self.steps, "compared_steps": len(kept),
-                 "greedy_identical": greedy_same, "worst_rel_l2": worst, "bound": bound, "ok": ok,
+                 "greedy_identical": greedy_same, "flip_margins": flip_margins,
+                 "worst_rel_l2": worst, "bound": bound, "ok": ok,
                  "seconds": time.perf_counter() - t0}
         self.ref_checks.append(check)
         print(f"reference check, sequence {sequence} (after {self.steps} steps): {len(kept)} steps, greedy "
-              f"{'identical' if greedy_same else 'DIFFERENT'}, worst logits rel L2 {worst:.3g} (bound {bound:g})"
+              f"{'identical' if greedy_same else 'differs at near ties ' + str([round(m, 4) for m in flip_margins])}"
+              f", worst logits rel L2 {worst:.3g} (bound {bound:g})"
               f" {'ok' if ok else 'FAIL'}", flush=True)
         if not ok:
             self.failures.append(f"reference check of sequence {sequence}: greedy identical={greedy_same}, "

@@ -207,7 +207,7 @@ def test_moe_down_weighted_residual(fmt, H, I, top_k, E):
 
 # ---- end to end --------------------------------------------------------------------------------
 
-PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
+PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 201, 11, 90, 150, 33]  # < 300: tiny-tied's vocabulary
 # GPU vs reference on the same quantized weights: both multiply by the same dequantized values
 # (q4 exactly; int8 up to the fp32 rounding of q * scale), so as in test_engine_gpu.LOGITS_BOUND
 # only fp32 summation order differs (fp32 KV), plus rare rounding-boundary flips of one KV
@@ -291,7 +291,10 @@ def test_quantized_vs_bf16_on_the_same_model(preset, fmt):
     agree = np.mean([int(np.argmax(q)) == int(np.argmax(b)) for q, b in zip(logits, base_logits)])
     print(f"{preset} {fmt} vs bf16 over 64 steps: logits rel L2 median {np.median(errors):.3g}, "
           f"max {max(errors):.3g}; top-1 agreement {agree:.0%}")
-    bound, floor = {"int8": (0.1, 0.8), "q4": (1.0, 0.3)}[fmt]
+    # Sanity floors, not accuracy claims: a broken dequantization agrees at chance level
+    # (1/vocab, under 1%). Random-weight tiny models lose far more to 4 bits than trained
+    # ones do (H200 run: q4 agreement 30-36%, int8 89-94%), so q4's floor sits at 10x chance.
+    bound, floor = {"int8": (0.1, 0.8), "q4": (1.0, 0.1)}[fmt]
     assert 0 < np.median(errors) < bound and agree >= floor
 
 
