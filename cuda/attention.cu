@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
     for (int t = tid; t < n; t += kAttnThreads) {
         const int position = begin + t;
         const int chunk = position / kv.page_size;
-        const int block = __ldg(kv.block_tables + table_row + chunk);
+        const int block = kv.block_tables[table_row + chunk];  // written by this step's layer 0
         const int row = kv_head * kv.page_size + (position - chunk * kv.page_size);
         const int64_t block_offset = (int64_t)block * kv.block_stride;
         const int64_t row_offset = block_offset + (int64_t)row * (hd * kElemBytes);
