@@ -5,6 +5,10 @@
 #            over awkward sizes, every KV format)
 #   dense    scripts/short_decode.py, tiny-dense, KV int8 / bf16 / fp32, graph and non-graph
 #   moe      scripts/short_decode.py, tiny-moe (mixed MoE / dense layers), KV int8
+#   paged    scripts/short_decode.py --paged (scrambled KV blocks, a fork with copy-on-write,
+#            sequences in turn, block zeroing), KV int8 / bf16
+#   paged-kernels  pytest tests/test_paged_gpu.py: the zeroing kernel, paged attention, paged
+#            KV write
 #   guards   pytest tests/test_reliability_gpu.py -k "guards_intact or two_handles": decodes to a
 #            full context (dense, MoE, Llama, tied; fp32 / bf16 / int8 KV; both paths), guard
 #            bands checked, and two engines decoding in two threads at once
@@ -49,7 +53,7 @@ for tool in "${TOOLS[@]}"; do
     *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
   esac
 done
-read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe guards}"
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels guards}"
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
@@ -65,6 +69,8 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_moe_kernels_gpu.py ;;
     dense)   printf '%s\n' python3 scripts/short_decode.py --kv int8 bf16 fp32 ;;
     moe)     printf '%s\n' python3 scripts/short_decode.py --preset tiny-moe --kv int8 ;;
+    paged)   printf '%s\n' python3 scripts/short_decode.py --kv int8 bf16 --paged ;;
+    paged-kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py -k "kernel or paged_attention or paged_kv_write" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
   esac
@@ -72,7 +78,7 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
 
 tool_args() {  # $1 tool, $2 target
   case $1 in
-    memcheck) case $2 in dense|moe) echo "--leak-check full" ;; esac ;;
+    memcheck) case $2 in dense|moe|paged) echo "--leak-check full" ;; esac ;;
     racecheck) echo "--racecheck-report all" ;;
   esac
 }
