@@ -5,14 +5,13 @@ block tables, sequences interleaved, prefix sharing with copy-on-write, errors b
 state change, long context (4k; 32k marked slow). Skipped without a usable GPU."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
 from runtime import capi
 from runtime import capi_testing as ct
-from runtime.engine import Engine, EngineError, GpuSession
+from runtime.engine import Engine, EngineError
 from runtime.kvpool import KV_STORAGE, PoolLayout, zero_blocks
 from runtime.reference import ReferenceDecoder, rope_inv_freq
 from runtime.synth import iter_tensors, preset_config
