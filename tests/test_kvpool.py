@@ -238,6 +238,34 @@ def test_zero_blocks_kernel_entry_point_without_gpu(allocator_type):
     assert err.value.status == capi.OG_E_INVALID_ARGUMENT and "outside a block" in str(err.value)
 
 
+def test_sequences_on_the_host(tmp_path):
+    """cuda/kv_pool.cu's sequence logic (forks, copy-on-write, reserve, set_length, zeroing on
+    release, refusals that change nothing) on host memory: tests/native/kv_pool_host.cu, with
+    the CUDA runtime stubbed (tests/native/cuda_stubs.cpp). About 5 s to compile."""
+    import shutil
+    import subprocess
+    build = _load_build_module()
+    nvcc, cxx = build.find_nvcc(), shutil.which("g++") or shutil.which("c++")
+    if nvcc is None or cxx is None:
+        pytest.skip("nvcc and a host C++ compiler are needed")
+    native, cuda = ROOT / "tests" / "native", ROOT / "cuda"
+    objects = []  # nvcc compiles the .cpp with the host compiler and the CUDA include path
+    for source in (native / "kv_pool_host.cu", cuda / "kv_pool.cu", native / "cuda_stubs.cpp"):
+        obj = tmp_path / (source.stem + ".o")
+        compiled = subprocess.run([nvcc, "-std=c++17", "-I", str(cuda), "-c", str(source), "-o", str(obj)],
+                                  capture_output=True, text=True)
+        assert compiled.returncode == 0, compiled.stderr
+        objects.append(str(obj))
+    exe = tmp_path / "kv_pool_host"
+    link = subprocess.run([cxx, *objects, "-o", str(exe)], capture_output=True, text=True)
+    if link.returncode != 0 and "__cuda" in link.stderr:
+        pytest.skip(f"this CUDA toolkit's host stubs need more entry points: {link.stderr[-300:]}")
+    assert link.returncode == 0, link.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "kv_pool host checks passed" in run.stdout
+
+
 # ---- the Engine's sequences on the CPU path ----------------------------------------------------
 
 @pytest.fixture(scope="module")
