@@ -31,6 +31,7 @@
 #include "quant.cuh"
 #include "onegraph_testing.h"
 #include "packed_file.h"
+#include "prefill.cuh"
 #include "reliability.cuh"
 
 namespace og {
@@ -191,6 +192,7 @@ struct og_engine {
     int32_t *selected_experts = nullptr; // (top_k)
     float *selected_weights = nullptr;   // (top_k)
     float *moe_act = nullptr;            // (top_k, Im)
+    PrefillScratch prefill;              // og_prefill's chunk buffers (prefill.cuh)
 
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     AttentionPlan plan_attention;
@@ -334,6 +336,7 @@ og_status validate_config(const og_config *c) {
         {"kv_page_size", c->kv_page_size},
         {"kv_pool_blocks", c->kv_pool_blocks},
         {"kv_max_sequences", c->kv_max_sequences},
+        {"prefill_chunk", c->prefill_chunk},
     };
     for (const auto &f : kv_fields)
         if (f.value < 0)
@@ -484,6 +487,13 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         e->selected_weights = a.take<float>(d.top_k);
         e->moe_act = a.take<float>((size_t)d.top_k * d.Im);
     }
+    // og_prefill's scratch for one chunk of rows (prefill.cuh)
+    const int chunk = std::min(e->cfg.prefill_chunk > 0 ? e->cfg.prefill_chunk : 256, d.max_seq);
+    e->prefill.chunk = chunk;
+    e->prefill.tokens = a.take<int32_t>(chunk);
+    e->prefill.x = a.take<float>((size_t)chunk * d.H);
+    e->prefill.wide = a.take<float>((size_t)chunk * prefill_wide_cols(d.qkv_rows, d.I));
+    e->prefill.narrow = a.take<__nv_bfloat16>((size_t)chunk * prefill_narrow_cols(d.H, d.q_size, d.I));
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 
@@ -814,6 +824,80 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     return OG_OK;
 }
 
+// ---- og_prefill: the batched prompt pass (prefill.cu) ----------------------------------
+PrefillModel prefill_model(const og_engine *e) {
+    const Dims &d = e->d;
+    PrefillModel m;
+    m.V = d.V, m.H = d.H, m.I = d.I, m.n_heads = d.n_heads, m.n_kv = d.n_kv, m.hd = d.hd;
+    m.max_seq = d.max_seq, m.kv_dtype = d.kv_dtype;
+    m.E = d.E, m.top_k = d.top_k, m.Im = d.Im, m.norm_topk_prob = e->cfg.norm_topk_prob;
+    m.eps = e->cfg.rms_norm_eps;
+    m.embed_tokens = e->embed_tokens;
+    m.inv_freq = e->inv_freq;
+    m.layers.resize(d.L);
+    const auto bf16 = [](const DeviceMatrix &w) {
+        return reinterpret_cast<const __nv_bfloat16 *>(w.data);
+    };
+    for (int l = 0; l < d.L; ++l) {
+        const LayerWeights &w = e->layers[l];
+        PrefillLayer &p = m.layers[l];
+        p.is_moe = w.is_moe;
+        p.input_layernorm = w.input_layernorm;
+        p.post_attention_layernorm = w.post_attention_layernorm;
+        p.q_norm = w.q_norm;
+        p.k_norm = w.k_norm;
+        p.qkv = bf16(w.qkv);
+        p.o_proj = bf16(w.o_proj);
+        if (w.is_moe) {
+            p.router = w.router;
+            p.expert_gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales, w.expert_gate_up.format};
+            p.expert_down = {w.expert_down.data, w.expert_down.scales, w.expert_down.format};
+        } else {
+            p.gate_up = bf16(w.gate_up);
+            p.down = bf16(w.down);
+        }
+        p.kv = e->kv.pages(l);
+    }
+    m.plan_router = e->plan_router;
+    m.router_logits = e->router_logits;
+    m.moe_normed = e->normed;
+    m.selected_weights = e->selected_weights;
+    m.moe_act = e->moe_act;
+    m.selected_experts = e->selected_experts;
+    m.scratch = e->prefill;
+    return m;
+}
+
+// The chunks, then the decode body's final RMSNorm + lm_head GEMV on the last token's row and
+// the logits copy; the sequence grows only after all of it completed.
+og_status run_prefill(og_engine *e, KvSequence &seq, const int32_t *tokens, int32_t n_tokens) {
+    const Dims &d = e->d;
+    const cudaStream_t stream = e->stream;
+    const PrefillModel m = prefill_model(e);
+    // Every row the chunks read or write is in the host block table (reserved); the device row
+    // may lag (rows of earlier steps are stored by the body as it goes).
+    int32_t *table_row = e->kv.tables + (size_t)seq.slot * e->kv.layout.max_blocks_per_seq;
+    OG_CUDA_TRY(cudaMemcpyAsync(table_row, seq.blocks.data(), seq.blocks.size() * sizeof(int32_t),
+                                cudaMemcpyHostToDevice, stream));
+    const int chunk = e->prefill.chunk;
+    for (int32_t start = 0; start < n_tokens; start += chunk) {
+        const int count = std::min(chunk, n_tokens - start);
+        OG_CUDA_TRY(cudaMemcpyAsync(e->prefill.tokens, tokens + start, count * sizeof(int32_t),
+                                    cudaMemcpyHostToDevice, stream));
+        OG_CUDA_TRY(enqueue_prefill_chunk(m, table_row, count, seq.length + start, stream));
+    }
+    const int last_row = (n_tokens - 1) % chunk;
+    GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->prefill.x + (size_t)last_row * d.H,
+                        e->final_norm, e->cfg.rms_norm_eps, e->logits, nullptr,
+                        e->lm_head.scales, e->lm_head.format};
+    OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, false));
+    OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(stream));
+    seq.length += n_tokens;
+    return OG_OK;
+}
+
 }  // namespace
 
 // ---- the C ABI -------------------------------------------------------------------------
@@ -1037,6 +1121,44 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits) {
     status = og_end_step(e);
     if (status != OG_OK) return status;
     if (logits != nullptr) *logits = e->logits_host;
+    return OG_OK;
+}
+
+OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens,
+                            float *logits) {
+    OG_CHECK_HANDLE(e);
+    if (tokens == nullptr || n_tokens <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_prefill: tokens is NULL or n_tokens=%d < 1",
+                         n_tokens);
+    const int32_t id = e->kv.current;
+    KvSequence *seq = nullptr;
+    if (id < 0 || e->kv.lookup(id, "og_prefill", &seq) != OG_OK)
+        return set_error(OG_E_BAD_STATE, "og_prefill: no sequence is selected (og_seq_select)");
+    for (int32_t i = 0; i < n_tokens; ++i)
+        if (tokens[i] < 0 || tokens[i] >= e->d.V)
+            return set_error(OG_E_TOKEN_OUT_OF_RANGE,
+                             "og_prefill: tokens[%d]=%d is outside the vocabulary [0, %d)", i,
+                             tokens[i], e->d.V);
+    if ((int64_t)seq->length + n_tokens > e->d.max_seq)
+        return set_error(OG_E_CONTEXT_FULL,
+                         "og_prefill: sequence %d holds %d rows; %d more would exceed "
+                         "max_seq_len=%d",
+                         id, seq->length, n_tokens, e->d.max_seq);
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    if (e->cfg.weights_dense != OG_WEIGHTS_BF16)
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_prefill: the batched prefill multiplies bf16 weights only "
+                         "(og_config.weights_dense=%d); feed the prompt token by token (og_step)",
+                         e->cfg.weights_dense);
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    status = e->kv.reserve(id, n_tokens, e->stream);  // OG_E_POOL_EXHAUSTED changes nothing
+    if (status != OG_OK) return status;
+    e->step_pending = false;  // a begun step's row is no longer the sequence's next row
+    status = run_prefill(e, *seq, tokens, n_tokens);
+    if (status != OG_OK) return status;
+    if (logits != nullptr) memcpy(logits, e->logits_host, (size_t)e->d.V * sizeof(float));
     return OG_OK;
 }
 

@@ -51,9 +51,10 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 3   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+#define OG_ABI_VERSION 4   /* 2: og_config.weights_dense / _experts / _lm_head appended;
                               3: og_config.kv_page_size / _pool_blocks / _max_sequences
-                                 appended, og_step_record.seq_slot / row_block, sequences */
+                                 appended, og_step_record.seq_slot / row_block, sequences;
+                              4: og_config.prefill_chunk appended, og_prefill */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -160,6 +161,9 @@ typedef struct og_config {
     int32_t kv_pool_blocks;         /* blocks in the pool; 0 = ceil(max_seq_len / page), room
                                        for one full-length sequence                       */
     int32_t kv_max_sequences;       /* sequences alive at once; 0 = 16                    */
+    /* batched prefill (og_prefill), ABI 4 */
+    int32_t prefill_chunk;          /* prompt rows per pass of og_prefill; 0 = 256 (capped at
+                                       max_seq_len). Sizes its scratch, allocated at init   */
 } og_config;
 
 /* The pinned host record copied to the device at the start of every step (og_begin_step
@@ -260,6 +264,25 @@ OG_API og_status og_end_step(og_engine *e);
 /* Convenience for C callers: begin_step + run + end_step; *logits (may be NULL) points at
  * the pinned logits [vocab_size] fp32, valid until the next step. */
 OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
+
+/* Batched prefill: feed tokens[0, n_tokens) to the selected sequence in passes of
+ * og_config.prefill_chunk rows, each running every layer over all its rows at once (GEMMs on
+ * the tensor cores, causal attention over the sequence's cached rows and the pass's own), with
+ * K/V written into the paged cache exactly as the decode body writes them; then the last
+ * token's logits. Later steps (og_begin_step / og_enqueue, graph or not) continue from the
+ * cache unchanged. Numerics: as the body, except that the GEMMs' activation inputs are rounded
+ * to bf16 (fp32 accumulation); see cuda/prefill.cuh for the bound. Any chunk size gives
+ * bit-identical results.
+ * Everything is checked before any state changes: tokens (OG_E_TOKEN_OUT_OF_RANGE), room
+ * (OG_E_CONTEXT_FULL past max_seq_len), the precheck (OG_E_MISSING_WEIGHT), the weight format
+ * (OG_E_UNSUPPORTED unless weights_dense is OG_WEIGHTS_BF16: feed such prompts token by token),
+ * the KV blocks of all n_tokens rows (OG_E_POOL_EXHAUSTED); OG_E_BAD_STATE when no sequence is
+ * selected. A step begun and not ended is cancelled. The sequence length advances by n_tokens
+ * only after every layer of every pass has written. The logits [vocab_size] of the last token
+ * are in the pinned og_logits() buffer, and copied to `logits` too when it is not NULL.
+ * Synchronous (runs on the engine's stream). MoE layers run their FFN one row at a time
+ * through the decode body's expert kernels. */
+OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits);
 
 /* Start the selected sequence over: og_seq_reset of the selected sequence (no-op when none
  * is selected). */

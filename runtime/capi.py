@@ -12,7 +12,7 @@ import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
 # The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -89,6 +89,7 @@ class OgConfig(ctypes.Structure):
         ("kv_page_size", c_int32),
         ("kv_pool_blocks", c_int32),
         ("kv_max_sequences", c_int32),
+        ("prefill_chunk", c_int32),
     ]
 
 
@@ -197,6 +198,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_end_step", c_int32, Handle)
     # og_status og_step(og_engine *e, int32_t token, const float **logits);
     fn("og_step", c_int32, Handle, c_int32, POINTER(POINTER(c_float)))
+    # og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits);
+    fn("og_prefill", c_int32, Handle, POINTER(c_int32), c_int32, POINTER(c_float))
     # og_status og_reset(og_engine *e);
     fn("og_reset", c_int32, Handle)
     # og_status og_get_position(og_engine *e, int32_t *position);

@@ -53,6 +53,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                              float *y, float *normed);
     fn("og_test_gemv_quant", c_int32, c_int32, c_void_p, c_void_p, c_int32, c_int32, P_f32, P_f32,
        c_float, P_f32, P_f32)
+    # og_status og_test_gemm(const uint16_t *a, const uint16_t *w, int32_t rows, int32_t cols,
+    #                        int32_t depth, int32_t accumulate, float *y);
+    fn("og_test_gemm", P_u16, P_u16, c_int32, c_int32, c_int32, c_int32, P_f32)
     # og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
     #                                 float *inv_freq);
     fn("og_test_rope_inv_freq", c_int32, c_double, c_double, P_f32)
@@ -185,6 +188,19 @@ def gemv(weight_bits: np.ndarray, x: np.ndarray) -> np.ndarray:
     _check(load().og_test_gemv(_p(weight_bits, c_uint16), rows, cols, _p(x, c_float), _p(y, c_float)),
            "og_test_gemv")
     return y
+
+
+def gemm(a_bits: np.ndarray, w_bits: np.ndarray, y: np.ndarray | None = None) -> np.ndarray:
+    """The prefill GEMM: a [rows, depth] bf16 bits . w [cols, depth] bf16 bits^T -> [rows, cols]
+    fp32, added to y when it is given (else into a NaN-poisoned buffer)."""
+    a_bits, w_bits = _array(a_bits, np.uint16), _array(w_bits, np.uint16)
+    (rows, depth), (cols, depth_w) = a_bits.shape, w_bits.shape
+    if depth != depth_w:
+        raise ValueError(f"gemm: a has {depth} columns, w has {depth_w}")
+    out = _out((rows, cols)) if y is None else _array(y, np.float32).copy()
+    _check(load().og_test_gemm(_p(a_bits, c_uint16), _p(w_bits, c_uint16), rows, cols, depth,
+                               0 if y is None else 1, _p(out, c_float)), "og_test_gemm")
+    return out
 
 
 def gemv_rmsnorm(weight_bits: np.ndarray, x: np.ndarray, norm_weight: np.ndarray, eps: float):

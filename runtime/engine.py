@@ -22,6 +22,13 @@ check_weights=True scans every tensor in numpy before it is uploaded (or handed 
 reference) and refuses NaN or Inf with an EngineError naming the tensor and the first bad
 element. It is off by default: it reads every weight once more on the host.
 
+Prompts: Engine.prefill (and generate) feed a prompt with the library's batched prefill
+(og_prefill: every layer over a chunk of prompt rows at once, GEMMs on the tensor cores, K/V
+written into the same paged cache the decode steps read) by default; prefill="token" (per
+engine, or per call) feeds it token by token through the decode step instead. Formats the
+batched pass does not multiply (quantized dense weights) fall back to token by token, with one
+log line. The CPU path always feeds the reference token by token.
+
 Sequences: an engine holds several sequences (sequence 0 is created with it and selected);
 steps decode the selected one. On the GPU their KV rows live in one paged block pool
 (runtime/kvpool.py, cuda/kv_pool.h) and one captured graph serves them all:
@@ -52,6 +59,7 @@ from .sampling import SamplingParams, generate as _generate
 log = logging.getLogger("onegraph")
 
 BACKENDS = ("auto", "gpu", "cpu")
+PREFILL_MODES = ("batched", "token")
 
 
 class EngineError(RuntimeError):
@@ -114,7 +122,8 @@ class GpuSession:
     def __init__(self, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *,
                  kv: str, max_seq_len: int, device: int = 0,
                  omit_weights: Iterable[str] = (), weights: WeightScheme = WeightScheme(),
-                 kv_page_size: int = 0, kv_pool_blocks: int = 0, kv_max_sequences: int = 0):
+                 kv_page_size: int = 0, kv_pool_blocks: int = 0, kv_max_sequences: int = 0,
+                 prefill_chunk: int = 0):
         self.lib = capi.load_library()
         self.config = config
         self.handle = capi.Handle()
@@ -124,6 +133,7 @@ class GpuSession:
         cfg.weights_experts = capi.WEIGHT_FORMATS[weights.experts]
         cfg.weights_lm_head = capi.WEIGHT_FORMATS[weights.lm_head]
         cfg.kv_page_size, cfg.kv_pool_blocks, cfg.kv_max_sequences = kv_page_size, kv_pool_blocks, kv_max_sequences
+        cfg.prefill_chunk = prefill_chunk
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.pool = DevicePool(self.lib, self.handle)
         self.graph = None
@@ -199,6 +209,13 @@ class GpuSession:
     # ---- one step ------------------------------------------------------------------
     def begin(self, token: int) -> None:
         capi.check(self.lib.og_begin_step(self.handle, int(token)), "og_begin_step")
+
+    def prefill(self, tokens) -> np.ndarray:
+        """og_prefill: the whole prompt through the batched pass; the last token's logits."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        capi.check(self.lib.og_prefill(self.handle, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                       len(ids), None), "og_prefill")
+        return self.logits_view.copy()
 
     def run_nongraph(self) -> None:
         capi.check(self.lib.og_run(self.handle), "og_run")
@@ -282,18 +299,28 @@ class Engine:
                  kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
                  omit_weights: Iterable[str] = (), weights: str = "bf16", quantize: str = "all",
                  quantize_lm_head: bool = False, check_weights: bool = False, kv_page_size: int = 0,
-                 kv_pool_blocks: int = 0, kv_max_sequences: int = 0):
+                 kv_pool_blocks: int = 0, kv_max_sequences: int = 0, prefill: str = "batched",
+                 prefill_chunk: int = 0):
         """weights: "bf16" | "int8" | "q4" for the matrices `quantize` names ("all" | "dense" |
         "experts"; runtime/quant.py), the lm_head too with quantize_lm_head. Quantized at load,
         deterministically, for the GPU and the CPU path alike.
         kv_page_size (rows per KV block), kv_pool_blocks and kv_max_sequences size the GPU's
         paged KV cache (0 = the library's defaults: 64 rows, room for one sequence of
-        max_seq_len, 16 sequences)."""
+        max_seq_len, 16 sequences).
+        prefill: "batched" (the library's og_prefill, GPU path) or "token" (one decode step per
+        prompt token), the default of prefill() and generate(); prefill_chunk: prompt rows per
+        batched pass (0 = the library's default, 256)."""
         if device not in BACKENDS:
             raise ValueError(f"device={device!r} is not one of {BACKENDS}")
         if check_weights:  # the weights as given, before any quantization
             tensor_source = _finite_checked(tensor_source)
         _kv_code(kv)
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={prefill!r} is not one of {PREFILL_MODES}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: the library's default)")
+        self.prefill_mode = prefill
+        self._batched_unsupported: str | None = None  # why og_prefill refused this model, once
         self.weights = WeightScheme.make(weights, quantize, quantize_lm_head)
         if not self.weights.is_bf16:
             source = tensor_source
@@ -314,7 +341,7 @@ class Engine:
         self._graph_retry_in = 0       # graph-eligible steps left to run un-captured
         self.last_graph_error: str | None = None
         self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0,
-                        "graph_failures": 0}
+                        "graph_failures": 0, "prefill_tokens": 0, "prefill_seconds": 0.0}
         self.fallback_reason: str | None = None
         if device in ("auto", "gpu"):
             usable, reason = library_status()
@@ -322,7 +349,7 @@ class Engine:
                 self._gpu = GpuSession(config, tensor_source(), kv=kv, max_seq_len=max_seq_len,
                                        omit_weights=omit_weights, weights=self.weights,
                                        kv_page_size=kv_page_size, kv_pool_blocks=kv_pool_blocks,
-                                       kv_max_sequences=kv_max_sequences)
+                                       kv_max_sequences=kv_max_sequences, prefill_chunk=prefill_chunk)
                 self._seqs[0].lib_id = self._gpu.pool.current()
             elif device == "gpu":
                 raise EngineError(f"device='gpu' was asked for but the GPU path is unusable: {reason}")
@@ -526,7 +553,13 @@ class Engine:
         self._timing["nongraph_steps"] += 1
         return gpu.end()
 
-    def prefill(self, tokens: list[int]) -> np.ndarray:
+    def prefill(self, tokens: list[int], mode: str | None = None) -> np.ndarray:
+        """Feed a prompt to the selected sequence; returns the logits [vocab] after its last token.
+        mode: "batched" | "token" (default: the engine's `prefill`), see the module docstring.
+        Everything is checked before any state changes (EngineError)."""
+        mode = self.prefill_mode if mode is None else mode
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"mode={mode!r} is not one of {PREFILL_MODES}")
         if len(tokens) == 0:
             raise EngineError("empty prompt: at least one token is needed")
         if len(self._history) + len(tokens) > self.max_seq_len:
@@ -536,9 +569,34 @@ class Engine:
             if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
                 raise EngineError(f"prompt token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         self._reserve(len(tokens))
+        if mode == "batched" and self._gpu is not None and self._batched_unsupported is None:
+            logits = self._gpu_prefill([int(t) for t in tokens])
+            if logits is not None:
+                return logits
         logits = None
         for t in tokens:
             logits = self.step(t)
+        return logits
+
+    def _gpu_prefill(self, tokens: list[int]) -> np.ndarray | None:
+        """og_prefill; None when the prompt must go token by token instead (a format the batched
+        pass does not implement, or a missing weight: then the engine is on the CPU path)."""
+        t0 = time.perf_counter()
+        try:
+            logits = self._gpu.prefill(tokens)
+        except capi.LibraryError as e:
+            if e.status == capi.OG_E_UNSUPPORTED:
+                self._batched_unsupported = str(e)
+                log.warning("onegraph: batched prefill unavailable for this model (%s); prompts are fed "
+                            "token by token", e)
+                return None
+            if e.status == capi.OG_E_MISSING_WEIGHT:
+                self._switch_to_cpu(f"hit-only precheck failed ({e}); the GPU state was left unchanged")
+                return None
+            raise self._refusal(e) from e
+        self._history.extend(tokens)
+        self._timing["prefill_tokens"] += len(tokens)
+        self._timing["prefill_seconds"] += time.perf_counter() - t0
         return logits
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -556,7 +614,7 @@ class Engine:
         self._reserve(len(prompt_ids) + max(0, max_new_tokens - 1))
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
-                         stop_token_ids=stops, on_token=on_token)
+                         stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill)
 
     def _reserve(self, n_tokens: int) -> None:
         """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not

@@ -68,7 +68,9 @@ def test_graph_replay_is_bit_identical_to_nongraph():
 
 def test_one_copy_each_way_per_token():
     config, tensors = synthetic("tiny-dense")
-    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu") as engine:
+    # prefill="token": the prompt goes through the decode body too (one copy each way per token)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu",
+                             prefill="token") as engine:
         engine.set_graph(False)
         engine.prefill(PROMPT)
         lib = engine.stats()["library"]

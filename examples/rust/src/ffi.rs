@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 3;
+pub const OG_ABI_VERSION: i32 = 4;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -62,6 +62,7 @@ pub struct og_config {
     pub kv_page_size: i32,
     pub kv_pool_blocks: i32,
     pub kv_max_sequences: i32,
+    pub prefill_chunk: i32,
 }
 
 #[repr(C)]
@@ -105,6 +106,8 @@ extern "C" {
     pub fn og_run(e: *mut og_engine) -> og_status;
     pub fn og_end_step(e: *mut og_engine) -> og_status;
     pub fn og_step(e: *mut og_engine, token: i32, logits: *mut *const f32) -> og_status;
+    pub fn og_prefill(e: *mut og_engine, tokens: *const i32, n_tokens: i32,
+                      logits: *mut f32) -> og_status;
     pub fn og_reset(e: *mut og_engine) -> og_status;
     pub fn og_get_position(e: *mut og_engine, position: *mut i32) -> og_status;
     pub fn og_step_record_ptr(e: *mut og_engine, record: *mut *mut og_step_record) -> og_status;

@@ -1,0 +1,233 @@
+// gemm.cu — bf16 x bf16 -> fp32 matrix product on the tensor cores, for the batched prompt
+// pass (prefill.cuh): y[m, n] (= or +=) sum_k a[m, k] * w[n, k].
+//
+//   a: [rows, lda] bf16, the chunk's activations (row m = token m), K contiguous
+//   w: [cols, ldw] bf16, a weight matrix exactly as the decode GEMV reads it (rows padded to a
+//      multiple of 8 with zeros), K contiguous — i.e. the "col" operand of mma.sync row.col
+//   y: [rows, ldy] fp32
+//
+// Why a kernel of our own rather than cuBLAS / cuBLASLt: the library links the CUDA runtime
+// statically and must load (and fail cleanly) on a machine without a GPU and without any CUDA
+// shared library but the driver; cuBLAS would add a ~100 MB dynamic dependency (or a static
+// one of similar size) to the install for the one operation prefill needs. The shapes are
+// few and simple (K-major on both sides, K a multiple of 8), and prefill needs tens, not
+// hundreds, of TFLOP/s: a 2,048-token prompt on the Qwen3-0.6B shape is ~1.8 TFLOP of GEMMs.
+//
+// Kernel: block tile 64 x 64 x 32, 128 threads = 4 warps in 2 x 2, each warp 32 x 32 (2 x 4
+// mma.sync.m16n8k16 tiles, bf16 inputs, fp32 accumulators). Tiles are staged in shared memory
+// by cp.async (16-byte chunks, zero-filled outside the matrix), three stages deep; fragments
+// are read with ldmatrix. Shared rows are padded to 40 bf16 (80 bytes), so the 8 row
+// addresses of one ldmatrix phase fall in 8 distinct 16-byte bank groups. Each output element
+// is owned by one thread, its k-sum runs in a fixed order (k tiles in order, mma inside), so
+// results do not depend on the grid or on the other rows: bit-identical run to run and for
+// any chunking of the rows.
+#include "onegraph_testing.h"
+#include "prefill.cuh"
+#include "reliability.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kGemmBM = 64;
+constexpr int kGemmBN = 64;
+constexpr int kGemmBK = 32;
+constexpr int kGemmStages = 3;
+constexpr int kGemmThreads = 128;
+constexpr int kGemmSmemLd = kGemmBK + 8;  // bf16 per shared row: 80 bytes
+
+__device__ __forceinline__ uint32_t smem_address(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared; src_bytes = 0 fills the destination with zeros (src not read).
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(p)));
+}
+
+// c += a (16 x 16, row) * b (16 x 8, col), bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct GemmTiles {
+    __nv_bfloat16 a[kGemmStages][kGemmBM][kGemmSmemLd];
+    __nv_bfloat16 w[kGemmStages][kGemmBN][kGemmSmemLd];
+};
+
+// Stage k tile `kt` of both operands: 64 rows x 4 chunks each, two chunks per thread each.
+__device__ __forceinline__ void load_tiles(GemmTiles &s, int stage, int kt, const GemmArgs &p,
+                                           int m0, int n0) {
+    const int k0 = kt * kGemmBK;
+#pragma unroll
+    for (int i = threadIdx.x; i < kGemmBM * (kGemmBK / 8); i += kGemmThreads) {
+        const int row = i / (kGemmBK / 8);
+        const int col = k0 + (i % (kGemmBK / 8)) * 8;
+        const int m = m0 + row, n = n0 + row;
+        const bool a_ok = m < p.rows && col < p.depth;
+        const bool w_ok = n < p.cols && col < p.depth;
+        cp_async_16(&s.a[stage][row][col - k0], a_ok ? p.a + (size_t)m * p.lda + col : p.a, a_ok);
+        cp_async_16(&s.w[stage][row][col - k0], w_ok ? p.w + (size_t)n * p.ldw + col : p.w, w_ok);
+    }
+}
+
+template <bool ACCUMULATE>
+__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs p) {
+    __shared__ __align__(128) GemmTiles s;
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    const int m0 = blockIdx.y * kGemmBM, n0 = blockIdx.x * kGemmBN;
+    const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
+    const int k_tiles = ceil_div(p.depth, kGemmBK);
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+#pragma unroll
+    for (int stage = 0; stage < kGemmStages - 1; ++stage) {
+        if (stage < k_tiles) load_tiles(s, stage, stage, p, m0, n0);
+        cp_async_commit();
+    }
+    // ldmatrix row addresses: A x4 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+    // (rows 8-15, k 8-15) = a0..a3 of m16n8k16; W x4 = two n8 tiles x (k 0-7, k 8-15).
+    const int a_row = lane % 16, a_col = (lane / 16) * 8;
+    const int w_row = (lane % 8) + (lane / 16) * 8, w_col = ((lane / 8) % 2) * 8;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<kGemmStages - 2>();
+        __syncthreads();  // tile kt is in; every warp is done with the stage refilled below
+        const int next = kt + kGemmStages - 1;
+        if (next < k_tiles) load_tiles(s, next % kGemmStages, next, p, m0, n0);
+        cp_async_commit();
+        const int stage = kt % kGemmStages;
+#pragma unroll
+        for (int kk = 0; kk < kGemmBK; kk += 16) {
+            uint32_t a_frag[2][4], w_frag[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+                ldmatrix_x4(a_frag[mi], &s.a[stage][warp_m + mi * 16 + a_row][kk + a_col]);
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj)
+                ldmatrix_x4(w_frag[nj], &s.w[stage][warp_n + nj * 16 + w_row][kk + w_col]);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 4; ++ni)
+                    mma_bf16_16816(acc[mi][ni], a_frag[mi], w_frag[ni / 2][(ni % 2) * 2],
+                                   w_frag[ni / 2][(ni % 2) * 2 + 1]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // Accumulator (mi, ni): rows g and g + 8, columns 2t and 2t + 1 of its 16 x 8 tile.
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int m = m0 + warp_m + mi * 16 + g + half * 8;
+            if (m >= p.rows) continue;
+            float *y_row = p.y + (size_t)m * p.ldy;
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int n = n0 + warp_n + ni * 8 + 2 * t + e;
+                    if (n < p.cols) {
+                        const float v = acc[mi][ni][half * 2 + e];
+                        if (ACCUMULATE) y_row[n] += v;
+                        else y_row[n] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
+    if (args.rows <= 0 || args.cols <= 0 || args.depth <= 0) return cudaSuccess;  // nothing to do
+    if (args.a == nullptr || args.w == nullptr || args.y == nullptr || args.depth % 8 != 0 ||
+        args.lda % 8 != 0 || args.ldw % 8 != 0 || args.depth > args.lda || args.depth > args.ldw ||
+        args.ldy < args.cols || (reinterpret_cast<uintptr_t>(args.a) & 15) != 0 ||
+        (reinterpret_cast<uintptr_t>(args.w) & 15) != 0)
+        return cudaErrorInvalidValue;
+    const dim3 grid(ceil_div(args.cols, kGemmBN), ceil_div(args.rows, kGemmBM));
+    if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
+    const dim3 block(kGemmThreads);
+    if (args.accumulate) return launch_kernel(gemm_bf16_kernel<true>, grid, block, 0, stream, false, args);
+    return launch_kernel(gemm_bf16_kernel<false>, grid, block, 0, stream, false, args);
+}
+
+}  // namespace og
+
+// ---- test entry point (onegraph_testing.h) ------------------------------------------------
+namespace {
+struct DeviceBuffers {  // released on every path out of og_test_gemm
+    void *a = nullptr, *w = nullptr, *y = nullptr;
+    ~DeviceBuffers() {
+        og::device_free(a);
+        og::device_free(w);
+        og::device_free(y);
+    }
+};
+}  // namespace
+
+extern "C" OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *w, int32_t rows,
+                                         int32_t cols, int32_t depth, int32_t accumulate,
+                                         float *y) {
+    using namespace og;
+    if (a == nullptr || w == nullptr || y == nullptr || rows <= 0 || cols <= 0 || depth <= 0 ||
+        rows > (1 << 20) || cols > (1 << 20) || depth > (1 << 20) ||
+        (accumulate != 0 && accumulate != 1))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_test_gemm: NULL array or bad size (rows=%d cols=%d depth=%d accumulate=%d)",
+                         rows, cols, depth, accumulate);
+    og_status status = require_device();
+    if (status != OG_OK) return status;
+    const int ld = padded_cols(depth);
+    const size_t a_bytes = (size_t)rows * ld * 2, w_bytes = (size_t)cols * ld * 2;
+    const size_t y_bytes = (size_t)rows * cols * sizeof(float);
+    DeviceBuffers d;
+    OG_CUDA_TRY(device_alloc(&d.a, a_bytes));
+    OG_CUDA_TRY(device_alloc(&d.w, w_bytes));
+    OG_CUDA_TRY(device_alloc(&d.y, y_bytes));
+    OG_CUDA_TRY(cudaMemset(d.a, 0, a_bytes));  // pad columns are zeros, as in the library
+    OG_CUDA_TRY(cudaMemset(d.w, 0, w_bytes));
+    OG_CUDA_TRY(cudaMemcpy2D(d.a, (size_t)ld * 2, a, (size_t)depth * 2, (size_t)depth * 2, rows,
+                             cudaMemcpyHostToDevice));
+    OG_CUDA_TRY(cudaMemcpy2D(d.w, (size_t)ld * 2, w, (size_t)depth * 2, (size_t)depth * 2, cols,
+                             cudaMemcpyHostToDevice));
+    // y in: the accumulation input, or the caller's poison (never read when accumulate == 0)
+    OG_CUDA_TRY(cudaMemcpy(d.y, y, y_bytes, cudaMemcpyHostToDevice));
+    const GemmArgs args = {static_cast<const __nv_bfloat16 *>(d.a), ld,
+                           static_cast<const __nv_bfloat16 *>(d.w), ld, static_cast<float *>(d.y),
+                           cols, rows, cols, ld, accumulate != 0};
+    OG_CUDA_TRY(launch_gemm_bf16(args, 0));
+    OG_CUDA_TRY(cudaDeviceSynchronize());
+    OG_CUDA_TRY(cudaMemcpy(y, d.y, y_bytes, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}

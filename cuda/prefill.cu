@@ -1,0 +1,523 @@
+// prefill.cu — the batched prompt pass: one chunk of prompt tokens through every layer at once
+// (the layer loop and its numerics are described in prefill.cuh). The row-wise kernels here:
+//
+//   embed_rows          x[r, :] = float(embed_tokens[tokens[r], :])
+//   rmsnorm_rows_bf16   out[r, :] = bf16(x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w), pad cols 0
+//   rope_kv_rows        rope_kv.cu's kernel for every row r at position p0 + r: per-head QK-norm
+//                       and RoPE (q rewritten in place), K/V quantized into the paged cache row
+//                       of block table_row[position / page]; the same block size (128 threads),
+//                       the same sums and the same rounding rules, so a row's K/V equal what
+//                       rope_kv.cu writes from the same qkv values
+//   prefill_attention   causal attention of the chunk's queries over cache rows [0, p0 + r]
+//   swiglu_rows         act[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + exp(-g))
+//
+// prefill_attention: grid (query tiles of BQ rows, n_heads), 256 threads as 16 x 16. A block
+// walks the keys [0, p0 + its last row] in tiles of BK rows aligned to position 0, reading each
+// key row through the block table and dequantizing it into shared memory as fp32 (K transposed,
+// V as is). Scores are the fp32 dot products of decode attention (the query . dequantized K in
+// head-dim order, divided by sqrt(hd)); the softmax is the online (flash) form in fp32: per row
+// a running max m and sum l, the output rescaled by exp(m_old - m_new) at each tile; masked keys
+// (beyond the row's position) get -inf. out = o / l, rounded to bf16 for the o_proj GEMM. The
+// head dim is padded with zeros to HD = 64, 128 or 256 in shared memory. Scores differ from
+// decode attention's only in the softmax's summation order (decode sums per split, then combines).
+#include <math.h>
+
+#include "prefill.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kRopeThreads = 128;   // = rope_kv.cu's block size: same reductions
+constexpr int kMaxHeadDim = 256;
+constexpr int kAttnThreads = 256;
+
+__global__ void __launch_bounds__(kRowThreads)
+    embed_rows_kernel(const __nv_bfloat16 *table, int vocab, int hidden, const int32_t *tokens,
+                      float *x) {
+    const int row = blockIdx.x;
+    const int token = tokens[row];
+    float *dst = x + (size_t)row * hidden;
+    if (token < 0 || token >= vocab) {  // unreachable through og_prefill's checks
+        for (int i = threadIdx.x; i < hidden; i += kRowThreads) dst[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const uint16_t *src = reinterpret_cast<const uint16_t *>(table) + (size_t)token * padded_cols(hidden);
+    for (int i = threadIdx.x; i < hidden; i += kRowThreads) dst[i] = bf16_bits_to_float(src[i]);
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    rmsnorm_rows_bf16_kernel(const float *x, const float *weight, float eps, int hidden,
+                             __nv_bfloat16 *out, int ld) {
+    __shared__ float scratch[kRowThreads / kWarpSize];
+    const int row = blockIdx.x;
+    const float *xr = x + (size_t)row * hidden;
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += kRowThreads) sum_sq = fmaf(xr[i], xr[i], sum_sq);
+    const float total = block_sum<kRowThreads>(sum_sq, scratch);
+    const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);
+    __nv_bfloat16 *dst = out + (size_t)row * ld;
+    for (int i = threadIdx.x; i < ld; i += kRowThreads)
+        dst[i] = __float2bfloat16_rn(i < hidden ? xr[i] * inv_rms * weight[i] : 0.f);
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out, int ld) {
+    const int64_t total = (int64_t)n_rows * ld;
+    for (int64_t idx = (int64_t)blockIdx.x * kRowThreads + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * kRowThreads) {
+        const int row = (int)(idx / ld), i = (int)(idx % ld);
+        float v = 0.f;
+        if (i < inter) {
+            const float gate = gate_up[(size_t)row * 2 * inter + i];
+            const float up = gate_up[(size_t)row * 2 * inter + inter + i];
+            v = gate / (1.0f + expf(-gate)) * up;
+        }
+        out[idx] = __float2bfloat16_rn(v);
+    }
+}
+
+// ---- QK-norm + RoPE + KV write, per row (rope_kv.cu's arithmetic) -----------------------
+struct RopeRowsParams {
+    float *qkv;                  // [n, qkv_ld]
+    int qkv_ld;
+    const float *q_norm, *k_norm;
+    float eps;
+    const float *inv_freq;
+    int p0, n_heads, n_kv_heads, head_dim, kv_dtype;
+    KvPages kv;
+    const int32_t *table_row;    // blocks of the sequence
+};
+
+__device__ __forceinline__ void store_cache_row(const float *values, int head_dim, int kv_dtype,
+                                                void *cache_row, float *scale_out, float *scratch) {
+    if (kv_dtype == OG_KV_F32) {
+        float *dst = static_cast<float *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) dst[i] = values[i];
+    } else if (kv_dtype == OG_KV_BF16) {
+        __nv_bfloat16 *dst = static_cast<__nv_bfloat16 *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
+            dst[i] = __float2bfloat16_rn(values[i]);
+    } else {
+        float amax = 0.f;
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
+            amax = fmaxf(amax, fabsf(values[i]));
+        amax = block_max<kRopeThreads>(amax, scratch);
+        const float scale = amax / 127.0f;
+        int8_t *dst = static_cast<int8_t *>(cache_row);
+        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) {
+            int q = 0;
+            if (scale > 0.f) {
+                q = __float2int_rn(values[i] / scale);
+                q = max(-127, min(127, q));
+            }
+            dst[i] = (int8_t)q;
+        }
+        if (threadIdx.x == 0 && scale_out != nullptr) *scale_out = scale;
+    }
+}
+
+__global__ void __launch_bounds__(kRopeThreads) rope_kv_rows_kernel(const RopeRowsParams a) {
+    __shared__ float head[kMaxHeadDim];
+    __shared__ float scratch[kRopeThreads / kWarpSize];
+    const int hd = a.head_dim;
+    const int half = hd / 2;
+    const int q_size = a.n_heads * hd;
+    const int kv_size = a.n_kv_heads * hd;
+    const int row_index = blockIdx.x;
+    const bool is_query = (int)blockIdx.y < a.n_heads;
+    const int kv_head = (int)blockIdx.y - a.n_heads;
+    float *qkv = a.qkv + (size_t)row_index * a.qkv_ld;
+    float *src = is_query ? qkv + (size_t)blockIdx.y * hd : qkv + q_size + (size_t)kv_head * hd;
+    const float *norm_weight = is_query ? a.q_norm : a.k_norm;
+    const int position = a.p0 + row_index;
+
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x; i < hd; i += kRopeThreads) {
+        const float v = src[i];
+        head[i] = v;
+        sum_sq = fmaf(v, v, sum_sq);
+    }
+    if (norm_weight != nullptr) {
+        const float total = block_sum<kRopeThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)hd + a.eps);
+        for (int i = threadIdx.x; i < hd; i += kRopeThreads)
+            head[i] = head[i] * inv_rms * norm_weight[i];
+    }
+    __syncthreads();
+    const float pos = (float)position;
+    for (int i = threadIdx.x; i < half; i += kRopeThreads) {
+        float sin_a, cos_a;
+        sincosf(pos * a.inv_freq[i], &sin_a, &cos_a);
+        const float x1 = head[i];
+        const float x2 = head[i + half];
+        head[i] = x1 * cos_a - x2 * sin_a;
+        head[i + half] = x2 * cos_a + x1 * sin_a;
+    }
+    __syncthreads();
+    if (is_query) {
+        for (int i = threadIdx.x; i < hd; i += kRopeThreads) src[i] = head[i];
+        return;
+    }
+    const KvPages &kv = a.kv;
+    const int chunk = position / kv.page_size;
+    const int block = a.table_row[chunk];
+    if (block < 0 || block >= kv.n_blocks) return;  // unreachable: og_prefill reserved the rows
+    const size_t block_offset = (size_t)block * kv.block_stride;
+    const size_t row = (size_t)kv_head * kv.page_size + (position - chunk * kv.page_size);
+    const size_t elem_bytes = a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1;
+    char *k_row = kv.k + block_offset + row * hd * elem_bytes;
+    char *v_row = kv.v + block_offset + row * hd * elem_bytes;
+    float *k_scale = kv.k_scales ? reinterpret_cast<float *>(kv.k_scales + block_offset) + row : nullptr;
+    float *v_scale = kv.v_scales ? reinterpret_cast<float *>(kv.v_scales + block_offset) + row : nullptr;
+    store_cache_row(head, hd, a.kv_dtype, k_row, k_scale, scratch);
+    __syncthreads();
+    const float *v_src = qkv + q_size + kv_size + (size_t)kv_head * hd;
+    for (int i = threadIdx.x; i < hd; i += kRopeThreads) head[i] = v_src[i];
+    __syncthreads();
+    store_cache_row(head, hd, a.kv_dtype, v_row, v_scale, scratch);
+}
+
+// ---- causal attention over the cache -----------------------------------------------------
+struct PrefillAttnParams {
+    const float *q;              // row r, head h at q[r * q_ld + h * hd] (normed, rotated)
+    int q_ld;
+    __nv_bfloat16 *out;          // [n, out_ld]: head h at columns [h * hd, (h + 1) * hd)
+    int out_ld;
+    KvPages kv;
+    const int32_t *table_row;
+    int n, p0, n_heads, n_kv_heads, hd;
+    float sqrt_hd;
+};
+
+template <int N>
+__device__ __forceinline__ void load_smem(float (&v)[N], const float *p) {
+    if constexpr (N == 4) {
+        const float4 t = *reinterpret_cast<const float4 *>(p);
+        v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+    } else if constexpr (N == 2) {
+        const float2 t = *reinterpret_cast<const float2 *>(p);
+        v[0] = t.x, v[1] = t.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = p[i];
+    }
+}
+
+// Reductions over the 16 threads of a row group (lanes l and l ^ 8, 4, 2, 1 of one warp).
+__device__ __forceinline__ float row_max16(float v) {
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+    return v;
+}
+__device__ __forceinline__ float row_sum16(float v) {
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+    return v;
+}
+
+template <int KV>
+__device__ __forceinline__ float load_kv_elem(const char *row, int d) {
+    if constexpr (KV == OG_KV_F32) return reinterpret_cast<const float *>(row)[d];
+    else if constexpr (KV == OG_KV_BF16) return bf16_bits_to_float(reinterpret_cast<const uint16_t *>(row)[d]);
+    else return (float)reinterpret_cast<const int8_t *>(row)[d];
+}
+
+template <int HD, int BQ, int BK>
+struct AttnShape {
+    static constexpr int kQt = BQ + 4, kKt = BK + 4, kPt = BQ + 4;  // padded transposed rows
+    static constexpr size_t kBytes =
+        (size_t)BK * (sizeof(int64_t) + 2 * sizeof(float)) +
+        sizeof(float) * ((size_t)HD * kQt + (size_t)HD * kKt + (size_t)BK * HD + (size_t)BK * kPt);
+};
+
+template <int HD, int BQ, int BK, int KV>
+__global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const PrefillAttnParams p) {
+    using Shape = AttnShape<HD, BQ, BK>;
+    constexpr int RQ = BQ / 16, RK = BK / 16, DQ = HD / 64, RD = 4 * DQ;
+    constexpr int QT = Shape::kQt, KT = Shape::kKt, PT = Shape::kPt;
+    constexpr int kElemBytes = KV == OG_KV_F32 ? 4 : KV == OG_KV_BF16 ? 2 : 1;
+    extern __shared__ float4 attn_smem4[];
+    // row offsets [BK] int64 | K scales [BK] | V scales [BK] | Q^T [HD][QT] | K^T [HD][KT] |
+    // V [BK][HD] | P^T [BK][PT]
+    int64_t *row_off = reinterpret_cast<int64_t *>(attn_smem4);
+    float *k_scale = reinterpret_cast<float *>(row_off + BK);
+    float *v_scale = k_scale + BK;
+    float *qt = v_scale + BK;
+    float *kt = qt + HD * QT;
+    float *vs = kt + HD * KT;
+    float *pt = vs + BK * HD;
+
+    const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
+    const int q_tile = (int)gridDim.x - 1 - (int)blockIdx.x;  // the longest tiles start first
+    const int head = blockIdx.y;
+    const int kv_head = head / (p.n_heads / p.n_kv_heads);
+    const int hd = p.hd;
+    const int row0 = q_tile * BQ;
+    const int rows_here = min(BQ, p.n - row0);
+    const int last_pos = p.p0 + row0 + rows_here - 1;
+    const int n_keys = last_pos + 1;
+    const KvPages &kv = p.kv;
+
+    for (int i = tid; i < BQ * HD; i += kAttnThreads) {
+        const int r = i / HD, d = i % HD;
+        float v = 0.f;
+        if (r < rows_here && d < hd) v = p.q[(size_t)(row0 + r) * p.q_ld + (size_t)head * hd + d];
+        qt[d * QT + r] = v;
+    }
+    int pos[RQ];
+    float m_run[RQ], l_run[RQ], o[RQ][RD];
+#pragma unroll
+    for (int i = 0; i < RQ; ++i) {
+        pos[i] = min(p.p0 + row0 + ty * RQ + i, last_pos);  // rows past the chunk: any valid row
+        m_run[i] = -INFINITY;
+        l_run[i] = 0.f;
+#pragma unroll
+        for (int e = 0; e < RD; ++e) o[i][e] = 0.f;
+    }
+
+    for (int key0 = 0; key0 < n_keys; key0 += BK) {
+        __syncthreads();  // the previous tile's K, V, P are read by everyone (and Q is staged)
+        for (int c = tid; c < BK; c += kAttnThreads) {
+            const int t = key0 + c;
+            int64_t offset = -1;
+            float ks = 0.f, vsc = 0.f;
+            if (t < n_keys) {
+                const int chunk = t / kv.page_size;
+                const int block = p.table_row[chunk];
+                const int row = kv_head * kv.page_size + (t - chunk * kv.page_size);
+                const int64_t block_offset = (int64_t)block * kv.block_stride;
+                offset = block_offset + (int64_t)row * (hd * kElemBytes);
+                if constexpr (KV == OG_KV_INT8) {
+                    ks = reinterpret_cast<const float *>(kv.k_scales + block_offset)[row];
+                    vsc = reinterpret_cast<const float *>(kv.v_scales + block_offset)[row];
+                }
+            }
+            row_off[c] = offset;
+            k_scale[c] = ks;
+            v_scale[c] = vsc;
+        }
+        __syncthreads();
+        for (int i = tid; i < BK * HD; i += kAttnThreads) {
+            const int c = i / HD, d = i % HD;
+            const int64_t offset = row_off[c];
+            float k_val = 0.f, v_val = 0.f;
+            if (offset >= 0 && d < hd) {
+                k_val = load_kv_elem<KV>(kv.k + offset, d);
+                v_val = load_kv_elem<KV>(kv.v + offset, d);
+                if constexpr (KV == OG_KV_INT8) {
+                    k_val *= k_scale[c];
+                    v_val *= v_scale[c];
+                }
+            }
+            kt[d * KT + c] = k_val;
+            vs[c * HD + d] = v_val;
+        }
+        __syncthreads();
+
+        // scores of rows ty*RQ + i, keys tx*RK + j: fmaf chain over the head dim in order
+        float s[RQ][RK];
+#pragma unroll
+        for (int i = 0; i < RQ; ++i)
+#pragma unroll
+            for (int j = 0; j < RK; ++j) s[i][j] = 0.f;
+#pragma unroll 4
+        for (int d = 0; d < hd; ++d) {
+            float qv[RQ], kv_[RK];
+            load_smem(qv, qt + d * QT + ty * RQ);
+            load_smem(kv_, kt + d * KT + tx * RK);
+#pragma unroll
+            for (int i = 0; i < RQ; ++i)
+#pragma unroll
+                for (int j = 0; j < RK; ++j) s[i][j] = fmaf(qv[i], kv_[j], s[i][j]);
+        }
+        // online softmax per row; key 0 is visible to every row, so m is finite after tile 0
+#pragma unroll
+        for (int i = 0; i < RQ; ++i) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < RK; ++j) {
+                const int t = key0 + tx * RK + j;
+                s[i][j] = t <= pos[i] ? s[i][j] / p.sqrt_hd : -INFINITY;
+                tile_max = fmaxf(tile_max, s[i][j]);
+            }
+            tile_max = row_max16(tile_max);
+            const float m_new = fmaxf(m_run[i], tile_max);
+            const float alpha = expf(m_run[i] - m_new);
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < RK; ++j) {
+                const float e = expf(s[i][j] - m_new);
+                s[i][j] = e;
+                sum += e;
+            }
+            sum = row_sum16(sum);
+            l_run[i] = l_run[i] * alpha + sum;
+            m_run[i] = m_new;
+#pragma unroll
+            for (int e = 0; e < RD; ++e) o[i][e] *= alpha;
+#pragma unroll
+            for (int j = 0; j < RK; ++j) pt[(tx * RK + j) * PT + ty * RQ + i] = s[i][j];
+        }
+        __syncthreads();
+
+        // o[rows ty*RQ + i, dims kq*64 + tx*4 + e] += P . V
+#pragma unroll 2
+        for (int c = 0; c < BK; ++c) {
+            float pr[RQ];
+            load_smem(pr, pt + c * PT + ty * RQ);
+#pragma unroll
+            for (int kq = 0; kq < DQ; ++kq) {
+                const float4 v = *reinterpret_cast<const float4 *>(vs + c * HD + kq * 64 + tx * 4);
+#pragma unroll
+                for (int i = 0; i < RQ; ++i) {
+                    o[i][kq * 4 + 0] = fmaf(pr[i], v.x, o[i][kq * 4 + 0]);
+                    o[i][kq * 4 + 1] = fmaf(pr[i], v.y, o[i][kq * 4 + 1]);
+                    o[i][kq * 4 + 2] = fmaf(pr[i], v.z, o[i][kq * 4 + 2]);
+                    o[i][kq * 4 + 3] = fmaf(pr[i], v.w, o[i][kq * 4 + 3]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < RQ; ++i) {
+        const int r = ty * RQ + i;
+        if (r >= rows_here) continue;
+        __nv_bfloat16 *dst = p.out + (size_t)(row0 + r) * p.out_ld + (size_t)head * hd;
+#pragma unroll
+        for (int kq = 0; kq < DQ; ++kq)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int d = kq * 64 + tx * 4 + e;
+                if (d < hd) dst[d] = __float2bfloat16_rn(o[i][kq * 4 + e] / l_run[i]);
+            }
+    }
+    // The pad columns after the last head (read by the o_proj GEMM against zero weights).
+    const int q_cols = p.n_heads * hd, pad = p.out_ld - q_cols;
+    if (head == 0 && pad > 0)
+        for (int i = tid; i < rows_here * pad; i += kAttnThreads)
+            p.out[(size_t)(row0 + i / pad) * p.out_ld + q_cols + i % pad] = __float2bfloat16_rn(0.f);
+}
+
+template <int HD, int BQ, int BK, int KV>
+cudaError_t launch_attention_shape(const PrefillAttnParams &p, cudaStream_t stream) {
+    const auto kernel = prefill_attention_kernel<HD, BQ, BK, KV>;
+    const size_t smem = AttnShape<HD, BQ, BK>::kBytes;
+    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    const dim3 grid(ceil_div(p.n, BQ), p.n_heads);
+    return launch_kernel(kernel, grid, dim3(kAttnThreads), smem, stream, false, p);
+}
+
+template <int KV>
+cudaError_t launch_attention_kv(const PrefillAttnParams &p, cudaStream_t stream) {
+    if (p.hd <= 64) return launch_attention_shape<64, 64, 64, KV>(p, stream);
+    if (p.hd <= 128) return launch_attention_shape<128, 64, 32, KV>(p, stream);
+    return launch_attention_shape<256, 32, 32, KV>(p, stream);
+}
+
+cudaError_t launch_prefill_attention(const PrefillAttnParams &p, int kv_dtype, cudaStream_t stream) {
+    if (p.hd <= 0 || p.hd > kMaxHeadDim || p.n <= 0 || p.n_kv_heads <= 0 ||
+        p.n_heads % p.n_kv_heads != 0 || p.kv.page_size <= 0)
+        return cudaErrorInvalidValue;
+    switch (kv_dtype) {
+        case OG_KV_F32: return launch_attention_kv<OG_KV_F32>(p, stream);
+        case OG_KV_BF16: return launch_attention_kv<OG_KV_BF16>(p, stream);
+        case OG_KV_INT8: return launch_attention_kv<OG_KV_INT8>(p, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+int row_grid(int64_t elements) {
+    const int64_t blocks = (elements + kRowThreads - 1) / kRowThreads;
+    return (int)(blocks < 4096 ? blocks : 4096);
+}
+
+}  // namespace
+
+cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_row, int n, int p0,
+                                  cudaStream_t stream) {
+    const PrefillScratch &s = m.scratch;
+    if (n <= 0 || n > s.chunk || m.hd > kMaxHeadDim) return cudaErrorInvalidValue;
+    const int H = m.H, ldH = padded_cols(H);
+    const int q_size = m.n_heads * m.hd, ldQ = padded_cols(q_size);
+    const int qkv_rows = q_size + 2 * m.n_kv * m.hd;
+    const int I = m.I, ldI = padded_cols(I > 0 ? I : 1);
+    const dim3 rows(n), row_block(kRowThreads);
+
+    OG_CUDA_RETURN_IF(launch_kernel(embed_rows_kernel, rows, row_block, 0, stream, false,
+                                    m.embed_tokens, m.V, H, (const int32_t *)s.tokens, s.x));
+    for (const PrefillLayer &w : m.layers) {
+        // ---- attention block ----
+        OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_bf16_kernel, rows, row_block, 0, stream, false,
+                                        (const float *)s.x, w.input_layernorm, m.eps, H, s.narrow, ldH));
+        OG_CUDA_RETURN_IF(launch_gemm_bf16(
+            GemmArgs{s.narrow, ldH, w.qkv, ldH, s.wide, qkv_rows, n, qkv_rows, ldH, false}, stream));
+        RopeRowsParams rope = {};
+        rope.qkv = s.wide;
+        rope.qkv_ld = qkv_rows;
+        rope.q_norm = w.q_norm;
+        rope.k_norm = w.k_norm;
+        rope.eps = m.eps;
+        rope.inv_freq = m.inv_freq;
+        rope.p0 = p0;
+        rope.n_heads = m.n_heads;
+        rope.n_kv_heads = m.n_kv;
+        rope.head_dim = m.hd;
+        rope.kv_dtype = m.kv_dtype;
+        rope.kv = w.kv;
+        rope.table_row = table_row;
+        OG_CUDA_RETURN_IF(launch_kernel(rope_kv_rows_kernel, dim3(n, m.n_heads + m.n_kv),
+                                        dim3(kRopeThreads), 0, stream, false, rope));
+        PrefillAttnParams attn = {};
+        attn.q = s.wide;
+        attn.q_ld = qkv_rows;
+        attn.out = s.narrow;
+        attn.out_ld = ldQ;
+        attn.kv = w.kv;
+        attn.table_row = table_row;
+        attn.n = n;
+        attn.p0 = p0;
+        attn.n_heads = m.n_heads;
+        attn.n_kv_heads = m.n_kv;
+        attn.hd = m.hd;
+        attn.sqrt_hd = (float)sqrt((double)m.hd);  // as decode attention
+        OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
+        OG_CUDA_RETURN_IF(launch_gemm_bf16(
+            GemmArgs{s.narrow, ldQ, w.o_proj, ldQ, s.x, H, n, H, ldQ, true}, stream));
+
+        // ---- FFN block ----
+        if (w.is_moe) {
+            // One row at a time through the decode body's MoE kernels (router GEMV with the
+            // norm fused, top-k, experts) — the same arithmetic as a decode step's FFN.
+            for (int r = 0; r < n; ++r) {
+                float *x_row = s.x + (size_t)r * H;
+                GemvArgs router = {w.router, m.E, H, x_row, w.post_attention_layernorm, m.eps,
+                                   m.router_logits, m.moe_normed};
+                OG_CUDA_RETURN_IF(launch_gemv(kGemvNorm, m.plan_router, router, stream, false));
+                OG_CUDA_RETURN_IF(launch_moe_topk(m.router_logits, m.E, m.top_k, m.norm_topk_prob,
+                                                  m.selected_experts, m.selected_weights, stream));
+                OG_CUDA_RETURN_IF(launch_moe_gate_up_swiglu(w.expert_gate_up, m.moe_normed,
+                                                            m.selected_experts, m.top_k, H, m.Im,
+                                                            m.moe_act, stream, false));
+                OG_CUDA_RETURN_IF(launch_moe_down_weighted_residual(
+                    w.expert_down, m.moe_act, m.selected_experts, m.selected_weights, m.top_k, H,
+                    m.Im, x_row, stream, false));
+            }
+        } else {
+            OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_bf16_kernel, rows, row_block, 0, stream,
+                                            false, (const float *)s.x, w.post_attention_layernorm,
+                                            m.eps, H, s.narrow, ldH));
+            OG_CUDA_RETURN_IF(launch_gemm_bf16(
+                GemmArgs{s.narrow, ldH, w.gate_up, ldH, s.wide, 2 * I, n, 2 * I, ldH, false}, stream));
+            OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n * ldI)),
+                                            row_block, 0, stream, false, (const float *)s.wide, I, n,
+                                            s.narrow, ldI));
+            OG_CUDA_RETURN_IF(launch_gemm_bf16(
+                GemmArgs{s.narrow, ldI, w.down, ldI, s.x, H, n, H, ldI, true}, stream));
+        }
+    }
+    return cudaSuccess;
+}
+
+}  // namespace og

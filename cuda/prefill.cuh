@@ -1,0 +1,108 @@
+// prefill.cuh — the batched prompt pass (og_prefill): the tensor-core GEMM (gemm.cu) and the
+// per-chunk layer loop with its row-wise kernels (prefill.cu).
+//
+// A chunk of n prompt tokens (n <= the scratch's chunk rows) at positions [p0, p0 + n) of the
+// selected sequence runs every layer in one pass, as the decode body runs one token:
+//   x [n, H] = embed(tokens)
+//   per layer:  normed16 = bf16(rmsnorm(x))                       [n, ldH]   bf16
+//               qkv      = normed16 . W_qkv^T                      [n, qkv_rows] fp32 (GEMM)
+//               per (row, head): QK-norm + RoPE at p0 + row; K/V quantized into the paged cache
+//               attn16   = bf16(causal attention over cache rows [0, p0 + row])  [n, ldQ]
+//               x       += attn16 . W_o^T                          (GEMM, residual)
+//               dense:   normed16 = bf16(rmsnorm(x)); gate_up = normed16 . W_gu^T (GEMM);
+//                        act16 = bf16(silu(gate) * up); x += act16 . W_down^T (GEMM, residual)
+//               MoE:     per row, the decode body's kernels (router GEMV with the norm fused,
+//                        top-k, experts gate/up + SwiGLU, experts down + weighted residual)
+// The caller then runs the decode body's final RMSNorm + lm_head GEMV on row n - 1 of x.
+//
+// Numerics (vs the decode body, which keeps every activation fp32): the GEMM inputs — the
+// normed hidden state, the attention output and the SwiGLU activation — are rounded to bf16
+// (round to nearest even) so the tensor cores can multiply them; weights are bf16 on both
+// paths and every product is accumulated in fp32. Each GEMM output y = sum_k w_k x_k then
+// differs from the decode path's by at most 2^-8 * sum_k |w_k x_k| (+ fp32 summation order),
+// typically ~2^-9 relative (rel. L2). RMSNorm, QK-norm, RoPE, softmax and the residual stream
+// stay fp32; K/V are quantized with rope_kv.cu's rules (fp32 copy, bf16 round to nearest
+// even, int8 with scale = max|x| / 127 and q = rint(x / scale)), and the attention reads them
+// back dequantized exactly as decode attention does (fp32 query . dequantized K, / sqrt(hd)).
+// Every row's arithmetic is independent of the chunking (GEMM k-order fixed, attention key
+// tiles aligned to absolute position 0), so any chunk size gives bit-identical results.
+#pragma once
+
+#include <vector>
+
+#include "kernels.cuh"
+#include "moe.cuh"
+
+namespace og {
+
+// ---- gemm.cu ------------------------------------------------------------------------
+// y[m, n] (= or +=) sum_k a[m, k] * w[n, k] for m < rows, n < cols, k < depth:
+//   a [rows, lda] bf16 (activations), w [cols, ldw] bf16 (a weight matrix, rows padded),
+//   y [rows, ldy] fp32. depth must be a multiple of 8 (16-byte chunks) and <= lda, ldw; lda
+//   and ldw multiples of 8; a and w 16-byte aligned. Columns [depth_used, depth) of a and w
+//   must be finite (the library's pad columns are zeros).
+struct GemmArgs {
+    const __nv_bfloat16 *a;
+    int lda;
+    const __nv_bfloat16 *w;
+    int ldw;
+    float *y;
+    int ldy;
+    int rows, cols, depth;
+    bool accumulate;              // y += instead of y =
+};
+cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream);
+
+// ---- prefill.cu ---------------------------------------------------------------------
+struct PrefillLayer {
+    bool is_moe = false;
+    const float *input_layernorm = nullptr;           // [H]
+    const float *post_attention_layernorm = nullptr;  // [H]
+    const float *q_norm = nullptr, *k_norm = nullptr; // [hd] or NULL
+    const __nv_bfloat16 *qkv = nullptr;               // [qkv_rows, ldH]
+    const __nv_bfloat16 *o_proj = nullptr;            // [H, ldQ]
+    const __nv_bfloat16 *gate_up = nullptr;           // dense: [2I, ldH]
+    const __nv_bfloat16 *down = nullptr;              // dense: [H, ldI]
+    const __nv_bfloat16 *router = nullptr;            // MoE: [E, ldH]
+    MoeExperts expert_gate_up = {}, expert_down = {}; // MoE
+    KvPages kv;                                       // the layer's pages
+};
+
+// Device scratch for one chunk of `chunk` rows (allocated once, in the engine's arena).
+struct PrefillScratch {
+    int chunk = 0;
+    int32_t *tokens = nullptr;         // [chunk]
+    float *x = nullptr;                // [chunk, H]          the residual stream
+    float *wide = nullptr;             // [chunk, prefill_wide_cols]  qkv, then gate|up
+    __nv_bfloat16 *narrow = nullptr;   // [chunk, prefill_narrow_cols] GEMM inputs (bf16)
+};
+inline int prefill_wide_cols(int qkv_rows, int intermediate) {
+    return qkv_rows > 2 * intermediate ? qkv_rows : 2 * intermediate;
+}
+inline int prefill_narrow_cols(int hidden, int q_size, int intermediate) {
+    const int a = padded_cols(hidden), b = padded_cols(q_size), c = padded_cols(intermediate > 0 ? intermediate : 1);
+    return a > b ? (a > c ? a : c) : (b > c ? b : c);
+}
+
+struct PrefillModel {
+    int V, H, I, n_heads, n_kv, hd, max_seq, kv_dtype;
+    int E, top_k, Im, norm_topk_prob;
+    float eps;
+    const __nv_bfloat16 *embed_tokens;    // [V, ldH]
+    const float *inv_freq;                // [hd / 2]
+    std::vector<PrefillLayer> layers;
+    // MoE layers reuse the decode body's router plan and buffers, one row at a time.
+    GemvPlan plan_router;
+    float *router_logits = nullptr, *moe_normed = nullptr, *selected_weights = nullptr,
+          *moe_act = nullptr;
+    int32_t *selected_experts = nullptr;
+    PrefillScratch scratch;
+};
+
+// Enqueue one chunk: rows [0, n) of scratch.tokens (already on the device) at positions
+// [p0, p0 + n). table_row: the sequence's block-table row on the device, holding the blocks of
+// rows [0, p0 + n). Leaves the final hidden states in scratch.x. No synchronization.
+cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_row, int n, int p0,
+                                  cudaStream_t stream);
+
+}  // namespace og
