@@ -1,0 +1,165 @@
+"""Batched prefill on any machine: the ABI pieces (og_prefill bound, og_config.prefill_chunk
+appended and validated before a device is touched, ABI 4 in the header, the binding and the
+Rust declarations), and the Engine's plumbing (prefill modes, generate feeding the prompt
+through prefill, the fallbacks when the library refuses) against a stand-in GPU session that
+computes with the numpy reference."""
+import ctypes
+import logging
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from runtime import capi
+from runtime.engine import Engine, EngineError
+from runtime.reference import ReferenceDecoder
+from test_library_cpu import init, lib, small_config  # noqa: F401  (lib is a fixture)
+from test_reliability_cpu import PROMPT, _FakeSession, tiny  # noqa: F401  (tiny is a fixture)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_abi_4_in_header_binding_and_rust():
+    header = (ROOT / "cuda" / "onegraph.h").read_text()
+    rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
+    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 4
+    assert re.search(r"pub const OG_ABI_VERSION: i32 = 4;", rust)
+    assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
+    assert "pub fn og_prefill(" in rust
+    # og_config ends with prefill_chunk in all three
+    assert capi.OgConfig._fields_[-1] == ("prefill_chunk", ctypes.c_int32)
+    config_c = header[header.index("typedef struct og_config {"):header.index("} og_config;")]
+    assert re.findall(r"int32_t\s+(\w+);", config_c)[-1] == "prefill_chunk"
+    config_rs = rust[rust.index("pub struct og_config {"):]
+    config_rs = config_rs[:config_rs.index("}")]
+    assert re.findall(r"pub (\w+):", config_rs)[-1] == "prefill_chunk"
+
+
+def test_og_prefill_is_bound(lib):  # noqa: F811
+    f = lib.og_prefill
+    assert f.restype is ctypes.c_int32
+    assert f.argtypes == [capi.Handle, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                          ctypes.POINTER(ctypes.c_float)]
+    ids = (ctypes.c_int32 * 2)(1, 2)
+    assert f(None, ids, 2, None) == capi.OG_E_INVALID_HANDLE
+
+
+def test_prefill_chunk_defaults_to_zero_and_negative_is_refused(lib):  # noqa: F811
+    cfg = capi.OgConfig()
+    lib.og_config_default(ctypes.byref(cfg))
+    assert cfg.prefill_chunk == 0
+    status, handle = init(lib, small_config(lib, prefill_chunk=-1))
+    assert status == capi.OG_E_INVALID_ARGUMENT and not handle.value
+    assert "og_config.prefill_chunk=-1" in capi.last_error()
+
+
+# ---- the Engine ---------------------------------------------------------------------------------
+
+def test_engine_options_are_checked(tiny):  # noqa: F811
+    config, tensors = tiny
+    with pytest.raises(ValueError, match="prefill='fast'"):
+        Engine.from_tensors(config, tensors, device="cpu", prefill="fast")
+    with pytest.raises(ValueError, match="prefill_chunk=-3"):
+        Engine.from_tensors(config, tensors, device="cpu", prefill_chunk=-3)
+    with Engine.from_tensors(config, tensors, device="cpu", max_seq_len=64) as engine:
+        with pytest.raises(ValueError, match="mode"):
+            engine.prefill([1, 2], mode="fast")
+        assert engine.position == 0
+
+
+def test_cpu_path_prefill_modes_are_the_reference(tiny):  # noqa: F811
+    config, tensors = tiny
+    want = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64).prefill(PROMPT)
+    for mode in ("batched", "token"):
+        with Engine.from_tensors(config, tensors, device="cpu", max_seq_len=64, prefill=mode) as engine:
+            np.testing.assert_array_equal(engine.prefill(PROMPT), want)
+            assert engine.position == len(PROMPT)
+
+
+class _PrefillSession(_FakeSession):
+    """The stand-in GPU session with og_prefill (the reference's prefill) and a pool that
+    reserves nothing; `refuse` makes og_prefill fail with that status instead."""
+
+    class _Pool:
+        def current(self):
+            return 0
+
+        def reserve(self, seq, n):
+            pass
+
+    def __init__(self, config, tensors, refuse=None):
+        super().__init__(config, tensors)
+        self.pool = self._Pool()
+        self.refuse = refuse
+        self.prefills = 0
+
+    def prefill(self, tokens):
+        self.prefills += 1
+        if self.refuse is not None:
+            raise capi.LibraryError(self.refuse, "refused (stand-in)", "og_prefill")
+        return self.ref.prefill(tokens)
+
+
+def _engine(config, tensors, refuse=None, **kw):
+    engine = Engine.from_tensors(config, tensors, device="cpu", max_seq_len=64, **kw)
+    engine._cpu = None
+    engine._gpu = _PrefillSession(config, tensors, refuse)
+    engine._seqs[0].lib_id = 0
+    return engine
+
+
+def test_generate_feeds_the_prompt_through_one_batched_prefill(tiny):  # noqa: F811
+    config, tensors = tiny
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    logits, want = ref.prefill(PROMPT), []
+    for _ in range(6):
+        want.append(int(np.argmax(logits)))
+        logits = ref.step(want[-1])
+    engine = _engine(config, tensors)
+    assert engine.generate(PROMPT, 6, stop_token_ids=()) == want
+    assert engine._gpu.prefills == 1
+    st = engine.stats()
+    assert st["prefill_tokens"] == len(PROMPT) and st["tokens"] == 5  # steps: the new tokens fed back
+    assert engine.position == len(PROMPT) + 5
+
+
+def test_token_mode_never_calls_og_prefill(tiny):  # noqa: F811
+    config, tensors = tiny
+    engine = _engine(config, tensors, prefill="token")
+    engine.generate(PROMPT, 3, stop_token_ids=())
+    engine.prefill(PROMPT[:2])
+    assert engine._gpu.prefills == 0
+    engine.prefill(PROMPT[:2], mode="batched")
+    assert engine._gpu.prefills == 1
+
+
+def test_unsupported_falls_back_to_token_by_token_once_with_a_log_line(tiny, caplog):  # noqa: F811
+    config, tensors = tiny
+    want = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64).prefill(PROMPT)
+    engine = _engine(config, tensors, refuse=capi.OG_E_UNSUPPORTED)
+    with caplog.at_level(logging.WARNING, logger="onegraph"):
+        np.testing.assert_array_equal(engine.prefill(PROMPT), want)
+    assert [r for r in caplog.records if "batched prefill unavailable" in r.getMessage()]
+    assert engine.position == len(PROMPT) and engine.stats()["prefill_tokens"] == 0
+    engine.reset()
+    engine.prefill(PROMPT)
+    assert engine._gpu.prefills == 1  # not asked again
+
+
+def test_missing_weight_continues_on_the_cpu_path(tiny):  # noqa: F811
+    config, tensors = tiny
+    want = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64).prefill(PROMPT)
+    engine = _engine(config, tensors, refuse=capi.OG_E_MISSING_WEIGHT)
+    np.testing.assert_array_equal(engine.prefill(PROMPT), want)
+    assert engine.backend == "cpu" and "precheck" in engine.fallback_reason
+    assert engine.position == len(PROMPT)
+
+
+@pytest.mark.parametrize("status", [capi.OG_E_POOL_EXHAUSTED, capi.OG_E_CONTEXT_FULL])
+def test_library_refusals_are_engine_errors_and_change_nothing(tiny, status):  # noqa: F811
+    config, tensors = tiny
+    engine = _engine(config, tensors, refuse=status)
+    with pytest.raises(EngineError, match="refused"):
+        engine.prefill(PROMPT)
+    assert engine.position == 0 and engine.backend == "gpu-graph"

@@ -1,0 +1,328 @@
+"""Batched prefill (og_prefill, cuda/prefill.cu + cuda/gemm.cu) on the GPU: the GEMM against
+numpy over awkward sizes, K/V written by the batched pass against the decode path's, greedy
+continuations against the numpy reference after prompts of 1 to 2,048 tokens, chunking and
+second turns bit-identical to one pass, and refusals that change nothing. Skipped without a
+usable GPU and library."""
+import ctypes
+import logging
+
+import numpy as np
+import pytest
+
+from gpu_support import rel_l2, require_gpu
+from runtime import capi
+from runtime.engine import Engine, EngineError, GpuSession
+from runtime.kvpool import PoolLayout
+from runtime.reference import ReferenceDecoder
+from runtime.synth import iter_tensors, preset_config
+
+pytestmark = pytest.mark.gpu
+
+# Bounds (cuda/prefill.cuh, "Numerics"). The batched pass rounds the GEMMs' activation inputs
+# to bf16 (relative error 2^-9 typical, 2^-8 at most per element; fp32 accumulation), which
+# the decode body keeps fp32. A GEMM output moves by ~2^-9 relative (rel. L2); through the few
+# layers of the test models, and the bf16 / int8 rounding of K/V that such a move can tip
+# either way, the K/V rows and the last prompt token's logits stay within these:
+KV_BOUND = 1e-2        # rel. L2 of a layer's K or V rows, batched vs token by token (bf16 KV)
+LOGITS_BOUND = 2e-2    # rel. L2 of the last prompt token's logits, batched vs the reference
+# A greedy token may differ from the reference's only where the reference's own top-two margin
+# is below this (the test models' median margin is ~1 logit, LOGIT_STD = 4): a near tie, not a
+# defect. The first such step ends the comparison (the sequences then differ by construction).
+NEAR_TIE_LOGITS = 0.05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu():
+    require_gpu()
+
+
+def _model(preset, layers=None, seed=0, **overrides):
+    config = preset_config(preset, num_hidden_layers=layers, max_position_embeddings=8192, **overrides)
+    return config, dict(iter_tensors(config, seed=seed))
+
+
+def _prompt(config, n, seed=1):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, config.vocab_size, n)]
+
+
+def _reference_greedy(ref, prompt, n):
+    """Greedy tokens after the prompt and the reference's top-two margin at each."""
+    logits = ref.prefill(prompt)
+    first_logits = logits
+    tokens, margins = [], []
+    for _ in range(n):
+        top2 = np.sort(logits)[-2:]
+        tokens.append(int(np.argmax(logits)))
+        margins.append(float(top2[1] - top2[0]))
+        logits = ref.step(tokens[-1])
+    return tokens, margins, first_logits
+
+
+def _assert_greedy_agrees(got, want, margins):
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert margins[i] < NEAR_TIE_LOGITS, (
+                f"step {i}: GPU chose {g}, the reference {w} with a top-two margin of {margins[i]:.4f}")
+            return
+    assert len(got) == len(want)
+
+
+# ---- the GEMM ----------------------------------------------------------------------------------
+
+GEMM_SHAPES = [(1, 1, 1), (1, 64, 8), (3, 5, 7), (17, 33, 40), (64, 64, 32), (65, 130, 72),
+               (100, 96, 1000), (257, 300, 136), (3, 1030, 2050), (130, 70, 33)]
+
+
+@pytest.mark.parametrize("rows,cols,depth", GEMM_SHAPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_matches_numpy(rows, cols, depth, accumulate):
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(rows * 1000 + cols * 7 + depth)
+    a = ct.bf16_bits(rng.standard_normal((rows, depth)))
+    w = ct.bf16_bits(rng.standard_normal((cols, depth)) * 0.1)
+    a64, w64 = ct.bf16_to_f32(a).astype(np.float64), ct.bf16_to_f32(w).astype(np.float64)
+    y0 = rng.standard_normal((rows, cols)).astype(np.float32) if accumulate else None
+    got = ct.gemm(a, w, y0)
+    want = a64 @ w64.T + (y0 if accumulate else 0.0)
+    # bf16 products are exact in fp32; the fp32 sums lose at most ~depth ulps of sum |a w|.
+    scale = np.abs(a64) @ np.abs(w64).T + (np.abs(y0) if accumulate else 0.0)
+    bound = (depth + 2) * 2.0 ** -23 * scale + 1e-30
+    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{bad.sum()} elements off, worst {np.max(np.abs(got - want) - bound):.3g} over"
+
+
+def test_gemm_is_deterministic_and_row_independent():
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(5)
+    a = ct.bf16_bits(rng.standard_normal((200, 264)))
+    w = ct.bf16_bits(rng.standard_normal((150, 264)))
+    full = ct.gemm(a, w)
+    assert np.array_equal(full, ct.gemm(a, w))
+    assert np.array_equal(full[37:101], ct.gemm(a[37:101], w))  # a row's result ignores the tiling
+
+
+# ---- K/V and greedy agreement ---------------------------------------------------------------------
+
+KV_MODELS = [("tiny-dense", None, {}), ("tiny-llama", None, {}), ("tiny-moe", None, {}),
+             ("tiny-dense", 2, {"head_dim": 128}), ("tiny-tied", 1, {"head_dim": 256})]
+
+
+@pytest.mark.parametrize("preset,layers,overrides", KV_MODELS,
+                         ids=[f"{p}-{o.get('head_dim', 'hd')}" for p, _, o in KV_MODELS])
+def test_prefill_kv_matches_the_decode_path(preset, layers, overrides):
+    config, tensors = _model(preset, layers, **overrides)
+    prompt, max_seq = _prompt(config, 150), 160
+    layout = PoolLayout.for_config(config, "bf16", max_seq, page_size=16)
+    rows, logits = {}, {}
+    for mode in ("batched", "token"):
+        with Engine.from_tensors(config, tensors, kv="bf16", max_seq_len=max_seq, device="gpu",
+                                 kv_page_size=16, prefill=mode) as engine:
+            logits[mode] = engine.prefill(prompt)
+            assert engine.position == len(prompt)
+            pool = np.frombuffer(engine._gpu.kv_cache_bytes(), dtype=np.uint8)
+            blocks = engine._gpu.pool.blocks(engine._gpu.pool.current())
+            rows[mode] = [layout.gather(pool, blocks, len(prompt), layer)
+                          for layer in range(config.num_hidden_layers)]
+            if mode == "batched":
+                assert engine.stats()["prefill_tokens"] == len(prompt)
+                assert engine.stats()["library"]["enqueues"] == 0  # the decode body never ran
+    for layer in range(config.num_hidden_layers):
+        for kind in ("k", "v"):
+            b = rows["batched"][layer][kind].astype(np.float32)
+            t = rows["token"][layer][kind].astype(np.float32)
+            assert np.isfinite(b).all() and np.abs(b).max() > 0
+            err = rel_l2(b, t)
+            assert err < KV_BOUND, f"layer {layer} {kind}: rel L2 {err:.3g}"
+    assert rel_l2(logits["batched"], logits["token"]) < LOGITS_BOUND
+
+
+GREEDY_CASES = [  # (preset, layers, overrides, prompt tokens, kv)
+    ("tiny-dense", None, {}, 1, "int8"),
+    ("tiny-dense", None, {}, 17, "int8"),
+    ("tiny-llama", None, {}, 17, "bf16"),
+    ("tiny-tied", None, {}, 17, "fp32"),
+    ("tiny-moe", None, {}, 17, "int8"),
+    ("tiny-dense", 2, {}, 512, "int8"),
+    ("tiny-dense", 1, {"head_dim": 128}, 512, "bf16"),
+    ("tiny-dense", 2, {}, 2048, "int8"),
+    ("tiny-tied", 1, {"head_dim": 256}, 2048, "bf16"),
+]
+
+
+@pytest.mark.parametrize("preset,layers,overrides,n_prompt,kv", GREEDY_CASES,
+                         ids=[f"{c[0]}-{c[3]}-{c[4]}-{c[2].get('head_dim', 'hd')}" for c in GREEDY_CASES])
+def test_greedy_after_batched_prefill_matches_reference(preset, layers, overrides, n_prompt, kv):
+    config, tensors = _model(preset, layers, **overrides)
+    prompt, n, max_seq = _prompt(config, n_prompt), 64, n_prompt + 64
+    ref = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=max_seq)
+    want, margins, ref_logits = _reference_greedy(ref, prompt, n)
+    with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=max_seq, device="gpu") as engine:
+        first = engine.prefill(prompt)
+        assert engine.stats()["prefill_tokens"] == n_prompt
+        engine.reset()
+        got = engine.generate(prompt, n, stop_token_ids=())
+        assert engine.backend == "gpu-graph" and engine.stats()["graph_failures"] == 0
+    err = rel_l2(first, ref_logits)
+    assert err < LOGITS_BOUND, f"last prompt token's logits: rel L2 {err:.3g}"
+    _assert_greedy_agrees(got, want, margins)
+
+
+# ---- chunks and turns are bit-identical to one pass ------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_chunked_prefill_is_bit_identical_to_one_pass(kv):
+    config, tensors = _model("tiny-dense")
+    prompt = _prompt(config, 150)
+    out = {}
+    for chunk in (0, 7, 64):  # 0 = 256: one pass
+        with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=160, device="gpu", kv_page_size=16,
+                                 prefill_chunk=chunk) as engine:
+            logits = engine.prefill(prompt)
+            out[chunk] = (logits, engine._gpu.kv_cache_bytes(), engine.generate([5], 8, stop_token_ids=()))
+    for chunk in (7, 64):
+        assert np.array_equal(out[chunk][0], out[0][0]), f"chunk {chunk}: logits differ"
+        assert out[chunk][1] == out[0][1], f"chunk {chunk}: KV cache differs"
+        assert out[chunk][2] == out[0][2]
+
+
+def test_second_turn_and_fork_equal_one_prefill():
+    config, tensors = _model("tiny-dense")
+    first, second = _prompt(config, 40, seed=2), _prompt(config, 30, seed=3)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu",
+                             kv_page_size=16) as engine:
+        whole = engine.prefill(first + second)
+        engine.reset()
+        engine.prefill(first)
+        forked = engine.fork(length=35)        # shares 3 blocks, the third one partly
+        turn = engine.prefill(second)          # rows 40..69 after the first turn
+        assert np.array_equal(turn, whole)     # every row's arithmetic ignores the chunking
+        engine.use(forked)
+        # The fork holds rows 0..34 (the shared partial block is copied on write): the same rows
+        # as one prefill of first + second, so the same logits, bit for bit.
+        assert np.array_equal(engine.prefill(first[35:] + second), whole)
+    # A second turn after decoded tokens, against the reference fed the same tokens.
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=128)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu") as engine:
+        got = engine.generate(first, 10, stop_token_ids=())
+        want, margins, _ = _reference_greedy(ref, first, 10)
+        _assert_greedy_agrees(got, want, margins)
+        if got != want:
+            return
+        ref.step(want[-1])
+        engine.step(got[-1])
+        got2 = engine.generate(second, 20, stop_token_ids=())
+        want2, margins2, _ = _reference_greedy(ref, second, 20)
+        _assert_greedy_agrees(got2, want2, margins2)
+
+
+def test_prefill_cancels_a_begun_step_and_decode_continues():
+    config, tensors = _model("tiny-dense")
+    prompt = _prompt(config, 20)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu") as engine, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu") as twin:
+        engine._gpu.begin(3)                   # begun, never run
+        a = engine.prefill(prompt)
+        b = twin.prefill(prompt)
+        assert np.array_equal(a, b)
+        assert np.array_equal(engine.step(4), twin.step(4))
+        with pytest.raises(capi.LibraryError) as err:
+            engine._gpu.end()                  # the begun step was cancelled
+        assert err.value.status == capi.OG_E_BAD_STATE
+
+
+# ---- refusals change nothing --------------------------------------------------------------------
+
+def _og_prefill(session, tokens):
+    ids = (ctypes.c_int32 * max(1, len(tokens)))(*tokens)
+    return session.lib.og_prefill(session.handle, ids, len(tokens), None)
+
+
+def test_og_prefill_refusals_change_nothing():
+    config, tensors = _model("tiny-dense")
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=40, kv_page_size=16,
+                         kv_pool_blocks=3)
+    try:
+        session.prefill(_prompt(config, 10))
+        kv_before, pos_before = session.kv_cache_bytes(), session.position
+        free_before = session.pool.info()["free_blocks"]
+        cases = [
+            ([1, config.vocab_size, 2], capi.OG_E_TOKEN_OUT_OF_RANGE, "tokens[1]"),
+            ([-1], capi.OG_E_TOKEN_OUT_OF_RANGE, "tokens[0]"),
+            ([1] * 31, capi.OG_E_CONTEXT_FULL, "max_seq_len=40"),
+        ]
+        for tokens, status, text in cases:
+            assert _og_prefill(session, tokens) == status
+            assert text in capi.last_error()
+        assert session.lib.og_prefill(session.handle, None, 3, None) == capi.OG_E_INVALID_ARGUMENT
+        assert _og_prefill(session, []) == capi.OG_E_INVALID_ARGUMENT
+        # A second sequence: the pool (3 blocks of 16 rows; 1 held) has no room for 40 rows.
+        other = session.pool.create()
+        session.pool.select(other)
+        assert _og_prefill(session, [1] * 40) == capi.OG_E_POOL_EXHAUSTED
+        assert session.pool.length(other) == 0
+        session.pool.free(other)
+        assert session.lib.og_prefill(session.handle, (ctypes.c_int32 * 1)(1), 1, None) == capi.OG_E_BAD_STATE
+        session.pool.select(0)
+        assert session.kv_cache_bytes() == kv_before and session.position == pos_before
+        assert session.pool.info()["free_blocks"] == free_before
+        # ... and the same handle prefills normally afterwards, the logits copied out too.
+        out = np.full(config.vocab_size, np.nan, np.float32)
+        assert session.lib.og_prefill(session.handle, (ctypes.c_int32 * 2)(5, 6), 2,
+                                      out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) == capi.OG_OK
+        assert np.array_equal(out, session.logits_view) and np.isfinite(out).all()
+        assert session.position == pos_before + 2
+    finally:
+        session.close()
+
+
+def test_missing_weight_refuses_then_the_engine_continues_on_the_cpu():
+    config, tensors = _model("tiny-dense")
+    missing = "model.layers.1.mlp.down_proj.weight"
+    prompt = _prompt(config, 12)
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=32, omit_weights={missing})
+    try:
+        kv_before = session.kv_cache_bytes()
+        assert _og_prefill(session, prompt) == capi.OG_E_MISSING_WEIGHT
+        assert missing in capi.last_error()
+        assert session.kv_cache_bytes() == kv_before and session.position == 0
+    finally:
+        session.close()
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=32)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="gpu",
+                             omit_weights={missing}) as engine:
+        logits = engine.prefill(prompt)
+        assert engine.backend == "cpu" and "precheck" in engine.fallback_reason
+    np.testing.assert_array_equal(logits, ref.prefill(prompt))
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_quantized_dense_weights_fall_back_to_token_by_token(weights, caplog):
+    config, tensors = _model("tiny-dense")
+    prompt = _prompt(config, 17)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu", weights=weights) as engine, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu", weights=weights,
+                                prefill="token") as token:
+        with caplog.at_level(logging.WARNING, logger="onegraph"):
+            got = engine.prefill(prompt)
+        assert any("batched prefill unavailable" in r.getMessage() for r in caplog.records)
+        assert np.array_equal(got, token.prefill(prompt))
+        assert engine.stats()["prefill_tokens"] == 0 and engine.position == len(prompt)
+        with pytest.raises(capi.LibraryError) as err:
+            engine._gpu.prefill([1])
+        assert err.value.status == capi.OG_E_UNSUPPORTED
+
+
+def test_engine_refusals_before_the_library():
+    config, tensors = _model("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=24, kv_page_size=16, device="gpu") as engine:
+        engine.prefill([1, 2, 3])
+        before = engine._gpu.kv_cache_bytes()
+        for call, text in ((lambda: engine.prefill([1] * 22), "does not fit"),
+                           (lambda: engine.prefill([1, config.vocab_size]), "outside the vocabulary"),
+                           (lambda: engine.prefill([]), "empty prompt")):
+            with pytest.raises(EngineError, match=text):
+                call()
+        with pytest.raises(ValueError, match="mode"):
+            engine.prefill([1], mode="fast")
+        assert engine.position == 3 and engine._gpu.kv_cache_bytes() == before
