@@ -1,307 +1,590 @@
-// attention.cu — decode attention (one query token) over the KV cache, split-KV with a
-// fixed grid so that a captured graph serves every position.
+// attention.cu — decode attention (one query token) over the paged KV cache, on a fixed grid
+// that serves every position from one captured graph; in the body it also does QK-norm, RoPE
+// and the KV-cache write of the new token (fused: no separate kernel, no round trip).
 //
-//   q:        [n_heads, hd] fp32 (normed and rotated by rope_kv.cu)
-//   K, V:     the paged pool (kernels.cuh, KvPages): row t of KV head g is row
-//             g * page + t % page of the K / V page (fp32 / bf16 / int8; int8 with a scale
-//             page [n_kv, page] fp32) in block table[t / page], where table is row
-//             step->seq_slot of the block tables
-//   out:      [n_heads, hd] fp32
+//   qkv:  [n_heads*hd | n_kv*hd | n_kv*hd] fp32, the fused QKV GEMV's output (fused mode); or
+//   q:    [n_heads, hd] fp32, already normed and rotated (attention only: the test entry points)
+//   K, V: the paged pool (kernels.cuh, KvPages): row t of KV head g is row g * page + t % page
+//         of the K / V page (fp32 / bf16 / int8; int8 with a scale page [n_kv, page] fp32) in
+//         block table[t / page], table = row step->seq_slot of the block tables
+//   out:  [n_heads, hd] fp32
 //   visible length len = position + 1 (read from the device step record)
-//   score[t] = (q . dequant(K[t])) / sqrt(hd); p = softmax(score) (fp32, max
-//   subtracted); out = sum_t p[t] * dequant(V[t]); dequant(int8) = q_int8 * scale.
-//   GQA: query head h reads KV head h * n_kv / n_heads, i.e. the G = n_heads / n_kv
-//   consecutive query heads of a KV head share it.
+//   score[t] = (q . dequant(K[t])) / sqrt(hd); p = softmax(score) (fp32, max subtracted);
+//   out = sum_t p[t] * dequant(V[t]); dequant(int8) = q_int8 * scale, the scale applied once per
+//   row (score = (q . k_int8) * k_scale / sqrt(hd); p * v_scale multiplies the integer row).
+//   GQA: the G = n_heads / n_kv consecutive query heads of a KV head share it, so a block reads
+//   its KV rows once for all G heads.
 //
-// Grid (n_kv, n_splits), 128 threads. Block (g, s) covers positions [s*S, s*S + S) of KV
-// head g for all G of its query heads, so K and V are read once. Splits at or beyond len
-// return at once. A block computes its scores (one thread per position; the thread also
-// looks up the row's block, and keeps the row's byte offset and V scale in shared memory
-// for the V pass), a softmax per head (one warp per head) and o = sum p * V (warps split
-// positions, lanes split hd),
-// then writes o, max and sum as a partial. The last of the n_active = ceil(len / S)
-// blocks of a KV head to finish (an atomic counter, reset by that block) combines the
-// partials in split order — the same arithmetic whichever block is last, so results
-// are bit-identical run to run. When n_active == 1 the block writes out directly.
+// Fused prologue (rope_kv.cuh): every block rotates the G query heads it needs (a warp per
+// head; q is tiny). The block that owns the chunk holding row `position` also norms and
+// rotates k, encodes k and v in the cache type, stores them at row `position` of block
+// step->row_block (layer 0 also stores row_block into the block table), and takes that row
+// from shared memory instead of the cache. So nothing in the kernel reads a row it writes.
+//
+// Work split. The context is cut into chunks of C = split_len rows (a multiple of 32). Grid
+// (n_kv, B), 256 threads: block b of a KV head takes chunks b, b + B, b + 2B, ... (B is fixed by
+// the plan: about one wave of blocks), so any context spreads over up to B blocks per head and
+// a short one occupies few. Inside a block, a chunk is cut into tiles of R rows and warp w takes
+// tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16 lanes (16-byte loads, or one
+// element per lane for head dims other than 64/128/256), so one load instruction covers 32 / L
+// consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane; the next tile's
+// loads are issued before the current one is used. Each warp keeps an online softmax (running
+// max m, sum l, accumulator o per head, rescaled when m grows); the 8 warps combine through
+// shared memory in warp order. A block that is alone for its KV head (len <= C) writes out
+// directly; otherwise it writes (m, l, o) as a partial, and the last of the n_active blocks of
+// the head to finish (an atomic counter, reset by that block) combines the partials in block
+// order: the same arithmetic whichever block is last, so results are bit-identical run to run.
+// The first tile's K/V loads depend only on the step record and on earlier steps' rows, so they
+// are issued before waiting on the previous kernel (PDL), overlapping its tail.
 #include <math.h>
 
+#include <type_traits>
+
 #include "kernels.cuh"
+#include "quant.cuh"
+#include "rope_kv.cuh"
 
 namespace og {
 namespace {
 
-constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / kWarpSize;
-constexpr int kHeadGroup = 8;  // query heads accumulated together in registers
+constexpr int kAttnWarps = 8;
+constexpr int kAttnThreads = kAttnWarps * kWarpSize;
+
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// How a warp reads K/V rows, per element type and head dim (HD = 0: any even head dim <= 256).
+template <int KV, int HD>
+struct AttnLayout {
+    static constexpr int kElemBytes = KV == OG_KV_F32 ? 4 : KV == OG_KV_BF16 ? 2 : 1;
+    static constexpr bool kVector = HD > 0;
+    static constexpr int kVec = kVector ? 16 / kElemBytes : 1;               // elements per load
+    static constexpr int kLanesPerRow = kVector ? cmin(HD / kVec, kWarpSize) : kWarpSize;
+    static constexpr int kVecsPerLane = kVector ? HD / kVec / kLanesPerRow : kMaxHeadDim / kWarpSize;
+    static constexpr int kRowsPerLoad = kWarpSize / kLanesPerRow;
+    static constexpr int kSlots = kVector ? 4 / kVecsPerLane : 2;           // rows per lane per tile
+    static constexpr int kTileRows = kRowsPerLoad * kSlots;
+    static constexpr int kLaneElems = kVecsPerLane * kVec;                  // dims a lane owns
+    static constexpr int kMaxHeadGroup = cmin(8, 64 / kLaneElems);          // o registers <= 64
+    using Raw = typename std::conditional<kVector, uint4, uint32_t>::type;
+};
 
 struct AttnParams {
     AttentionArgs a;
-    int split_len, n_splits;
-    float sqrt_hd;  // scores are divided by it, as in the reference
+    int chunk;          // C: rows per chunk (plan.split_len)
+    int n_blocks;       // B: blocks per KV head
+    int q_heads;        // query heads staged per block: G rounded up to the head group
+    float sqrt_hd;      // scores are divided by it, as in the reference
 };
 
-// Load N consecutive cache elements starting at element idx (N-aligned) as fp32.
-template <int KV, int N>
-__device__ __forceinline__ void load_dequant(const void *base, size_t idx, float scale,
-                                             float (&out)[N]) {
-    if constexpr (KV == OG_KV_F32) {
-        const float *p = static_cast<const float *>(base) + idx;
-        if constexpr (N % 4 == 0) {
+// Shared-memory carve-up, in floats (every region a multiple of 4 floats: 16-byte aligned).
+struct AttnSmem {
+    int q, o, m, l, f, stats, factors, new_k, new_v, k_head, scales, total;
+};
+__host__ __device__ inline int round4(int n) { return (n + 3) & ~3; }
+__host__ __device__ inline AttnSmem attn_smem(int q_heads, int head_group, int group, int hd,
+                                              int n_blocks, int elem_bytes) {
+    AttnSmem s;
+    int off = 0;
+    s.q = off;        off += round4(q_heads * hd);                       // [q_heads, hd]
+    s.o = off;        off += round4(kAttnWarps * head_group * hd);       // [warps, HG, hd]
+    s.m = off;        off += round4(kAttnWarps * head_group);            // [warps, HG]
+    s.l = off;        off += round4(kAttnWarps * head_group);
+    s.f = off;        off += round4(kAttnWarps * head_group);
+    s.stats = off;    off += round4(2 * (group > head_group ? group : head_group));
+    s.factors = off;  off += round4(group * n_blocks);                   // [G, B]
+    s.new_k = off;    off += round4((hd * elem_bytes + 3) / 4);          // the new row's bytes
+    s.new_v = off;    off += round4((hd * elem_bytes + 3) / 4);
+    s.k_head = off;   off += round4(hd);                                 // rotated k (fp32)
+    s.scales = off;   off += 4;                                          // new row's k, v scale
+    s.total = off;
+    return s;
+}
+
+// Per-thread view of the cache for one KV head.
+struct RowSource {
+    const char *k, *v, *k_scales, *v_scales;
+    int64_t block_stride;
+    const int32_t *table;   // the sequence's block-table row
+    int page, n_pool_blocks, kv_head, len;
+    int new_row;            // the row taken from shared memory (fused), or -1
+    int row_group, lane_in_row;
+};
+
+template <int KV, int HD>
+struct Tile {
+    using L = AttnLayout<KV, HD>;
+    typename L::Raw k[L::kSlots][L::kVecsPerLane];
+    typename L::Raw v[L::kSlots][L::kVecsPerLane];
+    float k_scale[L::kSlots], v_scale[L::kSlots];
+};
+
+template <int KV>
+__device__ __forceinline__ uint32_t load_element(const char *row, int d) {
+    if constexpr (KV == OG_KV_F32) return __ldg(reinterpret_cast<const unsigned int *>(row) + d);
+    else if constexpr (KV == OG_KV_BF16) return __ldg(reinterpret_cast<const unsigned short *>(row) + d);
+    else return __ldg(reinterpret_cast<const unsigned char *>(row) + d);
+}
+
+// Issue the loads of the tile starting at row0 (-1: none). Rows at or past len, the new row,
+// and rows whose block id is outside the pool read as zeros (scale 0).
+template <int KV, int HD>
+__device__ __forceinline__ void load_tile(Tile<KV, HD> &t, int row0, const RowSource &src, int hd) {
+    using L = AttnLayout<KV, HD>;
 #pragma unroll
-            for (int k = 0; k < N / 4; ++k) {
-                const float4 v = reinterpret_cast<const float4 *>(p)[k];
-                out[4 * k] = v.x;
-                out[4 * k + 1] = v.y;
-                out[4 * k + 2] = v.z;
-                out[4 * k + 3] = v.w;
-            }
-        } else if constexpr (N == 2) {
-            const float2 v = *reinterpret_cast<const float2 *>(p);
-            out[0] = v.x;
-            out[1] = v.y;
-        } else {
-            out[0] = p[0];
+    for (int s = 0; s < L::kSlots; ++s) {
+        const int row = row0 + s * L::kRowsPerLoad + src.row_group;
+        bool ok = row0 >= 0 && row < src.len && row != src.new_row;
+        int block = 0, in_page = 0;
+        if (ok) {
+            const int page_index = row / src.page;
+            in_page = row - page_index * src.page;
+            block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
+            ok = (unsigned)block < (unsigned)src.n_pool_blocks;
         }
-    } else if constexpr (KV == OG_KV_BF16) {
-        const uint16_t *p = static_cast<const uint16_t *>(base) + idx;
-        if constexpr (N % 8 == 0) {
+        const int64_t base = (int64_t)block * src.block_stride;
+        const int64_t row_index = (int64_t)src.kv_head * src.page + in_page;
+        const char *k_row = src.k + base + row_index * (hd * L::kElemBytes);
+        const char *v_row = src.v + base + row_index * (hd * L::kElemBytes);
 #pragma unroll
-            for (int k = 0; k < N / 8; ++k) {
-                const uint4 w = reinterpret_cast<const uint4 *>(p)[k];
-                out[8 * k] = bf16_lo(w.x);
-                out[8 * k + 1] = bf16_hi(w.x);
-                out[8 * k + 2] = bf16_lo(w.y);
-                out[8 * k + 3] = bf16_hi(w.y);
-                out[8 * k + 4] = bf16_lo(w.z);
-                out[8 * k + 5] = bf16_hi(w.z);
-                out[8 * k + 6] = bf16_lo(w.w);
-                out[8 * k + 7] = bf16_hi(w.w);
+        for (int v = 0; v < L::kVecsPerLane; ++v) {
+            if constexpr (L::kVector) {
+                const int vec = src.lane_in_row + v * L::kLanesPerRow;
+                t.k[s][v] = ok ? load_weight_chunk(reinterpret_cast<const uint4 *>(k_row) + vec)
+                               : make_uint4(0u, 0u, 0u, 0u);
+                t.v[s][v] = ok ? load_weight_chunk(reinterpret_cast<const uint4 *>(v_row) + vec)
+                               : make_uint4(0u, 0u, 0u, 0u);
+            } else {
+                const int d = src.lane_in_row + v * kWarpSize;
+                const bool e_ok = ok && d < hd;
+                t.k[s][v] = e_ok ? load_element<KV>(k_row, d) : 0u;
+                t.v[s][v] = e_ok ? load_element<KV>(v_row, d) : 0u;
             }
-        } else if constexpr (N == 4) {
-            const uint2 w = *reinterpret_cast<const uint2 *>(p);
-            out[0] = bf16_lo(w.x);
-            out[1] = bf16_hi(w.x);
-            out[2] = bf16_lo(w.y);
-            out[3] = bf16_hi(w.y);
-        } else if constexpr (N == 2) {
-            const uint32_t w = *reinterpret_cast<const uint32_t *>(p);
-            out[0] = bf16_lo(w);
-            out[1] = bf16_hi(w);
-        } else {
-            out[0] = bf16_bits_to_float(p[0]);
         }
-    } else {
-        const int8_t *p = static_cast<const int8_t *>(base) + idx;
-        if constexpr (N % 8 == 0) {
-#pragma unroll
-            for (int k = 0; k < N / 8; ++k) {
-                const uint2 w = reinterpret_cast<const uint2 *>(p)[k];
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    out[8 * k + b] = (float)(int8_t)(w.x >> (8 * b)) * scale;
-                    out[8 * k + 4 + b] = (float)(int8_t)(w.y >> (8 * b)) * scale;
-                }
-            }
-        } else if constexpr (N == 4) {
-            const uint32_t w = *reinterpret_cast<const uint32_t *>(p);
-#pragma unroll
-            for (int b = 0; b < 4; ++b) out[b] = (float)(int8_t)(w >> (8 * b)) * scale;
-        } else if constexpr (N == 2) {
-            const uint32_t w = *reinterpret_cast<const uint16_t *>(p);
-            out[0] = (float)(int8_t)(w) * scale;
-            out[1] = (float)(int8_t)(w >> 8) * scale;
+        if constexpr (KV == OG_KV_INT8) {
+            t.k_scale[s] = ok ? __ldg(reinterpret_cast<const float *>(src.k_scales + base) + row_index) : 0.f;
+            t.v_scale[s] = ok ? __ldg(reinterpret_cast<const float *>(src.v_scales + base) + row_index) : 0.f;
         } else {
-            out[0] = (float)p[0] * scale;
+            t.k_scale[s] = 1.f;
+            t.v_scale[s] = 1.f;
         }
     }
 }
 
-// HD: head_dim when it is 64, 128 or 256 (vector loads, unrolled); 0 = any even head_dim.
-template <int KV, int HD>
-__global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const AttnParams p) {
+// Elements 4g .. 4g+3 of a 16-byte vector as fp32 (int8: the integer codes, exactly; see
+// quant.cuh for the two-instruction conversion).
+template <int KV>
+__device__ __forceinline__ float4 decode4(const uint4 &r, int g) {
+    if constexpr (KV == OG_KV_F32) {
+        return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
+                           __uint_as_float(r.w));
+    } else if constexpr (KV == OG_KV_BF16) {
+        const uint32_t w0 = g == 0 ? r.x : r.z;
+        const uint32_t w1 = g == 0 ? r.y : r.w;
+        return make_float4(bf16_lo(w0), bf16_hi(w0), bf16_lo(w1), bf16_hi(w1));
+    } else {
+        const uint32_t w = word_of(r, g);
+        const __half2 offset = half2_bits(0x64806480u);  // 1152, 1152
+        const __half2 even = __hsub2(as_half2(and_xor(w, 0x00FF00FFu, 0x64806480u)), offset);
+        const __half2 odd = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);
+        return make_float4(__low2float(even), __low2float(odd), __high2float(even),
+                           __high2float(odd));
+    }
+}
+template <int KV>
+__device__ __forceinline__ float decode1(uint32_t r) {
+    if constexpr (KV == OG_KV_F32) return __uint_as_float(r);
+    else if constexpr (KV == OG_KV_BF16) return __uint_as_float(r << 16);
+    else return (float)(int8_t)(r & 0xffu);
+}
+
+// Running softmax state of one warp for HG heads: m (warp-uniform), l (this lane's rows), o.
+template <int HG, int E>
+struct WarpState {
+    float m[HG], l[HG], o[HG][E];
+};
+
+// Fold one tile into the warp's state for the head group whose queries start at q_s.
+template <int KV, int HD, int HG>
+__device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const RowSource &src,
+                                            const float *q_s, const void *new_k_s,
+                                            const void *new_v_s, const float *new_scales,
+                                            int hd, float sqrt_hd, int lane,
+                                            WarpState<HG, AttnLayout<KV, HD>::kLaneElems> &st) {
+    using L = AttnLayout<KV, HD>;
+    constexpr int S = L::kSlots, V = L::kVecsPerLane, LPR = L::kLanesPerRow;
+    int rows[S];
+#pragma unroll
+    for (int s = 0; s < S; ++s) rows[s] = row0 + s * L::kRowsPerLoad + src.row_group;
+
+    // The new row (fused, owner block only): from shared memory, as it was stored.
+    if (src.new_row >= 0) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            if (rows[s] == src.new_row) {
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    if constexpr (L::kVector) {
+                        const int vec = src.lane_in_row + v * LPR;
+                        t.k[s][v] = static_cast<const uint4 *>(new_k_s)[vec];
+                        t.v[s][v] = static_cast<const uint4 *>(new_v_s)[vec];
+                    } else {
+                        const int d = src.lane_in_row + v * kWarpSize;
+                        uint32_t kb = 0u, vb = 0u;
+                        if (d < hd) {
+                            if constexpr (KV == OG_KV_F32) {
+                                kb = static_cast<const uint32_t *>(new_k_s)[d];
+                                vb = static_cast<const uint32_t *>(new_v_s)[d];
+                            } else if constexpr (KV == OG_KV_BF16) {
+                                kb = static_cast<const uint16_t *>(new_k_s)[d];
+                                vb = static_cast<const uint16_t *>(new_v_s)[d];
+                            } else {
+                                kb = static_cast<const uint8_t *>(new_k_s)[d];
+                                vb = static_cast<const uint8_t *>(new_v_s)[d];
+                            }
+                        }
+                        t.k[s][v] = kb;
+                        t.v[s][v] = vb;
+                    }
+                }
+                if constexpr (KV == OG_KV_INT8) {
+                    t.k_scale[s] = new_scales[0];
+                    t.v_scale[s] = new_scales[1];
+                }
+            }
+        }
+    }
+
+    // ---- scores: lanes of a row split its dims, then a butterfly over the row's lanes ----
+    float sc[S][HG];
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int j = 0; j < HG; ++j) sc[s][j] = 0.f;
+    if constexpr (L::kVector) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int e0 = (src.lane_in_row + v * LPR) * L::kVec;
+#pragma unroll
+            for (int g = 0; g < L::kVec / 4; ++g) {
+                float4 qv[HG];
+#pragma unroll
+                for (int j = 0; j < HG; ++j)
+                    qv[j] = *reinterpret_cast<const float4 *>(q_s + j * HD + e0 + 4 * g);
+#pragma unroll
+                for (int s = 0; s < S; ++s) {
+                    const float4 k4 = decode4<KV>(t.k[s][v], g);
+#pragma unroll
+                    for (int j = 0; j < HG; ++j) {
+                        float a = sc[s][j];
+                        a = fmaf(qv[j].x, k4.x, a);
+                        a = fmaf(qv[j].y, k4.y, a);
+                        a = fmaf(qv[j].z, k4.z, a);
+                        a = fmaf(qv[j].w, k4.w, a);
+                        sc[s][j] = a;
+                    }
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int d = lane + v * kWarpSize;
+            if (d < hd) {
+#pragma unroll
+                for (int j = 0; j < HG; ++j) {
+                    const float qd = q_s[j * hd + d];
+#pragma unroll
+                    for (int s = 0; s < S; ++s) sc[s][j] = fmaf(qd, decode1<KV>(t.k[s][v]), sc[s][j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1)
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int j = 0; j < HG; ++j) sc[s][j] += __shfl_xor_sync(kFullMask, sc[s][j], off);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+        const bool valid = rows[s] < src.len;
+#pragma unroll
+        for (int j = 0; j < HG; ++j) {
+            const float dot = KV == OG_KV_INT8 ? sc[s][j] * t.k_scale[s] : sc[s][j];
+            sc[s][j] = valid ? dot / sqrt_hd : -INFINITY;
+        }
+    }
+
+    // ---- online softmax: the tile's max over the warp, rescale when the max grows --------
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+        float tile_max = sc[0][j];
+#pragma unroll
+        for (int s = 1; s < S; ++s) tile_max = fmaxf(tile_max, sc[s][j]);
+#pragma unroll
+        for (int off = LPR; off < kWarpSize; off <<= 1)
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, off));
+        const float m_new = fmaxf(st.m[j], tile_max);
+        if (m_new != st.m[j]) {  // warp-uniform
+            const float f = expf(st.m[j] - m_new);
+            st.l[j] *= f;
+#pragma unroll
+            for (int e = 0; e < L::kLaneElems; ++e) st.o[j][e] *= f;
+            st.m[j] = m_new;
+        }
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const float p = expf(sc[s][j] - m_new);
+            st.l[j] += p;
+            sc[s][j] = KV == OG_KV_INT8 ? p * t.v_scale[s] : p;  // weight of the row's V
+        }
+    }
+
+    // ---- o += w * V -----------------------------------------------------------------------
+    if constexpr (L::kVector) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+#pragma unroll
+            for (int g = 0; g < L::kVec / 4; ++g) {
+#pragma unroll
+                for (int s = 0; s < S; ++s) {
+                    const float4 v4 = decode4<KV>(t.v[s][v], g);
+                    const int e = v * L::kVec + 4 * g;
+#pragma unroll
+                    for (int j = 0; j < HG; ++j) {
+                        st.o[j][e] = fmaf(sc[s][j], v4.x, st.o[j][e]);
+                        st.o[j][e + 1] = fmaf(sc[s][j], v4.y, st.o[j][e + 1]);
+                        st.o[j][e + 2] = fmaf(sc[s][j], v4.z, st.o[j][e + 2]);
+                        st.o[j][e + 3] = fmaf(sc[s][j], v4.w, st.o[j][e + 3]);
+                    }
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                const float x = decode1<KV>(t.v[s][v]);
+#pragma unroll
+                for (int j = 0; j < HG; ++j) st.o[j][v] = fmaf(sc[s][j], x, st.o[j][v]);
+            }
+    }
+}
+
+// The warp's next tile after item n (n advances): its first row, or -1 when the warp is done.
+// Item n = (k, i) with k = n / per_warp, i = n % per_warp: chunk b + k * B, tile warp + i * 8.
+__device__ __forceinline__ int next_tile(int &n, int b, int n_blocks, int chunk_rows,
+                                         int tile_rows, int per_warp, int warp, int n_chunks,
+                                         int len) {
+    for (;;) {
+        ++n;
+        const int k = n / per_warp;
+        const int chunk = b + k * n_blocks;
+        if (chunk >= n_chunks) return -1;
+        const int tile = warp + (n - k * per_warp) * kAttnWarps;
+        if (tile * tile_rows >= chunk_rows) continue;  // the chunk has fewer tiles than warps
+        const int row0 = chunk * chunk_rows + tile * tile_rows;
+        return row0 < len ? row0 : -1;  // past len: the last chunk, nothing follows
+    }
+}
+
+template <int KV, int HD, int HG>
+__global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
+    using L = AttnLayout<KV, HD>;
+    constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
+    float *smem = reinterpret_cast<float *>(smem4);
     __shared__ int is_last_block;
     const AttentionArgs &a = p.a;
     const int hd = HD > 0 ? HD : a.head_dim;
     const int group = a.n_heads / a.n_kv_heads;
-    const int S = p.split_len;
-    // Shared memory: row offsets [S] (int64: bytes from a page of block 0 to the row, the
-    // same for K and V) | V scales [S] | q [G, hd] | scores [G, S] | reduce [warps, 8, hd]
-    // | stats [G, 2] | combine factors [G, n_splits]. S is a multiple of 32, so q stays
-    // 16-byte aligned.
-    int64_t *row_offset_s = reinterpret_cast<int64_t *>(smem4);
-    float *v_scale_s = reinterpret_cast<float *>(row_offset_s + S);
-    float *q_s = v_scale_s + S;
-    float *scores = q_s + group * hd;
-    float *reduce = scores + group * S;
-    float *stats = reduce + kAttnWarps * kHeadGroup * hd;
-    float *factors = stats + 2 * group;
-
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;
     const int lane = tid % kWarpSize;
     const int kv_head = blockIdx.x;
-    const int split = blockIdx.y;
+    const int b = blockIdx.y;
     const int head0 = kv_head * group;
+    const int C = p.chunk, B = p.n_blocks;
+
+    // The step record is written before the body's first kernel, and the rows below `position`
+    // by earlier steps: both may be read before waiting on the previous kernel.
+    const og_step_record *step = a.step;
+    const int position = step->position;
+    const int len = max(1, min(position + 1, a.max_seq_len));
+    const int n_chunks = ceil_div(len, C);
+    if (b >= n_chunks) return;
+    const int n_active = min(B, n_chunks);
+    const bool fused = a.qkv != nullptr;
+    const bool row_ok = position >= 0 && position < a.max_seq_len;
+    const bool owner = fused && ((len - 1) / C) % B == b;
+    const KvPages &kv = a.kv;
+
+    RowSource src;
+    src.k = kv.k;
+    src.v = kv.v;
+    src.k_scales = kv.k_scales;
+    src.v_scales = kv.v_scales;
+    src.block_stride = kv.block_stride;
+    src.table = kv.block_tables + (size_t)step->seq_slot * kv.max_blocks_per_seq;
+    src.page = kv.page_size;
+    src.n_pool_blocks = kv.n_blocks;
+    src.kv_head = kv_head;
+    src.len = len;
+    src.new_row = fused && row_ok ? position : -1;
+    src.row_group = lane / L::kLanesPerRow;
+    src.lane_in_row = lane % L::kLanesPerRow;
+
+    const int tiles_per_warp = ceil_div(C / L::kTileRows, kAttnWarps);
+    int item = -1;
+    int row0 = next_tile(item, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
+    Tile<KV, HD> cur;
+    load_tile<KV, HD>(cur, row0, src, hd);
 
     pdl_wait();
     pdl_launch_dependents();
 
-    const int len = max(1, min(a.step->position + 1, a.max_seq_len));
-    const int begin = split * S;
-    if (begin >= len) return;
-    const int n = min(S, len - begin);
-    const int n_active = ceil_div(len, S);
-    const KvPages &kv = a.kv;
-    const int table_row = a.step->seq_slot * kv.max_blocks_per_seq;
-    constexpr int kElemBytes = KV == OG_KV_F32 ? 4 : KV == OG_KV_BF16 ? 2 : 1;
+    const AttnSmem lay = attn_smem(p.q_heads, HG, group, hd, B, L::kElemBytes);
+    float *q_s = smem + lay.q;
+    float *new_scales = smem + lay.scales;
+    void *new_k_s = smem + lay.new_k;
+    void *new_v_s = smem + lay.new_v;
 
-    for (int i = tid; i < group * hd; i += kAttnThreads) q_s[i] = a.q[(size_t)head0 * hd + i];
-    __syncthreads();
-
-    // ---- scores: one thread per position ------------------------------------------------
-    for (int t = tid; t < n; t += kAttnThreads) {
-        const int position = begin + t;
-        const int chunk = position / kv.page_size;
-        const int block = kv.block_tables[table_row + chunk];  // written by this step's layer 0
-        const int row = kv_head * kv.page_size + (position - chunk * kv.page_size);
-        const int64_t block_offset = (int64_t)block * kv.block_stride;
-        const int64_t row_offset = block_offset + (int64_t)row * (hd * kElemBytes);
-        row_offset_s[t] = row_offset;
-        const char *k_row = kv.k + row_offset;
-        float k_scale = 1.f;
-        if constexpr (KV == OG_KV_INT8) {
-            k_scale = reinterpret_cast<const float *>(kv.k_scales + block_offset)[row];
-            v_scale_s[t] = reinterpret_cast<const float *>(kv.v_scales + block_offset)[row];
-        }
-        for (int hg = 0; hg < group; hg += kHeadGroup) {
-            float acc[kHeadGroup];
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j) acc[j] = 0.f;
-            if constexpr (HD > 0) {
-#pragma unroll
-                for (int c = 0; c < HD / 8; ++c) {
-                    float k8[8];
-                    load_dequant<KV, 8>(k_row, c * 8, k_scale, k8);
-#pragma unroll
-                    for (int j = 0; j < kHeadGroup; ++j) {
-                        if (hg + j < group) {
-                            const float4 *qv =
-                                reinterpret_cast<const float4 *>(q_s + (hg + j) * HD + c * 8);
-                            const float4 qa = qv[0], qb = qv[1];
-                            float s = acc[j];
-                            s = fmaf(qa.x, k8[0], s);
-                            s = fmaf(qa.y, k8[1], s);
-                            s = fmaf(qa.z, k8[2], s);
-                            s = fmaf(qa.w, k8[3], s);
-                            s = fmaf(qb.x, k8[4], s);
-                            s = fmaf(qb.y, k8[5], s);
-                            s = fmaf(qb.z, k8[6], s);
-                            s = fmaf(qb.w, k8[7], s);
-                            acc[j] = s;
-                        }
-                    }
-                }
+    // ---- the G query heads (and, in the owner block, the new K/V row) --------------------
+    if (!fused) {
+        for (int i = tid; i < p.q_heads * hd; i += kAttnThreads)
+            q_s[i] = i < group * hd ? a.q[(size_t)head0 * hd + i] : 0.f;
+    } else {
+        for (int i = group * hd + tid; i < p.q_heads * hd; i += kAttnThreads) q_s[i] = 0.f;
+        const int q_size = a.n_heads * hd, kv_size = a.n_kv_heads * hd;
+        const int row_block = step->row_block;
+        const bool store = row_ok && (unsigned)row_block < (unsigned)kv.n_blocks;
+        const int page_index = row_ok ? position / kv.page_size : 0;
+        const int64_t base = (int64_t)row_block * kv.block_stride;
+        const int64_t row_index = (int64_t)kv_head * kv.page_size + (position - page_index * kv.page_size);
+        const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
+        const int tasks = group + (owner ? 2 : 0);
+        for (int task = warp; task < tasks; task += kAttnWarps) {
+            if (task < group) {
+                float *head = q_s + task * hd;
+                warp_norm_rope(a.qkv + (size_t)(head0 + task) * hd, a.q_norm, a.eps, a.inv_freq,
+                               hd, position, head, lane);
+                if (owner && a.q_out != nullptr)
+                    for (int i = lane; i < hd; i += kWarpSize)
+                        a.q_out[(size_t)(head0 + task) * hd + i] = head[i];
+            } else if (task == group) {
+                float *k_head = smem + lay.k_head;
+                warp_norm_rope(a.qkv + q_size + (size_t)kv_head * hd, a.k_norm, a.eps, a.inv_freq,
+                               hd, position, k_head, lane);
+                warp_encode_row<KV>(k_head, hd, new_k_s, new_scales,
+                                    store ? kv.k + base + row_index * row_bytes : nullptr,
+                                    store && KV == OG_KV_INT8
+                                        ? reinterpret_cast<float *>(kv.k_scales + base) + row_index
+                                        : nullptr,
+                                    lane);
             } else {
-                for (int d = 0; d < hd; ++d) {
-                    float k1[1];
-                    load_dequant<KV, 1>(k_row, d, k_scale, k1);
-#pragma unroll
-                    for (int j = 0; j < kHeadGroup; ++j)
-                        if (hg + j < group) acc[j] = fmaf(q_s[(hg + j) * hd + d], k1[0], acc[j]);
-                }
+                warp_encode_row<KV>(a.qkv + q_size + kv_size + (size_t)kv_head * hd, hd, new_v_s,
+                                    new_scales + 1,
+                                    store ? kv.v + base + row_index * row_bytes : nullptr,
+                                    store && KV == OG_KV_INT8
+                                        ? reinterpret_cast<float *>(kv.v_scales + base) + row_index
+                                        : nullptr,
+                                    lane);
             }
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j)
-                if (hg + j < group) scores[(hg + j) * S + t] = acc[j] / p.sqrt_hd;
         }
+        if (owner && store && kv_head == 0 && tid == 0 && a.table_update != nullptr)
+            a.table_update[(size_t)step->seq_slot * kv.max_blocks_per_seq + page_index] = row_block;
     }
     __syncthreads();
 
-    // ---- softmax numerators per head: one warp per head ---------------------------------
-    for (int j = warp; j < group; j += kAttnWarps) {
-        float *s_j = scores + j * S;
-        float m = -INFINITY;
-        for (int t = lane; t < n; t += kWarpSize) m = fmaxf(m, s_j[t]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int t = lane; t < n; t += kWarpSize) {
-            const float e = expf(s_j[t] - m);
-            s_j[t] = e;
-            l += e;
+    float *o_s = smem + lay.o;       // [warps, HG, hd]
+    float *m_s = smem + lay.m;       // [warps, HG]
+    float *l_s = smem + lay.l;
+    float *f_s = smem + lay.f;
+    float *stats = smem + lay.stats; // [2, max(G, HG)]: max, sum
+    const int stats_stride = group > HG ? group : HG;
+    float *partial_o = a.partials;                                          // [n_heads, B, hd]
+    float *partial_m = a.partials + (size_t)a.n_heads * B * hd;             // [n_heads, B]
+    float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
+
+    for (int hg = 0; hg < group; hg += HG) {
+        const int heads_here = min(HG, group - hg);
+        if (hg > 0) {  // another pass over the rows for the next head group
+            item = -1;
+            row0 = next_tile(item, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
+            load_tile<KV, HD>(cur, row0, src, hd);
         }
-        l = warp_sum(l);
+        WarpState<HG, E> st;
+#pragma unroll
+        for (int j = 0; j < HG; ++j) {
+            st.m[j] = -INFINITY;
+            st.l[j] = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
+        }
+        while (row0 >= 0) {
+            int next_item = item;
+            const int next_row0 = next_tile(next_item, b, B, C, L::kTileRows, tiles_per_warp,
+                                            warp, n_chunks, len);
+            Tile<KV, HD> nxt;
+            load_tile<KV, HD>(nxt, next_row0, src, hd);
+            attend_tile<KV, HD, HG>(cur, row0, src, q_s + hg * hd, new_k_s, new_v_s, new_scales,
+                                    hd, p.sqrt_hd, lane, st);
+            cur = nxt;
+            row0 = next_row0;
+            item = next_item;
+        }
+
+        // ---- the warp's state over its row groups, then the block's warps in order --------
+        constexpr int LPR = L::kLanesPerRow;
+#pragma unroll
+        for (int j = 0; j < HG; ++j) {
+#pragma unroll
+            for (int off = LPR; off < kWarpSize; off <<= 1) {
+                st.l[j] += __shfl_xor_sync(kFullMask, st.l[j], off);
+#pragma unroll
+                for (int e = 0; e < E; ++e) st.o[j][e] += __shfl_xor_sync(kFullMask, st.o[j][e], off);
+            }
+        }
+        if (lane < LPR) {
+#pragma unroll
+            for (int j = 0; j < HG; ++j) {
+                float *o_w = o_s + (warp * HG + j) * hd;
+#pragma unroll
+                for (int v = 0; v < L::kVecsPerLane; ++v) {
+                    if constexpr (L::kVector) {
+                        const int e0 = (lane + v * LPR) * L::kVec;
+#pragma unroll
+                        for (int i = 0; i < L::kVec; i += 4)
+                            *reinterpret_cast<float4 *>(o_w + e0 + i) =
+                                make_float4(st.o[j][v * L::kVec + i], st.o[j][v * L::kVec + i + 1],
+                                            st.o[j][v * L::kVec + i + 2], st.o[j][v * L::kVec + i + 3]);
+                    } else {
+                        const int d = lane + v * kWarpSize;
+                        if (d < hd) o_w[d] = st.o[j][v];
+                    }
+                }
+            }
+        }
         if (lane == 0) {
-            stats[2 * j] = m;
-            stats[2 * j + 1] = l;
+#pragma unroll
+            for (int j = 0; j < HG; ++j) {
+                m_s[warp * HG + j] = st.m[j];
+                l_s[warp * HG + j] = st.l[j];
+            }
         }
-    }
-    __syncthreads();
-
-    // ---- o = sum_t p[t] * V[t]: warps split positions, lanes split hd -------------------
-    float *partial_o = a.partials;                                      // [n_heads, n_splits, hd]
-    float *partial_m = a.partials + (size_t)a.n_heads * p.n_splits * hd;  // [n_heads, n_splits]
-    float *partial_l = partial_m + (size_t)a.n_heads * p.n_splits;        // [n_heads, n_splits]
-    for (int hg = 0; hg < group; hg += kHeadGroup) {
-        const int heads_here = min(kHeadGroup, group - hg);
-        if constexpr (HD > 0) {
-            constexpr int kPerLane = HD / kWarpSize;
-            float acc[kHeadGroup][kPerLane];
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j)
-#pragma unroll
-                for (int e = 0; e < kPerLane; ++e) acc[j][e] = 0.f;
-#pragma unroll 2
-            for (int t = warp; t < n; t += kAttnWarps) {
-                const char *v_row = kv.v + row_offset_s[t];
-                const float v_scale = KV == OG_KV_INT8 ? v_scale_s[t] : 1.f;
-                float v[kPerLane];
-                load_dequant<KV, kPerLane>(v_row, lane * kPerLane, v_scale, v);
-#pragma unroll
-                for (int j = 0; j < kHeadGroup; ++j) {
-                    if (j < heads_here) {
-                        const float pj = scores[(hg + j) * S + t];
-#pragma unroll
-                        for (int e = 0; e < kPerLane; ++e) acc[j][e] = fmaf(pj, v[e], acc[j][e]);
-                    }
-                }
+        __syncthreads();
+        for (int j = tid; j < heads_here; j += kAttnThreads) {
+            float m = -INFINITY;
+            for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
+            float l = 0.f;
+            for (int w = 0; w < kAttnWarps; ++w) {
+                const float f = expf(m_s[w * HG + j] - m);  // 0 for a warp without rows
+                f_s[w * HG + j] = f;
+                l = fmaf(l_s[w * HG + j], f, l);
             }
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j)
-                if (j < heads_here)
-#pragma unroll
-                    for (int e = 0; e < kPerLane; ++e)
-                        reduce[(warp * kHeadGroup + j) * HD + lane * kPerLane + e] = acc[j][e];
-        } else {
-            constexpr int kMaxPerLane = 256 / kWarpSize;
-            float acc[kHeadGroup][kMaxPerLane];
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j)
-#pragma unroll
-                for (int e = 0; e < kMaxPerLane; ++e) acc[j][e] = 0.f;
-            for (int t = warp; t < n; t += kAttnWarps) {
-                const char *v_row = kv.v + row_offset_s[t];
-                const float v_scale = KV == OG_KV_INT8 ? v_scale_s[t] : 1.f;
-#pragma unroll
-                for (int e = 0; e < kMaxPerLane; ++e) {
-                    const int d = lane + e * kWarpSize;
-                    if (d < hd) {
-                        float v1[1];
-                        load_dequant<KV, 1>(v_row, d, v_scale, v1);
-#pragma unroll
-                        for (int j = 0; j < kHeadGroup; ++j)
-                            if (j < heads_here)
-                                acc[j][e] = fmaf(scores[(hg + j) * S + t], v1[0], acc[j][e]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kHeadGroup; ++j)
-#pragma unroll
-                for (int e = 0; e < kMaxPerLane; ++e) {
-                    const int d = lane + e * kWarpSize;
-                    if (j < heads_here && d < hd) reduce[(warp * kHeadGroup + j) * hd + d] = acc[j][e];
-                }
+            stats[j] = m;
+            stats[stats_stride + j] = l;
         }
         __syncthreads();
         for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
@@ -309,22 +592,26 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
             const int d = i - j * hd;
             float o = 0.f;
 #pragma unroll
-            for (int w = 0; w < kAttnWarps; ++w) o += reduce[(w * kHeadGroup + j) * hd + d];
-            const int head = head0 + hg + j;
+            for (int w = 0; w < kAttnWarps; ++w)
+                o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
+            const size_t head = (size_t)head0 + hg + j;
             if (n_active == 1)
-                a.out[(size_t)head * hd + d] = o / stats[2 * (hg + j) + 1];
+                a.out[head * hd + d] = o / stats[stats_stride + j];
             else
-                partial_o[((size_t)head * p.n_splits + split) * hd + d] = o;
+                partial_o[(head * B + b) * hd + d] = o;
         }
-        __syncthreads();
+        if (n_active > 1) {
+            for (int j = tid; j < heads_here; j += kAttnThreads) {
+                const size_t head = (size_t)head0 + hg + j;
+                partial_m[head * B + b] = stats[j];
+                partial_l[head * B + b] = stats[stats_stride + j];
+            }
+        }
+        __syncthreads();  // o_s, m_s, l_s, f_s and stats are reused
     }
     if (n_active == 1) return;
 
     // ---- publish the partial; the last block of this KV head combines -------------------
-    for (int j = tid; j < group; j += kAttnThreads) {
-        partial_m[(size_t)(head0 + j) * p.n_splits + split] = stats[2 * j];
-        partial_l[(size_t)(head0 + j) * p.n_splits + split] = stats[2 * j + 1];
-    }
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -335,20 +622,21 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
     if (!is_last_block) return;
     __threadfence();
 
-    // factors[j, s] = exp(m_s - M); stats[2j + 1] = L = sum_s l_s * factors[j, s]
+    // factors[j, s] = exp(m_s - M); stats[stride + j] = L = sum_s l_s * factors[j, s]
+    float *factors = smem + lay.factors;
     for (int j = warp; j < group; j += kAttnWarps) {
-        const size_t base = (size_t)(head0 + j) * p.n_splits;
+        const size_t base = (size_t)(head0 + j) * B;
         float m = -INFINITY;
         for (int s = lane; s < n_active; s += kWarpSize) m = fmaxf(m, __ldcg(partial_m + base + s));
         m = warp_max(m);
         float l = 0.f;
         for (int s = lane; s < n_active; s += kWarpSize) {
             const float f = expf(__ldcg(partial_m + base + s) - m);
-            factors[j * p.n_splits + s] = f;
+            factors[j * B + s] = f;
             l = fmaf(__ldcg(partial_l + base + s), f, l);
         }
         l = warp_sum(l);
-        if (lane == 0) stats[2 * j + 1] = l;
+        if (lane == 0) stats[stats_stride + j] = l;
     }
     __syncthreads();
     for (int i = tid; i < group * hd; i += kAttnThreads) {
@@ -357,109 +645,138 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(const Att
         const size_t head = (size_t)head0 + j;
         float o = 0.f;
         for (int s = 0; s < n_active; ++s)
-            o = fmaf(factors[j * p.n_splits + s],
-                     __ldcg(partial_o + (head * p.n_splits + s) * hd + d), o);
-        a.out[head * hd + d] = o / stats[2 * j + 1];
+            o = fmaf(factors[j * B + s], __ldcg(partial_o + (head * B + s) * hd + d), o);
+        a.out[head * hd + d] = o / stats[stats_stride + j];
     }
     if (tid == 0) a.counters[kv_head] = 0u;
 }
 
-template <int KV>
-const void *kernel_for_dim(int head_dim) {
-    switch (head_dim) {
-        case 64: return (const void *)attention_split_kernel<KV, 64>;
-        case 128: return (const void *)attention_split_kernel<KV, 128>;
-        case 256: return (const void *)attention_split_kernel<KV, 256>;
-        default: return (const void *)attention_split_kernel<KV, 0>;
+using AttnKernel = void (*)(AttnParams);
+
+// Head-group sizes compiled: 2, 4 and 8 for head_dim 128 (where the real models are), the
+// largest the registers allow for the other head dims.
+template <int KV, int HD>
+AttnKernel kernel_for_group(int head_group) {
+    constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
+    if constexpr (HD == 128) {
+        if (head_group == 2) return attention_kernel<KV, HD, 2>;
+        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2)>;
+        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2)>;
+        return nullptr;
+    } else {
+        return head_group == kMax ? attention_kernel<KV, HD, kMax> : nullptr;
     }
 }
 
-const void *attention_kernel_for(int kv_dtype, int head_dim) {
+template <int KV>
+AttnKernel kernel_for(int head_dim, int head_group) {
+    switch (head_dim) {
+        case 64: return kernel_for_group<KV, 64>(head_group);
+        case 128: return kernel_for_group<KV, 128>(head_group);
+        case 256: return kernel_for_group<KV, 256>(head_group);
+        default: return kernel_for_group<KV, 0>(head_group);
+    }
+}
+
+AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group) {
     switch (kv_dtype) {
-        case OG_KV_F32: return kernel_for_dim<OG_KV_F32>(head_dim);
-        case OG_KV_BF16: return kernel_for_dim<OG_KV_BF16>(head_dim);
-        case OG_KV_INT8: return kernel_for_dim<OG_KV_INT8>(head_dim);
+        case OG_KV_F32: return kernel_for<OG_KV_F32>(head_dim, head_group);
+        case OG_KV_BF16: return kernel_for<OG_KV_BF16>(head_dim, head_group);
+        case OG_KV_INT8: return kernel_for<OG_KV_INT8>(head_dim, head_group);
     }
     return nullptr;
 }
 
-size_t attention_smem_bytes(int group, int head_dim, int split_len, int n_splits) {
-    const size_t floats = (size_t)group * head_dim + (size_t)group * split_len +
-                          (size_t)kAttnWarps * kHeadGroup * head_dim + 2 * (size_t)group +
-                          (size_t)group * n_splits;
-    return floats * sizeof(float) + (size_t)split_len * (sizeof(int64_t) + sizeof(float));
+template <int KV, int HD>
+void layout_facts(int *tile_rows, int *max_group) {
+    *tile_rows = AttnLayout<KV, HD>::kTileRows;
+    *max_group = AttnLayout<KV, HD>::kMaxHeadGroup;
 }
+template <int KV>
+void layout_facts(int head_dim, int *tile_rows, int *max_group) {
+    switch (head_dim) {
+        case 64: return layout_facts<KV, 64>(tile_rows, max_group);
+        case 128: return layout_facts<KV, 128>(tile_rows, max_group);
+        case 256: return layout_facts<KV, 256>(tile_rows, max_group);
+        default: return layout_facts<KV, 0>(tile_rows, max_group);
+    }
+}
+bool layout_facts(int kv_dtype, int head_dim, int *tile_rows, int *max_group) {
+    switch (kv_dtype) {
+        case OG_KV_F32: layout_facts<OG_KV_F32>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_BF16: layout_facts<OG_KV_BF16>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_INT8: layout_facts<OG_KV_INT8>(head_dim, tile_rows, max_group); return true;
+    }
+    return false;
+}
+
+int elem_bytes(int kv_dtype) { return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1; }
 
 }  // namespace
 
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
                            int kv_dtype, int split_len, AttentionPlan *plan) {
     if (plan == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
-        head_dim <= 0 || head_dim > 256 || head_dim % 2 != 0 || max_seq_len <= 0 ||
+        head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 2 != 0 || max_seq_len <= 0 ||
         split_len < 0)
         return cudaErrorInvalidValue;
-    const void *kernel = attention_kernel_for(kv_dtype, head_dim);
-    if (kernel == nullptr) return cudaErrorInvalidValue;
+    int tile_rows = 0, max_group = 0;
+    if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
-    if (split_len == 0) {
-        // About four blocks per SM when the whole cache is visible.
-        int sm_count = 0;
-        OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-        const int target_splits = ceil_div(4 * sm_count, n_kv_heads);
-        split_len = ceil_div(max_seq_len, target_splits);
-    }
+    int head_group = max_group;
+    if (head_dim == 128) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
+    const AttnKernel kernel = kernel_for(kv_dtype, head_dim, head_group);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
+    // single pass and longer ones spread over blocks.
+    if (split_len == 0) split_len = kAttnWarps * tile_rows;
     split_len = (int)round_up(split_len < 32 ? 32 : split_len, 32);
-    int device = 0, smem_optin = 0;
+    const int n_splits = ceil_div(max_seq_len, split_len);
+    const int q_heads = (int)round_up(group, head_group);
+    const int eb = elem_bytes(kv_dtype);
+
+    int device = 0, smem_optin = 0, sm_count = 0;
     OG_CUDA_RETURN_IF(cudaGetDevice(&device));
     OG_CUDA_RETURN_IF(
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const size_t smem_limit = (size_t)smem_optin - 64;  // the static is_last_block flag
-    size_t smem = attention_smem_bytes(group, head_dim, split_len,
-                                       ceil_div(max_seq_len, split_len));
-    while (smem > smem_limit && split_len > 32) {
-        split_len -= 32;
-        smem = attention_smem_bytes(group, head_dim, split_len, ceil_div(max_seq_len, split_len));
-    }
-    if (smem > smem_limit) return cudaErrorInvalidValue;
-    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    // Blocks per KV head: one wave of blocks over all heads (at most one per chunk).
+    size_t smem = (size_t)attn_smem(q_heads, head_group, group, head_dim, n_splits, eb).total * 4;
+    if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
+    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    int per_sm = 0;
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
+    if (per_sm <= 0) return cudaErrorInvalidConfiguration;
+    int n_blocks = per_sm * sm_count / n_kv_heads;
+    n_blocks = n_blocks < 1 ? 1 : n_blocks > n_splits ? n_splits : n_blocks;
+    smem = (size_t)attn_smem(q_heads, head_group, group, head_dim, n_blocks, eb).total * 4;
     plan->split_len = split_len;
-    plan->n_splits = ceil_div(max_seq_len, split_len);
+    plan->n_splits = n_splits;
+    plan->n_blocks = n_blocks;
+    plan->head_group = head_group;
     plan->smem_bytes = (int)smem;
     return cudaSuccess;
 }
 
 size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan) {
-    return (size_t)n_heads * plan.n_splits * (head_dim + 2);
+    return (size_t)n_heads * plan.n_blocks * (head_dim + 2);
 }
 
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
                              cudaStream_t stream, bool pdl) {
-    if (plan.split_len <= 0 || plan.n_splits <= 0) return cudaErrorInvalidConfiguration;
+    if (plan.split_len <= 0 || plan.n_blocks <= 0) return cudaErrorInvalidConfiguration;
     if (args.kv.page_size <= 0 || args.kv.block_tables == nullptr) return cudaErrorInvalidValue;
+    if (args.qkv == nullptr && args.q == nullptr) return cudaErrorInvalidValue;
+    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;
-    p.split_len = plan.split_len;
-    p.n_splits = plan.n_splits;
+    p.chunk = plan.split_len;
+    p.n_blocks = plan.n_blocks;
+    p.q_heads = (int)round_up(args.n_heads / args.n_kv_heads, plan.head_group);
     p.sqrt_hd = (float)sqrt((double)args.head_dim);
-    const dim3 grid(args.n_kv_heads, plan.n_splits), block(kAttnThreads);
-    const size_t smem = plan.smem_bytes;
-#define OG_ATTN_CASE(KV, HD)                                                                \
-    return launch_kernel(attention_split_kernel<KV, HD>, grid, block, smem, stream, pdl, p)
-#define OG_ATTN_DIMS(KV)                          \
-    switch (args.head_dim) {                      \
-        case 64: OG_ATTN_CASE(KV, 64);            \
-        case 128: OG_ATTN_CASE(KV, 128);          \
-        case 256: OG_ATTN_CASE(KV, 256);          \
-        default: OG_ATTN_CASE(KV, 0);             \
-    }
-    switch (args.kv_dtype) {
-        case OG_KV_F32: OG_ATTN_DIMS(OG_KV_F32);
-        case OG_KV_BF16: OG_ATTN_DIMS(OG_KV_BF16);
-        case OG_KV_INT8: OG_ATTN_DIMS(OG_KV_INT8);
-    }
-#undef OG_ATTN_DIMS
-#undef OG_ATTN_CASE
-    return cudaErrorInvalidValue;
+    const dim3 grid(args.n_kv_heads, plan.n_blocks), block(kAttnThreads);
+    return launch_kernel(kernel, grid, block, (size_t)plan.smem_bytes, stream, pdl, p);
 }
 
 }  // namespace og

@@ -596,15 +596,16 @@ og_status plan_kernels(og_engine *e) {
     int smem_optin = 0;
     OG_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                        e->device));
-    // A GEMV stages its input vector in shared memory.
-    const struct { const char *name; int cols; } inputs[] = {
-        {"hidden_size", d.H},
-        {"num_attention_heads * head_dim", d.q_size},
-        {"intermediate_size", d.I},
+    // A GEMV stages its input vector in shared memory (bf16 GEMVs with the RMSNorm fused in
+    // front, whose input is the hidden state, stage the norm weights beside it).
+    const struct { const char *name; int cols; size_t copies; } inputs[] = {
+        {"hidden_size", d.H, 2},
+        {"num_attention_heads * head_dim", d.q_size, 1},
+        {"intermediate_size", d.I, 1},
     };
     const int dense = e->cfg.weights_dense;
     for (const auto &in : inputs)
-        if (std::max(gemv_input_smem_bytes(in.cols, OG_WEIGHTS_BF16),
+        if (std::max(in.copies * gemv_input_smem_bytes(in.cols, OG_WEIGHTS_BF16),
                      gemv_input_smem_bytes(in.cols, dense)) > (size_t)smem_optin)
             return set_error(OG_E_UNSUPPORTED,
                              "og_config.%s=%d is too large: a GEMV input of %d floats does not "
@@ -749,27 +750,16 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
                              c.rms_norm_eps, e->qkv, nullptr, w.qkv.scales, w.qkv.format};
         OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
 
-        RopeKvArgs rope = {};
-        rope.qkv = e->qkv;
-        rope.q_norm = w.q_norm;
-        rope.k_norm = w.k_norm;
-        rope.eps = c.rms_norm_eps;
-        rope.inv_freq = e->inv_freq;
-        rope.step = e->step;
-        rope.n_heads = d.n_heads;
-        rope.n_kv_heads = d.n_kv;
-        rope.head_dim = d.hd;
-        rope.max_seq_len = d.max_seq;
-        rope.kv_dtype = d.kv_dtype;
-        rope.kv = e->kv.pages(l);
-        // Layer 0 stores the row's block into the block table; every layer's attention
-        // reads the table after it.
-        rope.table_update = l == 0 ? e->kv.tables : nullptr;
-        OG_CUDA_TRY(launch_qk_norm_rope_kv(rope, stream, pdl));
-
+        // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
+        // stores the row's block into the block table; later layers read it there.
         AttentionArgs attn = {};
-        attn.q = e->qkv;
-        attn.kv = rope.kv;
+        attn.qkv = e->qkv;
+        attn.q_norm = w.q_norm;
+        attn.k_norm = w.k_norm;
+        attn.eps = c.rms_norm_eps;
+        attn.inv_freq = e->inv_freq;
+        attn.table_update = l == 0 ? e->kv.tables : nullptr;
+        attn.kv = e->kv.pages(l);
         attn.step = e->step;
         attn.n_heads = d.n_heads;
         attn.n_kv_heads = d.n_kv;

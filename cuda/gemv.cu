@@ -12,10 +12,13 @@
 // SM gets blocks); a warp owns a task = a pair of rows
 // (r, r+1), or for SwiGLU the pair (gate row i, up row I + i), so the two rows share
 // every shared-memory read of x. Lane l reads 16-byte chunks l, l+32, ... of both rows,
-// four chunks of each in flight per step (64 bytes per row per lane), accumulates in
-// fp32 and the warp reduces with shuffles. The grid is at most what fits on the GPU at
-// once and warps stride over the tasks, so each block stages x once. Before waiting on
-// the previous kernel (PDL), each warp prefetches its first rows into L2.
+// U = 4, 8 or 12 chunks of each in flight per step (chosen from the row length, so a row of
+// up to 3072 columns is one step), accumulates in fp32 in chunk order and the warp reduces
+// with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
+// tasks, so each block stages x once. The weights do not depend on earlier kernels, so before
+// waiting on the previous kernel (PDL) each warp loads its first step of its first task into
+// registers and pulls the rest of those rows into L2, and norm modes stage the norm weights:
+// after the wait, only x's staging (and its norm) stands before the arithmetic.
 #include "kernels.cuh"
 #include "quant.cuh"
 
@@ -23,7 +26,6 @@ namespace og {
 namespace {
 
 constexpr int kGemvMaxWarps = 8;
-constexpr int kGemvUnroll = 4;  // 16-byte chunks per row per lane in flight
 
 struct GemvParams {
     const __nv_bfloat16 *weight;
@@ -63,11 +65,29 @@ __device__ __forceinline__ void task_rows(const GemvParams &p, int task, int &r0
     }
 }
 
-template <int MODE, int WARPS>
+// Issue the loads of U 16-byte chunks of rows w0 and w1 for lane chunks base, base + 32, ...
+template <int U>
+__device__ __forceinline__ void load_chunks(const uint4 *w0, const uint4 *w1, int base,
+                                            int n_chunks, uint4 (&v0)[U], uint4 (&v1)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = base + u * kWarpSize;
+        if (c < n_chunks) {
+            v0[u] = __ldcs(w0 + c);
+            v1[u] = __ldcs(w1 + c);
+        } else {
+            v0[u] = make_uint4(0u, 0u, 0u, 0u);
+            v1[u] = v0[u];
+        }
+    }
+}
+
+template <int MODE, int WARPS, int U>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    extern __shared__ float4 x_smem4[];              // [ld / 4]
+    extern __shared__ float4 x_smem4[];              // [ld / 4], then norm modes: w [ld / 4]
     float *x_smem = reinterpret_cast<float *>(x_smem4);
+    float *w_smem = x_smem + p.ld;
     __shared__ float scratch[WARPS];
 
     const int warp = threadIdx.x / kWarpSize;
@@ -76,18 +96,27 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     const int task_stride = gridDim.x * WARPS;
     int task = blockIdx.x * WARPS + warp;
 
-    // Weights do not depend on earlier kernels: start pulling this warp's first rows
-    // into L2 before waiting for them.
-    if (lane == 0 && task < p.n_tasks) {
-        int r0, r1;
+    // Weights do not depend on earlier kernels: before waiting for the previous kernel, load
+    // this warp's first U chunks per lane of its first two rows into registers, pull the rest
+    // of those rows into L2, and stage the norm weights.
+    uint4 v0[U], v1[U];
+    int r0 = 0, r1 = 0;
+    if (task < p.n_tasks) {
         task_rows<MODE>(p, task, r0, r1);
-        const uint32_t row_bytes = (uint32_t)p.ld * 2u;
-        if (r1 == r0 + 1) {
-            prefetch_l2(p.weight + (size_t)r0 * p.ld, 2u * row_bytes);
-        } else {
-            prefetch_l2(p.weight + (size_t)r0 * p.ld, row_bytes);
-            if (r1 != r0) prefetch_l2(p.weight + (size_t)r1 * p.ld, row_bytes);
+        load_chunks<U>(reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld),
+                       reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld), lane,
+                       n_chunks, v0, v1);
+        const int first_bytes = kWarpSize * U * 16;  // what the registers hold of a row
+        const int row_bytes = p.ld * 2;
+        if (lane == 0 && row_bytes > first_bytes) {
+            const uint32_t rest = (uint32_t)(row_bytes - first_bytes);
+            prefetch_l2(reinterpret_cast<const char *>(p.weight + (size_t)r0 * p.ld) + first_bytes, rest);
+            if (r1 != r0)
+                prefetch_l2(reinterpret_cast<const char *>(p.weight + (size_t)r1 * p.ld) + first_bytes, rest);
         }
+    }
+    if (mode_has_norm(MODE)) {
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
     }
     pdl_wait();
     pdl_launch_dependents();
@@ -121,7 +150,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
         const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
         for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-            const float n = x_smem[i] * inv_rms * p.norm_weight[i];
+            const float n = x_smem[i] * inv_rms * w_smem[i];
             x_smem[i] = n;
             if (write_normed) p.normed_out[i] = n;
         }
@@ -133,33 +162,21 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     // order so the 8 accesses of one instruction cover 128 distinct bytes.
     const int swap_halves = (lane >> 2) & 1;
 
-    for (; task < p.n_tasks; task += task_stride) {
-        int r0, r1;
-        task_rows<MODE>(p, task, r0, r1);
+    for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
+        if (!first) task_rows<MODE>(p, task, r0, r1);
         const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
         float acc0 = 0.f, acc1 = 0.f;
-        for (int base = lane; base < n_chunks; base += kWarpSize * kGemvUnroll) {
-            uint4 v0[kGemvUnroll], v1[kGemvUnroll];
+        for (int base = lane; base < n_chunks; base += kWarpSize * U) {
+            if (!first || base != lane) load_chunks<U>(w0, w1, base, n_chunks, v0, v1);
 #pragma unroll
-            for (int u = 0; u < kGemvUnroll; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int c = base + u * kWarpSize;
                 if (c < n_chunks) {
-                    v0[u] = __ldcs(w0 + c);
-                    v1[u] = __ldcs(w1 + c);
-                } else {
-                    v0[u] = make_uint4(0u, 0u, 0u, 0u);
-                    v1[u] = v0[u];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kGemvUnroll; ++u) {
-                const int c = base + u * kWarpSize;
-                if (c < n_chunks) {
-                    const float4 first = x_smem4[2 * c + swap_halves];
-                    const float4 second = x_smem4[2 * c + 1 - swap_halves];
-                    const float4 xa = swap_halves ? second : first;
-                    const float4 xb = swap_halves ? first : second;
+                    const float4 first_half = x_smem4[2 * c + swap_halves];
+                    const float4 second_half = x_smem4[2 * c + 1 - swap_halves];
+                    const float4 xa = swap_halves ? second_half : first_half;
+                    const float4 xb = swap_halves ? first_half : second_half;
                     acc0 = dot8(v0[u], xa, xb, acc0);
                     acc1 = dot8(v1[u], xa, xb, acc1);
                 }
@@ -358,25 +375,42 @@ cudaError_t launch_quant(GemvMode mode, int warps, dim3 grid, int smem, cudaStre
 }
 
 // ---- dispatch ------------------------------------------------------------------------------------
-template <int WARPS>
-const void *gemv_kernel_for(GemvMode mode) {
-    switch (mode) {
-        case kGemvPlain: return (const void *)gemv_bf16_kernel<kGemvPlain, WARPS>;
-        case kGemvNorm: return (const void *)gemv_bf16_kernel<kGemvNorm, WARPS>;
-        case kGemvResidual: return (const void *)gemv_bf16_kernel<kGemvResidual, WARPS>;
-        case kGemvNormSwiglu: return (const void *)gemv_bf16_kernel<kGemvNormSwiglu, WARPS>;
+// bf16: chunks per lane in flight U = 4, 8 or 12 (the smallest that holds a whole row when one
+// does, else 8), so that rows up to 3072 columns take one round of loads per task.
+int bf16_unroll(int cols) {
+    const int per_lane = ceil_div(ceil_div(padded_cols(cols), 8), kWarpSize);
+    return per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : per_lane <= 12 ? 12 : 8;
+}
+
+template <int MODE, int WARPS>
+const void *bf16_kernel_for(int unroll) {
+    switch (unroll) {
+        case 4: return (const void *)gemv_bf16_kernel<MODE, WARPS, 4>;
+        case 8: return (const void *)gemv_bf16_kernel<MODE, WARPS, 8>;
+        case 12: return (const void *)gemv_bf16_kernel<MODE, WARPS, 12>;
     }
     return nullptr;
 }
 
-const void *gemv_kernel_for(GemvMode mode, int warps, int format) {
+template <int WARPS>
+const void *gemv_kernel_for(GemvMode mode, int unroll) {
+    switch (mode) {
+        case kGemvPlain: return bf16_kernel_for<kGemvPlain, WARPS>(unroll);
+        case kGemvNorm: return bf16_kernel_for<kGemvNorm, WARPS>(unroll);
+        case kGemvResidual: return bf16_kernel_for<kGemvResidual, WARPS>(unroll);
+        case kGemvNormSwiglu: return bf16_kernel_for<kGemvNormSwiglu, WARPS>(unroll);
+    }
+    return nullptr;
+}
+
+const void *gemv_kernel_for(GemvMode mode, int warps, int format, int unroll) {
     if (format == OG_WEIGHTS_INT8) return quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps);
     if (format == OG_WEIGHTS_Q4) return quant_kernel_for<OG_WEIGHTS_Q4>(mode, warps);
     if (format != OG_WEIGHTS_BF16) return nullptr;
     switch (warps) {
-        case 2: return gemv_kernel_for<2>(mode);
-        case 4: return gemv_kernel_for<4>(mode);
-        case 8: return gemv_kernel_for<8>(mode);
+        case 2: return gemv_kernel_for<2>(mode, unroll);
+        case 4: return gemv_kernel_for<4>(mode, unroll);
+        case 8: return gemv_kernel_for<8>(mode, unroll);
     }
     return nullptr;
 }
@@ -387,25 +421,35 @@ int gemv_tasks(GemvMode mode, int rows, int format) {
     return mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2);
 }
 
-template <int WARPS>
-cudaError_t launch_warps(GemvMode mode, dim3 grid, int smem, cudaStream_t stream, bool pdl,
-                         const GemvParams &p) {
+template <int MODE, int WARPS>
+cudaError_t launch_bf16(int unroll, dim3 grid, int smem, cudaStream_t stream, bool pdl,
+                        const GemvParams &p) {
     const dim3 block(WARPS * kWarpSize);
+    switch (unroll) {
+        case 4: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 4>, grid, block, smem, stream, pdl, p);
+        case 8: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 8>, grid, block, smem, stream, pdl, p);
+        case 12: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 12>, grid, block, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidConfiguration;
+}
+
+template <int WARPS>
+cudaError_t launch_warps(GemvMode mode, int unroll, dim3 grid, int smem, cudaStream_t stream,
+                         bool pdl, const GemvParams &p) {
     switch (mode) {
-        case kGemvPlain:
-            return launch_kernel(gemv_bf16_kernel<kGemvPlain, WARPS>, grid, block, smem, stream,
-                                 pdl, p);
-        case kGemvNorm:
-            return launch_kernel(gemv_bf16_kernel<kGemvNorm, WARPS>, grid, block, smem, stream,
-                                 pdl, p);
-        case kGemvResidual:
-            return launch_kernel(gemv_bf16_kernel<kGemvResidual, WARPS>, grid, block, smem,
-                                 stream, pdl, p);
+        case kGemvPlain: return launch_bf16<kGemvPlain, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvNorm: return launch_bf16<kGemvNorm, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvResidual: return launch_bf16<kGemvResidual, WARPS>(unroll, grid, smem, stream, pdl, p);
         case kGemvNormSwiglu:
-            return launch_kernel(gemv_bf16_kernel<kGemvNormSwiglu, WARPS>, grid, block, smem,
-                                 stream, pdl, p);
+            return launch_bf16<kGemvNormSwiglu, WARPS>(unroll, grid, smem, stream, pdl, p);
     }
     return cudaErrorInvalidValue;
+}
+
+// Shared memory of a launch: the staged input, plus the norm weights for bf16 norm modes.
+size_t gemv_smem_bytes(GemvMode mode, int cols, int format) {
+    const size_t input = gemv_input_smem_bytes(cols, format);
+    return format == OG_WEIGHTS_BF16 && mode_has_norm(mode) ? 2 * input : input;
 }
 
 }  // namespace
@@ -416,7 +460,8 @@ size_t gemv_input_smem_bytes(int cols, int format) {
 }
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
-    if (gemv_kernel_for(mode, kGemvMaxWarps, format) == nullptr || rows <= 0 || cols <= 0 ||
+    const int unroll = bf16_unroll(cols);
+    if (gemv_kernel_for(mode, kGemvMaxWarps, format, unroll) == nullptr || rows <= 0 || cols <= 0 ||
         plan == nullptr || (mode == kGemvNormSwiglu && rows % 2 != 0))
         return cudaErrorInvalidValue;
     int sm_count = 0;
@@ -429,8 +474,8 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     const int blocks_wanted = format == OG_WEIGHTS_BF16 ? 2 * sm_count : sm_count;
     int warps = kGemvMaxWarps;
     while (warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
-    const void *kernel = gemv_kernel_for(mode, warps, format);
-    const size_t smem_bytes = gemv_input_smem_bytes(cols, format);
+    const void *kernel = gemv_kernel_for(mode, warps, format, unroll);
+    const size_t smem_bytes = gemv_smem_bytes(mode, cols, format);
     OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
     int blocks_per_sm = 0;
     OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -439,6 +484,7 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     const int needed = ceil_div(tasks, warps);
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
+    plan->unroll = unroll;
     plan->smem_bytes = (int)smem_bytes;
     plan->format = format;
     return cudaSuccess;
@@ -484,9 +530,9 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
     p.eps = args.eps;
     const dim3 grid(plan.grid);
     switch (plan.warps) {
-        case 2: return launch_warps<2>(mode, grid, plan.smem_bytes, stream, pdl, p);
-        case 4: return launch_warps<4>(mode, grid, plan.smem_bytes, stream, pdl, p);
-        case 8: return launch_warps<8>(mode, grid, plan.smem_bytes, stream, pdl, p);
+        case 2: return launch_warps<2>(mode, plan.unroll, grid, plan.smem_bytes, stream, pdl, p);
+        case 4: return launch_warps<4>(mode, plan.unroll, grid, plan.smem_bytes, stream, pdl, p);
+        case 8: return launch_warps<8>(mode, plan.unroll, grid, plan.smem_bytes, stream, pdl, p);
     }
     return cudaErrorInvalidConfiguration;
 }

@@ -4,9 +4,11 @@
 //   gemv.cu       GEMV over bf16, int8 or q4 weights (quant.cuh), optionally with the
 //                 RMSNorm of its input fused in front, a residual add, or the gate/up SwiGLU
 //                 pair fused behind
-//   rope_kv.cu    per-head QK-norm + RoPE + K/V quantization into the cache row
-//   attention.cu  split-KV decode attention with the combine done by each KV head's
-//                 last finishing block
+//   rope_kv.cu    per-head QK-norm + RoPE + K/V quantization into the cache row, standalone
+//                 (the body runs the same per-head code, rope_kv.cuh, inside attention.cu)
+//   attention.cu  decode attention over the paged cache on a fixed grid (chunks spread over
+//                 blocks, partials combined by each KV head's last finishing block); in the
+//                 body with QK-norm + RoPE + the new K/V row's write fused in front
 //   kv_blocks.cu  KV block ops: zeroing a list of blocks across every segment of the pool
 // Each launcher takes a cudaStream_t and returns the cudaError_t of its launch. `pdl`
 // adds the programmatic-dependent-launch attribute (see common.cuh).
@@ -55,6 +57,7 @@ struct GemvArgs {
 struct GemvPlan {
     int grid = 0;
     int warps = 0;                // per block: 8, 4 or 2
+    int unroll = 4;               // bf16: 16-byte chunks per row per lane in flight (4, 8, 12)
     int smem_bytes = 0;
     int format = OG_WEIGHTS_BF16;
 };
@@ -110,27 +113,45 @@ struct RopeKvArgs {
     int32_t *table_update;        // NULL, or the block tables: entry position / page_size of
                                   // row step->seq_slot is set to step->row_block
 };
-// Grid: one block per query head and per KV head. Query heads: QK-norm, RoPE, in place.
-// KV heads: QK-norm + RoPE of k, then k and v (v as is) stored at row `position` of block
-// step->row_block (nothing is stored when the position or the block is out of range).
+// One warp per query head and per KV head. Query heads: QK-norm, RoPE, in place. KV heads:
+// QK-norm + RoPE of k, then k and v (v as is) stored at row `position` of block
+// step->row_block (nothing is stored when the position or the block is out of range). The
+// decode body does not launch it (its attention kernel runs the same steps); it serves the
+// kernel tests and any caller that writes rows without attending.
 cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, bool pdl);
 
 // ---- attention.cu -------------------------------------------------------------------
 struct AttentionPlan {
-    int split_len = 0;            // positions per split (multiple of 32)
-    int n_splits = 0;             // ceil(max_seq_len / split_len)
+    int split_len = 0;            // rows per chunk (a multiple of 32)
+    int n_splits = 0;             // ceil(max_seq_len / split_len): chunks at full context
+    int n_blocks = 0;             // blocks per KV head; block b takes chunks b, b + n_blocks, ...
+    int head_group = 0;           // query heads accumulated together in registers
     int smem_bytes = 0;
 };
-// split_len 0: chosen from max_seq_len and the SM count (about two blocks per SM at full
-// context); otherwise rounded up to a multiple of 32. Fails with cudaErrorInvalidValue
-// when the shape needs more shared memory than a block can have.
+// split_len 0: the kernel's default chunk (one tile per warp); otherwise rounded up to a
+// multiple of 32. n_blocks: one wave of blocks over the KV heads, at most n_splits. Fails
+// with cudaErrorInvalidValue when the shape needs more shared memory than a block can have.
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
                            int kv_dtype, int split_len, AttentionPlan *plan);
 // Size of the scratch the launch needs: partial outputs and softmax statistics.
 size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan);
 
 struct AttentionArgs {
-    const float *q;               // [n_heads * hd], normed and rotated
+    // Fused mode (qkv != NULL: the body): q and the new K/V row come from the QKV GEMV's
+    // output, with rope_kv.cu's arithmetic: QK-norm (q_norm / k_norm, or both NULL), RoPE at
+    // step->position (inv_freq [hd / 2]); k and v are stored at row `position` of block
+    // step->row_block (nothing is stored when the position or the block is out of range) and
+    // attention reads that row as stored.
+    const float *qkv;             // [n_heads*hd | n_kv*hd | n_kv*hd], or NULL
+    const float *q_norm;
+    const float *k_norm;
+    float eps;
+    const float *inv_freq;
+    int32_t *table_update;        // NULL, or the block tables: entry position / page_size of
+                                  // row step->seq_slot is set to step->row_block
+    float *q_out;                 // NULL, or [n_heads * hd]: receives the rotated q (tests)
+    // Attention only (qkv == NULL): q [n_heads * hd], normed and rotated.
+    const float *q;
     KvPages kv;                   // the layer's pages, read through row step->seq_slot of
                                   // kv.block_tables
     const og_step_record *step;   // visible length = position + 1

@@ -169,6 +169,21 @@ OG_API og_status og_test_qk_norm_rope_kv_paged(
     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
     int32_t max_blocks_per_seq);
 
+/* The body's attention kernel with its fused prologue, over a paged pool: QK-norm + RoPE of
+ * qkv at `position` and the new K/V row stored exactly as og_test_qk_norm_rope_kv_paged does
+ * (qkv, pool and block_tables in/out as there; the body's kernel shares that one's per-head
+ * code), then attention of the rotated q over rows [0, position] of sequence seq_slot, the new
+ * row taken as stored. split_len as for og_test_attention (0 = the engine's choice). out
+ * [n_heads * hd]. With the same split_len, out is bit-identical to og_test_attention_paged over
+ * the q and the pool this call returns. */
+OG_API og_status og_test_attention_fused(
+    float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    int32_t max_blocks_per_seq, int32_t split_len, float *out);
+
 /* The block-zeroing kernel on a host buffer (in/out) of backing_bytes: the pool starts at
  * byte pool_offset (the bytes around it are guard regions the kernel must not touch) and
  * has n_blocks blocks of block_stride bytes; segment s is the page [segment_offsets[s],

@@ -190,6 +190,44 @@ og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n
     return OG_OK;
 }
 
+// The body's fused attention kernel (QK-norm + RoPE + KV write + attention) as the body
+// launches it, on device buffers the caller set up in `a` (qkv, cache, step). The rotated q
+// goes to q_host [n_heads * hd], the attention output to out; checks that the split counters
+// are left at zero.
+og_status run_fused(const char *fn, AttentionArgs a, int split_len, float *q_host, float *out) {
+    AttentionPlan plan;
+    OG_CUDA_TRY(attention_plan(a.n_heads, a.n_kv_heads, a.head_dim, a.max_seq_len, a.kv_dtype,
+                               split_len, &plan));
+    const size_t q_len = (size_t)a.n_heads * a.head_dim;
+    DeviceBuffer d_partials, d_counters, d_out, d_q;
+    const size_t partial_bytes = attention_partial_floats(a.n_heads, a.head_dim, plan) * 4;
+    OG_TRY(alloc(d_partials, partial_bytes));
+    OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
+    OG_TRY(alloc(d_counters, (size_t)a.n_kv_heads * sizeof(unsigned)));
+    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)a.n_kv_heads * sizeof(unsigned)));
+    OG_TRY(alloc(d_out, q_len * 4));
+    OG_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, q_len * 4));
+    OG_TRY(alloc(d_q, q_len * 4));
+    OG_CUDA_TRY(cudaMemset(d_q.ptr, 0xff, q_len * 4));
+    a.q = nullptr;
+    a.q_out = d_q.as<float>();
+    a.partials = d_partials.as<float>();
+    a.counters = d_counters.as<unsigned>();
+    a.out = d_out.as<float>();
+    OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
+    OG_TRY(copy_back(q_host, d_q, q_len * 4));
+    OG_TRY(copy_back(out, d_out, q_len * 4));
+    std::vector<unsigned> counters(a.n_kv_heads);
+    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
+    for (int h = 0; h < a.n_kv_heads; ++h)
+        if (counters[h] != 0)
+            return set_error(OG_E_CUDA,
+                             "%s: split counter of KV head %d is %u after the launch (must be "
+                             "reset to 0)",
+                             fn, h, counters[h]);
+    return OG_OK;
+}
+
 og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int rows, int cols,
                       const float *x, const float *norm_weight, float eps, float *y,
                       int y_len, float *normed) {
@@ -489,6 +527,61 @@ OG_API og_status og_test_qk_norm_rope_kv_paged(
     a.table_update = d_tables.as<int32_t>();
     OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
     OG_TRY(copy_back(qkv, d_qkv, qkv_len * 4));
+    OG_TRY(copy_back(pool, d_pool, pool_bytes));
+    return copy_back(block_tables, d_tables, table_bytes);
+}
+
+OG_API og_status og_test_attention_fused(
+    float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    int32_t max_blocks_per_seq, int32_t split_len, float *out) {
+    const char *fn = "og_test_attention_fused";
+    if (qkv == nullptr || inv_freq == nullptr || pool == nullptr || block_tables == nullptr ||
+        out == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
+        head_dim <= 0 || head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 ||
+        position < 0 || position >= max_seq_len || (q_norm == nullptr) != (k_norm == nullptr) ||
+        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && kv_dtype != OG_KV_INT8) ||
+        n_tables <= 0 || max_blocks_per_seq <= 0 || seq_slot < 0 || seq_slot >= n_tables ||
+        page_size <= 0 || (int64_t)max_blocks_per_seq * page_size < max_seq_len || split_len < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "%s: bad argument", fn);
+    OG_TRY(require_device());
+    const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
+    const size_t pool_bytes = (size_t)block_stride * n_blocks;
+    const size_t table_bytes = (size_t)n_tables * max_blocks_per_seq * sizeof(int32_t);
+    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_pool, d_tables;
+    OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
+    if (q_norm != nullptr) {
+        OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
+        OG_TRY(alloc_copy(d_kn, k_norm, (size_t)head_dim * 4));
+    }
+    OG_TRY(alloc_copy(d_freq, inv_freq, (size_t)head_dim / 2 * 4));
+    og_step_record record = {};
+    record.position = position;
+    record.seq_slot = seq_slot;
+    record.row_block = row_block;
+    OG_TRY(alloc_copy(d_step, &record, sizeof record));
+    OG_TRY(alloc_copy(d_pool, pool, pool_bytes));
+    OG_TRY(alloc_copy(d_tables, block_tables, table_bytes));
+    AttentionArgs a = {};
+    OG_TRY(paged_pages(fn, d_pool.as<char>(), block_stride, n_blocks, page_size, n_kv_heads,
+                       head_dim, kv_dtype, k_offset, v_offset, k_scales_offset, v_scales_offset,
+                       d_tables.as<int32_t>(), max_blocks_per_seq, &a.kv));
+    a.qkv = d_qkv.as<float>();
+    a.q_norm = d_qn.as<float>();
+    a.k_norm = d_kn.as<float>();
+    a.eps = eps;
+    a.inv_freq = d_freq.as<float>();
+    a.table_update = d_tables.as<int32_t>();
+    a.step = d_step.as<og_step_record>();
+    a.n_heads = n_heads;
+    a.n_kv_heads = n_kv_heads;
+    a.head_dim = head_dim;
+    a.max_seq_len = max_seq_len;
+    a.kv_dtype = kv_dtype;
+    OG_TRY(run_fused(fn, a, split_len, qkv, out));  // q over the first n_heads * hd of qkv
     OG_TRY(copy_back(pool, d_pool, pool_bytes));
     return copy_back(block_tables, d_tables, table_bytes);
 }

@@ -96,6 +96,16 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_test_qk_norm_rope_kv_paged", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
        P_f32, c_int32, c_int32, c_int32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
        c_int64, c_int64, c_int32, c_int32, P_i32, c_int32, c_int32)
+    # og_status og_test_attention_fused(
+    #     float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
+    #     const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
+    #     int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
+    #     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
+    #     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
+    #     int32_t max_blocks_per_seq, int32_t split_len, float *out);
+    fn("og_test_attention_fused", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
+       P_f32, c_int32, c_int32, c_int32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
+       c_int64, c_int64, c_int32, c_int32, P_i32, c_int32, c_int32, c_int32, P_f32)
     # og_status og_test_zero_blocks(void *backing, uint64_t backing_bytes, uint64_t pool_offset,
     #                               int64_t block_stride, int32_t n_blocks,
     #                               const int64_t *segment_offsets,
@@ -438,6 +448,27 @@ def qk_norm_rope_kv_paged(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, ep
         tables.shape[0], tables.shape[1]),
         "og_test_qk_norm_rope_kv_paged")
     return qkv, pool, tables
+
+
+def attention_fused(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, position,
+                    max_seq_len, pool, block_stride, page_size, offsets, seq_slot, row_block,
+                    block_tables, split_len=0, kv_dtype=OG_KV_F32):
+    """The body's fused attention kernel on copies; -> (out [n_heads * head_dim], qkv, pool,
+    block_tables) after the kernel (qkv's q part replaced by the rotated q)."""
+    qkv = np.array(qkv, dtype=np.float32, copy=True, order="C")
+    pool = np.array(pool, dtype=np.uint8, copy=True, order="C")
+    tables = np.array(block_tables, dtype=np.int32, copy=True, order="C")
+    q_norm = None if q_norm is None else _array(q_norm, np.float32)
+    k_norm = None if k_norm is None else _array(k_norm, np.float32)
+    inv_freq = _array(inv_freq, np.float32)
+    out = _out(n_heads * head_dim)
+    _check(load().og_test_attention_fused(
+        _p(qkv, c_float), n_heads, n_kv_heads, head_dim, _p(q_norm, c_float), _p(k_norm, c_float), eps,
+        _p(inv_freq, c_float), position, max_seq_len, kv_dtype, _vp(pool), block_stride,
+        pool.size // block_stride, page_size, *_pages(offsets), seq_slot, row_block, _p(tables, c_int32),
+        tables.shape[0], tables.shape[1], split_len, _p(out, c_float)),
+        "og_test_attention_fused")
+    return out, qkv, pool, tables
 
 
 def zero_blocks(backing: np.ndarray, pool_offset: int, block_stride: int, n_blocks: int,

@@ -204,6 +204,61 @@ def test_paged_kv_write_matches_contiguous_and_sets_the_table(kv):
     assert same_bits(pool, pool0) and np.array_equal(tables, tables0)
 
 
+FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions): single block, several, owner mid-grid
+    (16, 8, 128, 64, (0, 5, 127, 128, 300, 1000)),
+    (32, 8, 128, 16, (0, 63, 64, 200)),
+    (8, 1, 128, 16, (3, 129)),
+    (6, 2, 16, 16, (0, 17, 130)),
+    (6, 3, 20, 7, (1, 8, 199)),
+    (4, 4, 64, 32, (33, 250)),
+    (4, 2, 256, 16, (40,)),
+]
+
+
+@pytest.mark.parametrize("split", [0, 32])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}")
+def test_fused_attention_is_rope_then_attention(case, kv, split):
+    # The body's kernel (QK-norm + RoPE + the new row's write + attention, the new row taken
+    # from shared memory) gives bit for bit what the attention-only kernel gives over the q and
+    # the pool it leaves behind; and it stores what the KV-write entry point stores.
+    n_heads, n_kv, hd, page, positions = case
+    max_seq = 1024 + 8
+    rng = np.random.default_rng(hd * 7 + page + n_heads)
+    inv_freq = rope_inv_freq(hd, 1e6)
+    q_norm = (1 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+    k_norm = (1 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+    n_table = -(-max_seq // page)
+    n_blocks = n_table + 5
+    layout = PoolLayout.plan(1, n_kv, hd, kv, max_seq_len=max_seq, page_size=page, n_blocks=n_blocks)
+    table = rng.permutation(n_blocks)[:n_table].astype(np.int32)
+    rows = random_rows(rng, kv, max_seq, n_kv, hd)
+    for position in positions:
+        pool = np.full(layout.pool_bytes, 0xFF, np.uint8)
+        layout.scatter(pool, table.tolist(), 0, {k: v[:position] for k, v in rows.items()})
+        tables = np.full((2, layout.max_blocks_per_seq), -1, np.int32)
+        tables[1, :n_table] = table
+        if position % page == 0:
+            tables[1, position // page] = -1  # a fresh block: the kernel stores its id
+        row_block = int(table[position // page])
+        qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
+        out, q_qkv, pool_after, tables_after = ct.attention_fused(
+            qkv, n_heads, n_kv, hd, q_norm, k_norm, 1e-6, inv_freq, position, max_seq, pool,
+            layout.block_stride, page, layout.offsets(0), 1, row_block, tables, split, KV_CODES[kv])
+        assert np.isfinite(out).all(), f"position {position}"
+        assert tables_after[1, position // page] == row_block
+        q_want, pool_want, tables_want = ct.qk_norm_rope_kv_paged(
+            qkv, n_heads, n_kv, hd, q_norm, k_norm, 1e-6, inv_freq, position, max_seq, pool,
+            layout.block_stride, page, layout.offsets(0), 1, row_block, tables, KV_CODES[kv])
+        assert same_bits(q_qkv, q_want) and same_bits(pool_after, pool_want)
+        assert np.array_equal(tables_after, tables_want)
+        q = q_qkv[:n_heads * hd]
+        want = ct.attention_paged(q, pool_after, layout.block_stride, page, layout.offsets(0),
+                                  tables_after[1, :n_table], n_heads, n_kv, hd, max_seq, position + 1,
+                                  split, KV_CODES[kv])
+        assert same_bits(out, want), f"position {position}"
+
+
 # ---- the engine -------------------------------------------------------------------------------
 
 def make_engine(config, tensors, kv="int8", max_seq_len=128, **kw):

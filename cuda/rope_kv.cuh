@@ -1,0 +1,109 @@
+// rope_kv.cuh — the per-head steps that turn the fused QKV GEMV's output into a rotated query
+// and a new KV-cache row: QK-norm, RoPE, and the row's encoding in the cache element type.
+// Warp-level device functions; attention.cu's kernel runs them in its prologue (the body has
+// no separate QK-norm / RoPE / KV-write kernel). rope_kv.cu holds the host-side RoPE table.
+//
+// rmsnorm over head_dim: x * (1 / sqrt(mean(x^2) + eps)) * w (skipped when w is NULL); the sum
+//   of squares is a chain per lane over dims lane, lane + 32, ... then a warp butterfly.
+// rope (rotate-half): angle_i = float(position) * inv_freq[i], i < hd/2, sincosf;
+//   out[i]      = fma(x[i], cos, -(x[i + hd/2] * sin))
+//   out[i+hd/2] = fma(x[i + hd/2], cos, x[i] * sin)
+// Cache element types: fp32; bf16 (round to nearest even); int8 with one fp32 scale per
+// (row, head): scale = max|x| / 127, q = rint(x / scale) clamped to [-127, 127], q = 0 when
+// scale == 0 (as runtime/reference.py's kv_quantize_int8).
+#pragma once
+
+#include <math.h>
+
+#include "kernels.cuh"
+
+namespace og {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kHeadSlots = kMaxHeadDim / kWarpSize;  // values of one head per lane
+
+// One warp: head[0, hd) = rope(rmsnorm(src) * norm_w) in shared memory. src may be global.
+// Ends with __syncwarp(): the whole head is visible to the warp.
+__device__ __forceinline__ void warp_norm_rope(const float *src, const float *norm_w, float eps,
+                                               const float *inv_freq, int hd, int position,
+                                               float *head, int lane) {
+    float x[kHeadSlots];
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < kHeadSlots; ++k) {
+        const int i = lane + k * kWarpSize;
+        x[k] = i < hd ? src[i] : 0.f;
+        sum_sq = fmaf(x[k], x[k], sum_sq);
+    }
+    if (norm_w != nullptr) {
+        const float total = warp_sum(sum_sq);
+        const float inv_rms = 1.0f / sqrtf(total / (float)hd + eps);
+#pragma unroll
+        for (int k = 0; k < kHeadSlots; ++k) {
+            const int i = lane + k * kWarpSize;
+            if (i < hd) x[k] = __fmul_rn(__fmul_rn(x[k], inv_rms), norm_w[i]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kHeadSlots; ++k) {
+        const int i = lane + k * kWarpSize;
+        if (i < hd) head[i] = x[k];
+    }
+    __syncwarp();
+    // Each lane owns whole pairs (i, i + half), so rotating in place is safe.
+    const int half = hd / 2;
+    const float pos = (float)position;
+    for (int i = lane; i < half; i += kWarpSize) {
+        float sin_a, cos_a;
+        sincosf(__fmul_rn(pos, inv_freq[i]), &sin_a, &cos_a);  // the fp32 angle, rounded
+        const float x1 = head[i];
+        const float x2 = head[i + half];
+        // Rounding pinned (a product, then a fused multiply-add), whatever the context.
+        head[i] = fmaf(x1, cos_a, -__fmul_rn(x2, sin_a));
+        head[i + half] = fmaf(x2, cos_a, __fmul_rn(x1, sin_a));
+    }
+    __syncwarp();
+}
+
+// One warp: encode values[0, hd) (shared or global) as a cache row of element type KV into
+// row_s (shared, the row's bytes) and, when dst is not NULL, into the cache row dst; for int8
+// the scale goes to *scale_s and, when dst is not NULL, to *scale_dst. Ends with __syncwarp().
+template <int KV>
+__device__ __forceinline__ void warp_encode_row(const float *values, int hd, void *row_s,
+                                                float *scale_s, void *dst, float *scale_dst,
+                                                int lane) {
+    if constexpr (KV == OG_KV_F32) {
+        for (int i = lane; i < hd; i += kWarpSize) {
+            const float v = values[i];
+            static_cast<float *>(row_s)[i] = v;
+            if (dst != nullptr) static_cast<float *>(dst)[i] = v;
+        }
+    } else if constexpr (KV == OG_KV_BF16) {
+        for (int i = lane; i < hd; i += kWarpSize) {
+            const __nv_bfloat16 b = __float2bfloat16_rn(values[i]);
+            static_cast<__nv_bfloat16 *>(row_s)[i] = b;
+            if (dst != nullptr) static_cast<__nv_bfloat16 *>(dst)[i] = b;
+        }
+    } else {
+        float amax = 0.f;
+        for (int i = lane; i < hd; i += kWarpSize) amax = fmaxf(amax, fabsf(values[i]));
+        amax = warp_max(amax);
+        const float scale = amax / 127.0f;
+        for (int i = lane; i < hd; i += kWarpSize) {
+            int q = 0;
+            if (scale > 0.f) {  // scale underflows to 0 only for an all-(near-)zero row
+                q = __float2int_rn(values[i] / scale);
+                q = max(-127, min(127, q));
+            }
+            static_cast<int8_t *>(row_s)[i] = (int8_t)q;
+            if (dst != nullptr) static_cast<int8_t *>(dst)[i] = (int8_t)q;
+        }
+        if (lane == 0) {
+            *scale_s = scale;
+            if (dst != nullptr) *scale_dst = scale;
+        }
+    }
+    __syncwarp();
+}
+
+}  // namespace og
