@@ -32,7 +32,13 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   block per sequence (page = max_seq_len), the cache without paging; 0 = the library's default.
   Every record carries the page size used, so paged and contiguous sit side by side.
 
-Output: the context table, then one summary table last; --json writes the document whose
+- Time to first token (--ttft 128,512,2048,8192): for each prompt length, the prompt fed by the
+  batched prefill (og_prefill: every layer over a chunk of rows at once) and token by token
+  (the decode graph once per token), each from reset until the first token id is on the host;
+  the median over --repeats runs after one warm-up per mode (token by token: one run beyond
+  512 tokens); peers (--peers) with their own one-forward prefill on the same prompt.
+
+Output: the context table, the TTFT table, then one summary table last; --json writes the document whose
 fields are listed in DOC_FIELDS, RESULT_FIELDS and SWEEP_FIELDS below (`onegraph bench
 --schema` prints them); --plot writes a PNG (matplotlib, bench/plot.py).
 """
@@ -209,6 +215,7 @@ class Settings:
     quantize_lm_head: bool = False
 
     kv_pages: list = field(default_factory=lambda: [0])  # rows per KV block; 0 default, -1 contiguous
+    ttft: list = field(default_factory=list)  # prompt lengths of the TTFT comparison
 
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
@@ -435,6 +442,81 @@ def context_record(target: Target, kv: str, mode: str, context: int, step_ms: li
     return r
 
 
+# ---- time to first token: batched prefill vs token by token vs peers ----------------------------
+
+TTFT_MODES = ("batched", "token")
+
+
+def ttft_record(target: Target, runtime: str, kv: str, prompt: int, times_ms: list[float] | None,
+                status: str = "ok", reason: str | None = None) -> dict:
+    ms = statistics.median(times_ms) if times_ms else None
+    return {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": runtime, "kv": kv,
+            "prompt": prompt, "status": status, "reason": reason, "ttft_ms": ms, "ttft_ms_runs": times_ms,
+            "ms_per_prompt_token": ms / prompt if ms else None, "speedup_over_token": None}
+
+
+def bench_ttft(target: Target, s: Settings) -> list[dict]:
+    """TTFT records of one model (the first --kv format, bf16 weights) for every --ttft length."""
+    from .engine import Engine
+    config, kv = target.config, s.kv[0]
+    lengths = sorted(p for p in set(s.ttft) if 0 < p < config.max_position_embeddings)
+    if not lengths:
+        return []
+    records = []
+    with Engine(config, target.source, kv=kv, max_seq_len=max(lengths) + 2, graph=True,
+                device=s.device) as engine:
+        runtime = "onegraph-cpu" if engine.backend == "cpu" else "onegraph"
+        for mode in TTFT_MODES:  # warm-up: graph capture, first launches
+            engine.reset()
+            engine.prefill(make_prompt(config, min(16, lengths[0]), s.seed), mode=mode)
+        for length in lengths:
+            prompt = make_prompt(config, length, s.seed)
+            by_mode = {}
+            for mode in TTFT_MODES:
+                times = []
+                for _ in range(s.repeats if mode == "batched" or length <= 512 else 1):
+                    engine.reset()
+                    t0 = time.perf_counter()
+                    int(np.argmax(engine.prefill(prompt, mode=mode)))
+                    times.append((time.perf_counter() - t0) * 1e3)
+                by_mode[mode] = ttft_record(target, f"{runtime}-{mode}", kv, length, times)
+            fast, slow = by_mode["batched"], by_mode["token"]
+            fast["speedup_over_token"] = slow["ttft_ms"] / fast["ttft_ms"]
+            records += [fast, slow]
+        engine.reset()
+    for peer in s.peers:
+        for length in lengths:
+            records.append(ttft_peer(peer, target, s, length))
+    return records
+
+
+def ttft_peer(peer: str, target: Target, s: Settings, length: int) -> dict:
+    try:
+        peers = import_bench_module("peers")
+    except ImportError as e:
+        return ttft_record(target, peer, "bf16", length, None, "skipped", f"bench/peers.py is not importable: {e}")
+    out = peers.run_peer(peer, target.config, target.source, prompt=make_prompt(target.config, length, s.seed),
+                         n=1, repeats=s.repeats, device="cuda" if s.device == "gpu" else "cpu")
+    if out["status"] != "ok":
+        return ttft_record(target, peer, "bf16", length, None, out["status"], out["reason"])
+    return ttft_record(target, peer, "bf16", length, [r["ttft_ms"] for r in out["runs"]])
+
+
+def format_ttft(records: list[dict]) -> str:
+    if not records:
+        return ""
+    lines = [f"{'time to first token':<22} {'kv':<5} {'runtime':<20} {'prompt':>7} {'TTFT ms':>10} "
+             f"{'ms/token':>9} {'x token':>8}"]
+    for r in records:
+        lead = f"{r['model']:<22} {r['kv']:<5} {r['runtime']:<20} {r['prompt']:>7}"
+        if r["status"] != "ok":
+            lines.append(f"{lead} skipped: {r['reason']}")
+            continue
+        lines.append(f"{lead} {_f(r['ttft_ms'], '.2f', 10)} {_f(r['ms_per_prompt_token'], '.4f', 9)} "
+                     f"{_f(r['speedup_over_token'], '.1f', 8)}")
+    return "\n".join(lines)
+
+
 def import_bench_module(name: str):
     """bench/ sits beside runtime/ in the source tree (it is not installed with the package)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -505,6 +587,7 @@ DOC_FIELDS = {
                 "quantize, quantize_lm_head, kv_pages (-1: contiguous)",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
+    "ttft": "one record per (model, runtime, prompt) of --ttft: TTFT_FIELDS",
     "notes": "list of strings: what was skipped and why",
 }
 
@@ -565,6 +648,19 @@ SWEEP_FIELDS = {
 }
 
 
+TTFT_FIELDS = {
+    "model": "as in results", "layers": "as in results", "kv": "as in results (peers: bf16)",
+    "runtime": "onegraph-batched (og_prefill) | onegraph-token (one decode step per prompt token) | "
+               "onegraph-cpu-* | hf-eager | hf-compile",
+    "prompt": "prompt tokens",
+    "status": "ok | skipped", "reason": "why it was skipped (null when ok)",
+    "ttft_ms": "median over runs: from reset until the first token id is on the host",
+    "ttft_ms_runs": "every timed run",
+    "ms_per_prompt_token": "ttft_ms / prompt",
+    "speedup_over_token": "token-by-token ttft_ms / batched ttft_ms (batched records only)",
+}
+
+
 def check_schema(doc: dict) -> None:
     """Raise ValueError naming the first field that differs from DOC/RESULT/SWEEP_FIELDS."""
     def same_keys(obj, fields, where):
@@ -579,6 +675,8 @@ def check_schema(doc: dict) -> None:
         same_keys(r, RESULT_FIELDS, f"results[{i}] ({r.get('model')} {r.get('runtime')})")
     for i, r in enumerate(doc["context_sweep"]):
         same_keys(r, SWEEP_FIELDS, f"context_sweep[{i}]")
+    for i, r in enumerate(doc["ttft"]):
+        same_keys(r, TTFT_FIELDS, f"ttft[{i}]")
 
 
 def _finite(obj):
@@ -701,6 +799,9 @@ def parse_args(argv):
     p.add_argument("--kv-page", default="0",
                    help="comma-separated rows per KV block, e.g. 64,contiguous (contiguous: one block per "
                         "sequence; 0: the library's default)")
+    p.add_argument("--ttft", default="",
+                   help="comma-separated prompt lengths, e.g. 128,512,2048,8192: time to first token, batched "
+                        "prefill vs token by token (and --peers)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -717,7 +818,8 @@ def settings_from(args) -> Settings:
                     kv=args.kv or ["int8"], peers=_csv(args.peers), contexts=_csv(args.contexts, int),
                     context_steps=args.context_steps, context_fill=args.context_fill,
                     weights=args.weights or ["bf16"], quantize=args.quantize,
-                    quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0])
+                    quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
+                    ttft=_csv(args.ttft, int))
 
 
 def targets_from(args) -> list[Target]:
@@ -745,12 +847,13 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
     return results, sweep, notes
 
 
-def make_doc(argv, s: Settings, bandwidth, results, sweep, notes) -> dict:
+def make_doc(argv, s: Settings, bandwidth, results, sweep, notes, ttft: list | None = None) -> dict:
     settings = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
     return {"schema_version": SCHEMA_VERSION, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(), "gpu": gpu_name() if s.device == "gpu" else None,
             "command": "onegraph bench " + " ".join(argv), "copy_bandwidth_bytes_per_s": bandwidth,
-            "settings": settings, "results": results, "context_sweep": sweep, "notes": notes}
+            "settings": settings, "results": results, "context_sweep": sweep, "ttft": ttft or [],
+            "notes": notes}
 
 
 def write_plot(doc: dict, path: str) -> str | None:
@@ -767,12 +870,14 @@ def merge_docs(docs: list[dict]) -> dict:
     """One document from several runs (e.g. one command per model): results, sweeps and notes
     concatenated; the first run's header fields kept, and each run's command and bandwidth noted."""
     for doc in docs:
+        doc.setdefault("ttft", [])  # documents written before --ttft existed
         check_schema(doc)
-    merged = dict(docs[0], results=[], context_sweep=[], notes=[])
+    merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)
     for d in docs:
         merged["results"] += d["results"]
         merged["context_sweep"] += d["context_sweep"]
+        merged["ttft"] += d["ttft"]
         bw = d["copy_bandwidth_bytes_per_s"]
         merged["notes"] += d["notes"] + [f"merged: {d['date']} on {d['gpu'] or d['settings']['device']}"
                                          + (f", copy bandwidth {bw / 1e12:.3f} TB/s" if bw else "")
@@ -790,6 +895,8 @@ def emit(doc: dict, json_path: str | None, plot_path: str | None) -> None:
         write_json(doc, json_path)
     if doc["context_sweep"]:
         print(format_sweep(doc["context_sweep"]) + "\n")
+    if doc.get("ttft"):
+        print(format_ttft(doc["ttft"]) + "\n")
     print("\n".join(doc["notes"] + [format_table(doc)]))
 
 
@@ -816,8 +923,11 @@ def main(argv=None) -> int:
                   f"on the numpy reference)", file=sys.stderr)
             return 2
     bandwidth = measure_copy_bandwidth() if s.device == "gpu" else None
-    results, sweep, notes = run(targets_from(args), s, bandwidth)
-    emit(make_doc(argv, s, bandwidth, results, sweep, notes), args.json, args.plot)
+    targets = targets_from(args)
+    results, sweep, notes = run(targets, s, bandwidth)
+    ttft = [r for target in targets for r in bench_ttft(target, s)] if s.ttft else []
+    notes += [f"{r['model']} {r['runtime']} ttft skipped: {r['reason']}" for r in ttft if r["status"] != "ok"]
+    emit(make_doc(argv, s, bandwidth, results, sweep, notes, ttft), args.json, args.plot)
     return 0
 
 

@@ -9,6 +9,10 @@
 #            sequences in turn, block zeroing), KV int8 / bf16
 #   paged-kernels  pytest tests/test_paged_gpu.py: the zeroing kernel, paged attention, paged
 #            KV write
+#   prefill  pytest tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or
+#            refusals or cancels": the
+#            batched prefill's GEMM, chunked passes over 16-row KV pages, a second turn
+#            and a fork (copy-on-write) with decode after it, and refusals
 #   guards   pytest tests/test_reliability_gpu.py -k "guards_intact or two_handles": decodes to a
 #            full context (dense, MoE, Llama, tied; fp32 / bf16 / int8 KV; both paths), guard
 #            bands checked, and two engines decoding in two threads at once
@@ -53,7 +57,7 @@ for tool in "${TOOLS[@]}"; do
     *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
   esac
 done
-read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels guards}"
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels prefill guards}"
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
@@ -71,6 +75,7 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     moe)     printf '%s\n' python3 scripts/short_decode.py --preset tiny-moe --kv int8 ;;
     paged)   printf '%s\n' python3 scripts/short_decode.py --kv int8 bf16 --paged ;;
     paged-kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py -k "kernel or paged_attention or paged_kv_write" ;;
+    prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
   esac

@@ -163,3 +163,17 @@ def test_library_refusals_are_engine_errors_and_change_nothing(tiny, status):  #
     with pytest.raises(EngineError, match="refused"):
         engine.prefill(PROMPT)
     assert engine.position == 0 and engine.backend == "gpu-graph"
+
+
+def test_bench_ttft_records_on_the_cpu(tmp_path, capsys):
+    from runtime import bench
+    out = tmp_path / "b.json"
+    assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--prompt", "3", "--n", "2",
+                       "--repeats", "1", "--ttft", "5,9", "--json", str(out)]) == 0
+    import json
+    doc = json.loads(out.read_text())
+    bench.check_schema(doc)
+    got = {(r["runtime"], r["prompt"]) for r in doc["ttft"]}
+    assert got == {(f"onegraph-cpu-{m}", p) for m in ("batched", "token") for p in (5, 9)}
+    assert all(r["ttft_ms"] > 0 for r in doc["ttft"])
+    assert "time to first token" in capsys.readouterr().out
