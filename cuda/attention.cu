@@ -11,7 +11,8 @@
 //   visible length len = position + 1 (read from the device step record)
 //   score[t] = (q . dequant(K[t])) / sqrt(hd); p = softmax(score) (fp32, max subtracted);
 //   out = sum_t p[t] * dequant(V[t]); dequant(int8) = q_int8 * scale, the scale applied once per
-//   row (score = (q . k_int8) * k_scale / sqrt(hd); p * v_scale multiplies the integer row).
+//   row: score = (q . k_int8) * (k_scale * (1 / sqrt(hd))) (fp32 or bf16: (q . k) * (1 /
+//   sqrt(hd))), and the weight p * v_scale multiplies the integer row.
 //   GQA: the G = n_heads / n_kv consecutive query heads of a KV head share it, so a block reads
 //   its KV rows once for all G heads.
 //
@@ -27,14 +28,16 @@
 // a short one occupies few. Inside a block, a chunk is cut into tiles of R rows and warp w takes
 // tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16 lanes (16-byte loads, or one
 // element per lane for head dims other than 64/128/256), so one load instruction covers 32 / L
-// consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane; the next tile's
-// loads are issued before the current one is used. Each warp keeps an online softmax (running
+// consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane. A warp works
+// as a pipeline: while it folds in tile i, the K/V loads of tile i+1 and the block-table reads
+// of tile i+2 are in flight (a row's address depends on its table entry). Each warp keeps an online softmax (running
 // max m, sum l, accumulator o per head, rescaled when m grows); the 8 warps combine through
 // shared memory in warp order. A block that is alone for its KV head (len <= C) writes out
 // directly; otherwise it writes (m, l, o) as a partial, and the last of the n_active blocks of
 // the head to finish (an atomic counter, reset by that block) combines the partials in block
 // order: the same arithmetic whichever block is last, so results are bit-identical run to run.
-// The first tile's K/V loads depend only on the step record and on earlier steps' rows, so they
+// The first tile's K/V loads depend only on the step record and on earlier steps' rows, and the
+// prologue's norm weights and rotation angles only on weights and the position, so all of them
 // are issued before waiting on the previous kernel (PDL), overlapping its tail.
 #include <math.h>
 
@@ -73,7 +76,7 @@ struct AttnParams {
     int chunk;          // C: rows per chunk (plan.split_len)
     int n_blocks;       // B: blocks per KV head
     int q_heads;        // query heads staged per block: G rounded up to the head group
-    float sqrt_hd;      // scores are divided by it, as in the reference
+    float inv_sqrt_hd;  // 1 / sqrt(hd): scores are (q . k) * (k_scale * inv_sqrt_hd)
 };
 
 // Shared-memory carve-up, in floats (every region a multiple of 4 floats: 16-byte aligned).
@@ -125,24 +128,56 @@ __device__ __forceinline__ uint32_t load_element(const char *row, int d) {
     else return __ldg(reinterpret_cast<const unsigned char *>(row) + d);
 }
 
-// Issue the loads of the tile starting at row0 (-1: none). Rows at or past len, the new row,
-// and rows whose block id is outside the pool read as zeros (scale 0).
+// Where a tile's rows are: per slot the block id (-1: no row to read: past len, the new row,
+// no tile, or a table entry outside the pool) and the row within the block's page. Locating
+// reads the block table; loading then depends on it, so the kernel locates a tile one step
+// before it loads it.
 template <int KV, int HD>
-__device__ __forceinline__ void load_tile(Tile<KV, HD> &t, int row0, const RowSource &src, int hd) {
+struct TileLoc {
+    int block[AttnLayout<KV, HD>::kSlots];
+    int in_page[AttnLayout<KV, HD>::kSlots];
+};
+
+template <int KV, int HD>
+__device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
+    using L = AttnLayout<KV, HD>;
+    int page_index = 0, in_page = 0;
+    if (row0 >= 0) {  // one division per tile; the slots' rows step by kRowsPerLoad
+        const int row = row0 + src.row_group;
+        page_index = row / src.page;
+        in_page = row - page_index * src.page;
+    }
+#pragma unroll
+    for (int s = 0; s < L::kSlots; ++s) {
+        if (s > 0) {
+            in_page += L::kRowsPerLoad;
+            while (in_page >= src.page) {
+                in_page -= src.page;
+                ++page_index;
+            }
+        }
+        const int row = row0 + s * L::kRowsPerLoad + src.row_group;
+        const bool ok = row0 >= 0 && row < src.len && row != src.new_row;
+        int block = -1;
+        if (ok) {
+            block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
+            if ((unsigned)block >= (unsigned)src.n_pool_blocks) block = -1;
+        }
+        loc.block[s] = block;
+        loc.in_page[s] = in_page;
+    }
+}
+
+// Issue the loads of a located tile; rows without a block read as zeros (scale 0).
+template <int KV, int HD>
+__device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD> &loc,
+                                          const RowSource &src, int hd) {
     using L = AttnLayout<KV, HD>;
 #pragma unroll
     for (int s = 0; s < L::kSlots; ++s) {
-        const int row = row0 + s * L::kRowsPerLoad + src.row_group;
-        bool ok = row0 >= 0 && row < src.len && row != src.new_row;
-        int block = 0, in_page = 0;
-        if (ok) {
-            const int page_index = row / src.page;
-            in_page = row - page_index * src.page;
-            block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
-            ok = (unsigned)block < (unsigned)src.n_pool_blocks;
-        }
-        const int64_t base = (int64_t)block * src.block_stride;
-        const int64_t row_index = (int64_t)src.kv_head * src.page + in_page;
+        const bool ok = loc.block[s] >= 0;
+        const int64_t base = (int64_t)(ok ? loc.block[s] : 0) * src.block_stride;
+        const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[s];
         const char *k_row = src.k + base + row_index * (hd * L::kElemBytes);
         const char *v_row = src.v + base + row_index * (hd * L::kElemBytes);
 #pragma unroll
@@ -208,7 +243,7 @@ template <int KV, int HD, int HG>
 __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const RowSource &src,
                                             const float *q_s, const void *new_k_s,
                                             const void *new_v_s, const float *new_scales,
-                                            int hd, float sqrt_hd, int lane,
+                                            int hd, float inv_sqrt_hd, int lane,
                                             WarpState<HG, AttnLayout<KV, HD>::kLaneElems> &st) {
     using L = AttnLayout<KV, HD>;
     constexpr int S = L::kSlots, V = L::kVecsPerLane, LPR = L::kLanesPerRow;
@@ -308,11 +343,9 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
 #pragma unroll
     for (int s = 0; s < S; ++s) {
         const bool valid = rows[s] < src.len;
+        const float factor = KV == OG_KV_INT8 ? t.k_scale[s] * inv_sqrt_hd : inv_sqrt_hd;
 #pragma unroll
-        for (int j = 0; j < HG; ++j) {
-            const float dot = KV == OG_KV_INT8 ? sc[s][j] * t.k_scale[s] : sc[s][j];
-            sc[s][j] = valid ? dot / sqrt_hd : -INFINITY;
-        }
+        for (int j = 0; j < HG; ++j) sc[s][j] = valid ? sc[s][j] * factor : -INFINITY;
     }
 
     // ---- online softmax: the tile's max over the warp, rescale when the max grows --------
@@ -435,11 +468,29 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     src.row_group = lane / L::kLanesPerRow;
     src.lane_in_row = lane % L::kLanesPerRow;
 
+    // The warp's tiles: the current one loaded (cur, row0), the next one located (row1, loc1).
     const int tiles_per_warp = ceil_div(C / L::kTileRows, kAttnWarps);
-    int item = -1;
-    int row0 = next_tile(item, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
+    auto next_row = [&](int &cursor) {
+        return next_tile(cursor, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
+    };
+    int cursor = -1;
+    int row0 = next_row(cursor);
+    TileLoc<KV, HD> loc1;
+    locate_tile<KV, HD>(loc1, row0, src);
     Tile<KV, HD> cur;
-    load_tile<KV, HD>(cur, row0, src, hd);
+    load_tile<KV, HD>(cur, loc1, src, hd);
+    int row1 = next_row(cursor);
+    locate_tile<KV, HD>(loc1, row1, src);
+
+    // The prologue's inputs that do not depend on the previous kernel: norm weights and the
+    // rotation angles at `position`.
+    RopeAngles angles;
+    float q_w[kHeadSlots], k_w[kHeadSlots];
+    if (fused) {
+        rope_angles(a.inv_freq, hd, position, lane, angles);
+        norm_weights(a.q_norm, hd, lane, q_w);
+        norm_weights(owner ? a.k_norm : nullptr, hd, lane, k_w);
+    }
 
     pdl_wait();
     pdl_launch_dependents();
@@ -467,15 +518,15 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         for (int task = warp; task < tasks; task += kAttnWarps) {
             if (task < group) {
                 float *head = q_s + task * hd;
-                warp_norm_rope(a.qkv + (size_t)(head0 + task) * hd, a.q_norm, a.eps, a.inv_freq,
-                               hd, position, head, lane);
+                warp_norm_rope(a.qkv + (size_t)(head0 + task) * hd, a.q_norm != nullptr, q_w,
+                               a.eps, angles, hd, head, lane);
                 if (owner && a.q_out != nullptr)
                     for (int i = lane; i < hd; i += kWarpSize)
                         a.q_out[(size_t)(head0 + task) * hd + i] = head[i];
             } else if (task == group) {
                 float *k_head = smem + lay.k_head;
-                warp_norm_rope(a.qkv + q_size + (size_t)kv_head * hd, a.k_norm, a.eps, a.inv_freq,
-                               hd, position, k_head, lane);
+                warp_norm_rope(a.qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
+                               a.eps, angles, hd, k_head, lane);
                 warp_encode_row<KV>(k_head, hd, new_k_s, new_scales,
                                     store ? kv.k + base + row_index * row_bytes : nullptr,
                                     store && KV == OG_KV_INT8
@@ -510,9 +561,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     for (int hg = 0; hg < group; hg += HG) {
         const int heads_here = min(HG, group - hg);
         if (hg > 0) {  // another pass over the rows for the next head group
-            item = -1;
-            row0 = next_tile(item, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
-            load_tile<KV, HD>(cur, row0, src, hd);
+            cursor = -1;
+            row0 = next_row(cursor);
+            locate_tile<KV, HD>(loc1, row0, src);
+            load_tile<KV, HD>(cur, loc1, src, hd);
+            row1 = next_row(cursor);
+            locate_tile<KV, HD>(loc1, row1, src);
         }
         WarpState<HG, E> st;
 #pragma unroll
@@ -523,16 +577,17 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
         }
         while (row0 >= 0) {
-            int next_item = item;
-            const int next_row0 = next_tile(next_item, b, B, C, L::kTileRows, tiles_per_warp,
-                                            warp, n_chunks, len);
+            // Loads of the next tile (located one step ago) and the table reads of the one
+            // after it are in flight while the current tile is folded in.
             Tile<KV, HD> nxt;
-            load_tile<KV, HD>(nxt, next_row0, src, hd);
+            load_tile<KV, HD>(nxt, loc1, src, hd);
+            const int row2 = next_row(cursor);
+            locate_tile<KV, HD>(loc1, row2, src);
             attend_tile<KV, HD, HG>(cur, row0, src, q_s + hg * hd, new_k_s, new_v_s, new_scales,
-                                    hd, p.sqrt_hd, lane, st);
+                                    hd, p.inv_sqrt_hd, lane, st);
             cur = nxt;
-            row0 = next_row0;
-            item = next_item;
+            row0 = row1;
+            row1 = row2;
         }
 
         // ---- the warp's state over its row groups, then the block's warps in order --------
@@ -774,7 +829,7 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     p.chunk = plan.split_len;
     p.n_blocks = plan.n_blocks;
     p.q_heads = (int)round_up(args.n_heads / args.n_kv_heads, plan.head_group);
-    p.sqrt_hd = (float)sqrt((double)args.head_dim);
+    p.inv_sqrt_hd = (float)(1.0 / sqrt((double)args.head_dim));
     const dim3 grid(args.n_kv_heads, plan.n_blocks), block(kAttnThreads);
     return launch_kernel(kernel, grid, block, (size_t)plan.smem_bytes, stream, pdl, p);
 }

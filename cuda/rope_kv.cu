@@ -26,19 +26,25 @@ __global__ void __launch_bounds__(kWarpSize) qk_norm_rope_kv_kernel(const RopeKv
     __shared__ float head[kMaxHeadDim];
     __shared__ float4 row_bytes_s[kMaxHeadDim * 4 / 16];  // the encoded row (unused here)
     __shared__ float scale_s;
-    pdl_wait();
-    pdl_launch_dependents();
-
     const int lane = threadIdx.x;
     const int hd = a.head_dim;
     const int q_size = a.n_heads * hd;
     const int kv_size = a.n_kv_heads * hd;
     const bool is_query = (int)blockIdx.x < a.n_heads;
     const int kv_head = (int)blockIdx.x - a.n_heads;
+    // The norm weights, the RoPE table and the step record (written before the body's first
+    // kernel) do not depend on the previous kernel.
     const int position = a.step->position;
-    float *src = is_query ? a.qkv + (size_t)blockIdx.x * hd : a.qkv + q_size + (size_t)kv_head * hd;
+    const float *norm_w = is_query ? a.q_norm : a.k_norm;
+    float w[kHeadSlots];
+    norm_weights(norm_w, hd, lane, w);
+    RopeAngles angles;
+    rope_angles(a.inv_freq, hd, position, lane, angles);
+    pdl_wait();
+    pdl_launch_dependents();
 
-    warp_norm_rope(src, is_query ? a.q_norm : a.k_norm, a.eps, a.inv_freq, hd, position, head, lane);
+    float *src = is_query ? a.qkv + (size_t)blockIdx.x * hd : a.qkv + q_size + (size_t)kv_head * hd;
+    warp_norm_rope(src, norm_w != nullptr, w, a.eps, angles, hd, head, lane);
     if (is_query) {
         for (int i = lane; i < hd; i += kWarpSize) src[i] = head[i];
         return;

@@ -20,13 +20,41 @@
 namespace og {
 
 constexpr int kMaxHeadDim = 256;
-constexpr int kHeadSlots = kMaxHeadDim / kWarpSize;  // values of one head per lane
+constexpr int kHeadSlots = kMaxHeadDim / kWarpSize;       // values of one head per lane
+constexpr int kPairSlots = kMaxHeadDim / 2 / kWarpSize;   // rotation pairs per lane
 
-// One warp: head[0, hd) = rope(rmsnorm(src) * norm_w) in shared memory. src may be global.
-// Ends with __syncwarp(): the whole head is visible to the warp.
-__device__ __forceinline__ void warp_norm_rope(const float *src, const float *norm_w, float eps,
-                                               const float *inv_freq, int hd, int position,
-                                               float *head, int lane) {
+// What a head's QK-norm and RoPE need besides the head: the norm weights of dims lane + 32k and
+// the rotation's sin/cos for pairs lane + 32k at `position`. Weights and the position only, so
+// a kernel computes them before waiting on the kernel that writes the head.
+struct RopeAngles {
+    float sin_a[kPairSlots], cos_a[kPairSlots];
+};
+__device__ __forceinline__ void rope_angles(const float *inv_freq, int hd, int position, int lane,
+                                            RopeAngles &r) {
+    const float pos = (float)position;
+#pragma unroll
+    for (int k = 0; k < kPairSlots; ++k) {
+        const int i = lane + k * kWarpSize;
+        r.sin_a[k] = 0.f;
+        r.cos_a[k] = 1.f;
+        if (i < hd / 2) sincosf(__fmul_rn(pos, inv_freq[i]), &r.sin_a[k], &r.cos_a[k]);  // fp32 angle
+    }
+}
+__device__ __forceinline__ void norm_weights(const float *norm_w, int hd, int lane,
+                                             float (&w)[kHeadSlots]) {
+#pragma unroll
+    for (int k = 0; k < kHeadSlots; ++k) {
+        const int i = lane + k * kWarpSize;
+        w[k] = norm_w != nullptr && i < hd ? norm_w[i] : 0.f;
+    }
+}
+
+// One warp: head[0, hd) = rope(rmsnorm(src) * w) in shared memory (no norm when has_norm is
+// false). src may be global. Ends with __syncwarp(): the whole head is visible to the warp.
+__device__ __forceinline__ void warp_norm_rope(const float *src, bool has_norm,
+                                               const float (&w)[kHeadSlots], float eps,
+                                               const RopeAngles &angles, int hd, float *head,
+                                               int lane) {
     float x[kHeadSlots];
     float sum_sq = 0.f;
 #pragma unroll
@@ -35,14 +63,11 @@ __device__ __forceinline__ void warp_norm_rope(const float *src, const float *no
         x[k] = i < hd ? src[i] : 0.f;
         sum_sq = fmaf(x[k], x[k], sum_sq);
     }
-    if (norm_w != nullptr) {
+    if (has_norm) {
         const float total = warp_sum(sum_sq);
         const float inv_rms = 1.0f / sqrtf(total / (float)hd + eps);
 #pragma unroll
-        for (int k = 0; k < kHeadSlots; ++k) {
-            const int i = lane + k * kWarpSize;
-            if (i < hd) x[k] = __fmul_rn(__fmul_rn(x[k], inv_rms), norm_w[i]);
-        }
+        for (int k = 0; k < kHeadSlots; ++k) x[k] = __fmul_rn(__fmul_rn(x[k], inv_rms), w[k]);
     }
 #pragma unroll
     for (int k = 0; k < kHeadSlots; ++k) {
@@ -50,17 +75,18 @@ __device__ __forceinline__ void warp_norm_rope(const float *src, const float *no
         if (i < hd) head[i] = x[k];
     }
     __syncwarp();
-    // Each lane owns whole pairs (i, i + half), so rotating in place is safe.
+    // Each lane owns whole pairs (i, i + half), so rotating in place is safe. Rounding pinned
+    // (a product, then a fused multiply-add), whatever the context.
     const int half = hd / 2;
-    const float pos = (float)position;
-    for (int i = lane; i < half; i += kWarpSize) {
-        float sin_a, cos_a;
-        sincosf(__fmul_rn(pos, inv_freq[i]), &sin_a, &cos_a);  // the fp32 angle, rounded
-        const float x1 = head[i];
-        const float x2 = head[i + half];
-        // Rounding pinned (a product, then a fused multiply-add), whatever the context.
-        head[i] = fmaf(x1, cos_a, -__fmul_rn(x2, sin_a));
-        head[i + half] = fmaf(x2, cos_a, __fmul_rn(x1, sin_a));
+#pragma unroll
+    for (int k = 0; k < kPairSlots; ++k) {
+        const int i = lane + k * kWarpSize;
+        if (i < half) {
+            const float x1 = head[i];
+            const float x2 = head[i + half];
+            head[i] = fmaf(x1, angles.cos_a[k], -__fmul_rn(x2, angles.sin_a[k]));
+            head[i + half] = fmaf(x2, angles.cos_a[k], __fmul_rn(x1, angles.sin_a[k]));
+        }
     }
     __syncwarp();
 }
