@@ -29,8 +29,9 @@
 // tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16 lanes (16-byte loads, or one
 // element per lane for head dims other than 64/128/256), so one load instruction covers 32 / L
 // consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane. A warp works
-// as a pipeline: while it folds in tile i, the K/V loads of tile i+1 and the block-table reads
-// of tile i+2 are in flight (a row's address depends on its table entry). Each warp keeps an online softmax (running
+// as a pipeline: while it folds in tile i, the K/V loads of tile i+1, an L2 prefetch of tile
+// i+2 and the block-table reads of tile i+3 are in flight (a row's address depends on its table
+// entry, so a tile is located two steps before it is loaded). Each warp keeps an online softmax (running
 // max m, sum l, accumulator o per head, rescaled when m grows); the 8 warps combine through
 // shared memory in warp order. A block that is alone for its KV head (len <= C) writes out
 // directly; otherwise it writes (m, l, o) as a partial, and the last of the n_active blocks of
@@ -134,6 +135,7 @@ __device__ __forceinline__ uint32_t load_element(const char *row, int d) {
 // before it loads it.
 template <int KV, int HD>
 struct TileLoc {
+    int row0;                                   // the tile's first row, -1: none
     int block[AttnLayout<KV, HD>::kSlots];
     int in_page[AttnLayout<KV, HD>::kSlots];
 };
@@ -141,6 +143,7 @@ struct TileLoc {
 template <int KV, int HD>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
     using L = AttnLayout<KV, HD>;
+    loc.row0 = row0;
     int page_index = 0, in_page = 0;
     if (row0 >= 0) {  // one division per tile; the slots' rows step by kRowsPerLoad
         const int row = row0 + src.row_group;
@@ -201,6 +204,33 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
         } else {
             t.k_scale[s] = 1.f;
             t.v_scale[s] = 1.f;
+        }
+    }
+}
+
+// Pull a located tile's K and V rows into L2 (a hint: no registers, nothing waits on it), one
+// prefetch per 128-byte line, by the lanes whose 16-byte vector starts a line.
+__device__ __forceinline__ void prefetch_line(const char *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+template <int KV, int HD>
+__device__ __forceinline__ void prefetch_tile(const TileLoc<KV, HD> &loc, const RowSource &src) {
+    using L = AttnLayout<KV, HD>;
+    if constexpr (L::kVector) {
+#pragma unroll
+        for (int s = 0; s < L::kSlots; ++s) {
+            if (loc.block[s] < 0) continue;
+            const int64_t base = (int64_t)loc.block[s] * src.block_stride;
+            const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[s];
+            const int64_t row_off = base + row_index * (HD * L::kElemBytes);
+#pragma unroll
+            for (int v = 0; v < L::kVecsPerLane; ++v) {
+                const int byte = (src.lane_in_row + v * L::kLanesPerRow) * 16;
+                if (byte % 128 == 0) {
+                    prefetch_line(src.k + row_off + byte);
+                    prefetch_line(src.v + row_off + byte);
+                }
+            }
         }
     }
 }
@@ -468,19 +498,19 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     src.row_group = lane / L::kLanesPerRow;
     src.lane_in_row = lane % L::kLanesPerRow;
 
-    // The warp's tiles: the current one loaded (cur, row0), the next one located (row1, loc1).
+    // The warp's tiles i, i+1, i+2: tile i loaded (cur, row0), i+1 and i+2 located (loc1, loc2).
     const int tiles_per_warp = ceil_div(C / L::kTileRows, kAttnWarps);
     auto next_row = [&](int &cursor) {
         return next_tile(cursor, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
     };
     int cursor = -1;
     int row0 = next_row(cursor);
-    TileLoc<KV, HD> loc1;
+    TileLoc<KV, HD> loc1, loc2;
     locate_tile<KV, HD>(loc1, row0, src);
     Tile<KV, HD> cur;
     load_tile<KV, HD>(cur, loc1, src, hd);
-    int row1 = next_row(cursor);
-    locate_tile<KV, HD>(loc1, row1, src);
+    locate_tile<KV, HD>(loc1, next_row(cursor), src);
+    locate_tile<KV, HD>(loc2, next_row(cursor), src);
 
     // The prologue's inputs that do not depend on the previous kernel: norm weights and the
     // rotation angles at `position`.
@@ -565,8 +595,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             row0 = next_row(cursor);
             locate_tile<KV, HD>(loc1, row0, src);
             load_tile<KV, HD>(cur, loc1, src, hd);
-            row1 = next_row(cursor);
-            locate_tile<KV, HD>(loc1, row1, src);
+            locate_tile<KV, HD>(loc1, next_row(cursor), src);
+            locate_tile<KV, HD>(loc2, next_row(cursor), src);
         }
         WarpState<HG, E> st;
 #pragma unroll
@@ -577,17 +607,19 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
         }
         while (row0 >= 0) {
-            // Loads of the next tile (located one step ago) and the table reads of the one
-            // after it are in flight while the current tile is folded in.
+            // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
+            // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
+            // tile i+3 are in flight.
             Tile<KV, HD> nxt;
             load_tile<KV, HD>(nxt, loc1, src, hd);
-            const int row2 = next_row(cursor);
-            locate_tile<KV, HD>(loc1, row2, src);
+            prefetch_tile<KV, HD>(loc2, src);
+            const int row1 = loc1.row0;
+            loc1 = loc2;
+            locate_tile<KV, HD>(loc2, next_row(cursor), src);
             attend_tile<KV, HD, HG>(cur, row0, src, q_s + hg * hd, new_k_s, new_v_s, new_scales,
                                     hd, p.inv_sqrt_hd, lane, st);
             cur = nxt;
             row0 = row1;
-            row1 = row2;
         }
 
         // ---- the warp's state over its row groups, then the block's warps in order --------

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
         const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
         const int cols4 = p.cols / 4;
-#pragma unroll 4
+#pragma unroll 8  // a 2-warp block stages 2048-3072 columns: 8-12 loads per thread in flight
         for (int i = threadIdx.x; i < p.ld / 4; i += kThreads) {
             const float4 v = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
             x_smem4[i] = v;
