@@ -15,7 +15,8 @@
 // U = 4, 8 or 12 chunks of each in flight per step (chosen from the row length, so a row of
 // up to 3072 columns is one step), accumulates in fp32 in chunk order and the warp reduces
 // with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
-// tasks, so each block stages x once. The weights do not depend on earlier kernels, so before
+// tasks (pulling the next task's rows into L2 while computing one), so each block stages x
+// once. The weights do not depend on earlier kernels, so before
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
 // registers and pulls the rest of those rows into L2, and norm modes stage the norm weights:
 // after the wait, only x's staging (and its norm) stands before the arithmetic.
@@ -127,14 +128,28 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
         const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
         const int cols4 = p.cols / 4;
-#pragma unroll 8  // a 2-warp block stages 2048-3072 columns: 8-12 loads per thread in flight
-        for (int i = threadIdx.x; i < p.ld / 4; i += kThreads) {
-            const float4 v = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-            x_smem4[i] = v;
-            sum_sq = fmaf(v.x, v.x, sum_sq);
-            sum_sq = fmaf(v.y, v.y, sum_sq);
-            sum_sq = fmaf(v.z, v.z, sum_sq);
-            sum_sq = fmaf(v.w, v.w, sum_sq);
+        const int n4 = p.ld / 4;
+        // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072 columns:
+        // 8-12 per thread), then stored and summed in index order.
+        constexpr int kStage = 12;
+        for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
+            float4 v[kStage];
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                if (i < n4) {
+                    x_smem4[i] = v[k];
+                    sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
+                    sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
+                    sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
+                    sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
+                }
+            }
         }
     } else {
 #pragma unroll 4
@@ -164,6 +179,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 
     for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
         if (!first) task_rows<MODE>(p, task, r0, r1);
+        // Pull the warp's next task's rows into L2 while this task is computed.
+        const int next_task = task + task_stride;
+        if (lane == 0 && next_task < p.n_tasks) {
+            int n0, n1;
+            task_rows<MODE>(p, next_task, n0, n1);
+            const uint32_t row_bytes = (uint32_t)p.ld * 2u;
+            prefetch_l2(p.weight + (size_t)n0 * p.ld, n1 == n0 + 1 ? 2u * row_bytes : row_bytes);
+            if (n1 != n0 && n1 != n0 + 1) prefetch_l2(p.weight + (size_t)n1 * p.ld, row_bytes);
+        }
         const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
         float acc0 = 0.f, acc1 = 0.f;
