@@ -108,9 +108,12 @@ def test_hit_only_missing_weight_changes_nothing_then_cpu_fallback_matches():
     finally:
         session.close()
 
-    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu") as full:
-        gpu_tokens = full.generate(PROMPT, 32, stop_token_ids=())
+    # The prompt goes through the decode body token by token on both sides, so that the
+    # CPU continuation is compared with the same GPU arithmetic it replaces.
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu",
+                             prefill="token") as full:
+        gpu_tokens = full.generate(PROMPT, 32, stop_token_ids=())
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", prefill="token",
                              omit_weights={missing}) as partial:
         tokens = partial.generate(PROMPT, 32, stop_token_ids=())
         assert partial.backend == "cpu" and "precheck" in partial.fallback_reason
