@@ -34,7 +34,14 @@ def plot(doc: dict, path: str) -> None:
 
 
 def _series_name(r: dict) -> str:
-    return r["runtime"] if r["runtime"].startswith("hf-") else f"{r['runtime']} ({r['kv']} KV)"
+    if r["runtime"].startswith("hf-"):
+        return r["runtime"]
+    return f"{r['runtime']} ({r['kv']} KV{_page_label(r)})"
+
+
+def _page_label(r: dict) -> str:
+    page = r.get("kv_page_size")
+    return f", page {page}" if page and page <= 4096 else (", contiguous" if page else "")
 
 
 def _unique(items) -> list:
@@ -62,8 +69,8 @@ def _bars(ax, results: list[dict]) -> None:
             ax.annotate(f"floor {floor:.0f}", (i, floor), ha="center", va="bottom", fontsize=8)
     layers = {r["model"]: r["layers"] for r in results}
     ax.set_xticks(range(len(models)), [f"{m}\n{layers[m]} layers" for m in models])
-    ax.set_yscale("log")
-    _plain_numbers(ax.yaxis)
+    # Linear from zero: bar heights compare as ratios (a log axis made 1.08x look like 2x).
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("decode tokens/s (higher is better)")
     ax.set_title("decode throughput per model")
     ax.legend(fontsize=8)
@@ -76,13 +83,13 @@ def _first(results, name, models) -> int:
 
 
 def _context_lines(ax, sweep: list[dict]) -> None:
-    groups = _unique((r["model"], r["kv"]) for r in sweep)
-    for k, (model, kv) in enumerate(groups):
-        rows = [r for r in sweep if (r["model"], r["kv"]) == (model, kv)]
+    groups = _unique((r["model"], r["kv"], _page_label(r)) for r in sweep)
+    for k, (model, kv, page) in enumerate(groups):
+        rows = [r for r in sweep if (r["model"], r["kv"], _page_label(r)) == (model, kv, page)]
         for runtime in _unique(r["runtime"] for r in rows):
             pts = sorted((r["context"], r["ms_per_token"]) for r in rows if r["runtime"] == runtime)
             ax.plot(*zip(*pts), MODE_STYLE.get(runtime, "-"), marker="o", color=f"C{k}",
-                    label=f"{model} {kv} KV {runtime.removeprefix('onegraph-')}")
+                    label=f"{model} {kv} KV{page} {runtime.removeprefix('onegraph-')}")
         floor = sorted({(r["context"], r["floor_ms"]) for r in rows if r["floor_ms"]})
         if floor:
             ax.plot(*zip(*floor), ":", color=f"C{k}", label=f"{model} {kv} KV floor")
