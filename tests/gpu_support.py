@@ -21,3 +21,19 @@ def rel_l2(a, b):
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def greedy_decode(step, prompt, n):
+    """Feed the prompt through step(token) -> logits, then n greedy tokens.
+    Returns (generated tokens, the logits each was chosen from)."""
+    import numpy as np
+    logits = None
+    for t in prompt:
+        logits = step(t)
+    tokens, all_logits = [], []
+    for _ in range(n):
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        all_logits.append(logits)
+        logits = step(token)
+    return tokens, all_logits

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import greedy_decode as _decode
 from runtime import capi
 from runtime.engine import Engine, GpuSession
 from runtime.reference import ReferenceDecoder
@@ -20,18 +21,6 @@ LOGITS_BOUND = {"fp32": 1e-4, "bf16": 1e-2, "int8": 1e-2}
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
 
 
-def _decode(step, prompt, n):
-    """Greedy: returns (generated tokens, logits of every generated position)."""
-    logits = None
-    for t in prompt:
-        logits = step(t)
-    tokens, all_logits = [], []
-    for _ in range(n):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        all_logits.append(logits)
-        logits = step(token)
-    return tokens, all_logits
 
 
 @pytest.fixture(scope="module", autouse=True)

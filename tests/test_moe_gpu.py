@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import greedy_decode as _decode
 from runtime.engine import Engine
 from runtime.reference import ReferenceDecoder
 
@@ -18,17 +19,6 @@ LOGITS_BOUND = {"fp32": 1e-4, "bf16": 1e-2, "int8": 1e-2}
 HF_BOUND = 1e-4  # fp32 on both sides (our fp32 KV); only summation order differs
 
 
-def _decode(step, prompt, n):
-    logits = None
-    for t in prompt:
-        logits = step(t)
-    tokens, all_logits = [], []
-    for _ in range(n):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        all_logits.append(logits)
-        logits = step(token)
-    return tokens, all_logits
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import greedy_decode as decode
 from runtime import capi
 from runtime import capi_testing as ct
 from runtime.engine import Engine, EngineError
@@ -269,17 +270,6 @@ def make_engine(config, tensors, kv="int8", max_seq_len=128, **kw):
     return Engine.from_tensors(config, tensors, kv=kv, max_seq_len=max_seq_len, device="gpu", **kw)
 
 
-def decode(step, prompt, n):
-    """Greedy: (generated tokens, logits of every generated position)."""
-    logits = None
-    for t in prompt:
-        logits = step(t)
-    tokens, all_logits = [], []
-    for _ in range(n):
-        tokens.append(int(np.argmax(logits)))
-        all_logits.append(logits)
-        logits = step(tokens[-1])
-    return tokens, all_logits
 
 
 def pool_bytes(engine) -> np.ndarray:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import greedy_decode as _decode
 from runtime import capi
 from runtime import capi_testing as ct
 from runtime.engine import Engine, GpuSession
@@ -215,17 +216,6 @@ PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 201, 11, 90, 150, 33]  # < 
 LOGITS_BOUND = {"fp32": 1e-4, "int8": 1e-2}
 
 
-def _decode(step, prompt, n):
-    logits = None
-    for t in prompt:
-        logits = step(t)
-    tokens, all_logits = [], []
-    for _ in range(n):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        all_logits.append(logits)
-        logits = step(token)
-    return tokens, all_logits
 
 
 def _quantized_tensors(config, tensors, scheme):
