@@ -5,6 +5,7 @@
 #            over awkward sizes, every KV format)
 #   dense    scripts/short_decode.py, tiny-dense, KV int8 / bf16 / fp32, graph and non-graph
 #   moe      scripts/short_decode.py, tiny-moe (mixed MoE / dense layers), KV int8
+#   quant    the int8 / q4 engine decodes of tests/test_quant_gpu.py (dense and MoE, int8 KV)
 #   paged    scripts/short_decode.py --paged (scrambled KV blocks, a fork with copy-on-write,
 #            sequences in turn, block zeroing), KV int8 / bf16
 #   paged-kernels  pytest tests/test_paged_gpu.py: the zeroing kernel, paged attention, paged
@@ -57,7 +58,7 @@ for tool in "${TOOLS[@]}"; do
     *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
   esac
 done
-read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels prefill guards}"
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill guards}"
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
@@ -75,6 +76,7 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     moe)     printf '%s\n' python3 scripts/short_decode.py --preset tiny-moe --kv int8 ;;
     paged)   printf '%s\n' python3 scripts/short_decode.py --kv int8 bf16 --paged ;;
     paged-kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py -k "kernel or paged_attention or paged_kv_write" ;;
+    quant)   printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "greedy_matches_reference and not fp32" ;;
     prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
