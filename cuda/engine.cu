@@ -493,7 +493,9 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->prefill.tokens = a.take<int32_t>(chunk);
     e->prefill.x = a.take<float>((size_t)chunk * d.H);
     e->prefill.wide = a.take<float>((size_t)chunk * prefill_wide_cols(d.qkv_rows, d.I));
-    e->prefill.narrow = a.take<__nv_bfloat16>((size_t)chunk * prefill_narrow_cols(d.H, d.q_size, d.I));
+    const size_t narrow = (size_t)chunk * prefill_narrow_cols(d.H, d.q_size, d.I);
+    e->prefill.narrow = a.take<__nv_bfloat16>(narrow);     // the GEMM inputs' hi halves
+    e->prefill.narrow_lo = a.take<__nv_bfloat16>(narrow);  // ... and their lo halves
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 

@@ -1,7 +1,9 @@
 // gemm.cu — bf16 x bf16 -> fp32 matrix product on the tensor cores, for the batched prompt
 // pass (prefill.cuh): y[m, n] (= or +=) sum_k a[m, k] * w[n, k].
 //
-//   a: [rows, lda] bf16, the chunk's activations (row m = token m), K contiguous
+//   a: [rows, lda] bf16, the chunk's activations (row m = token m), K contiguous; optionally
+//      as an unevaluated sum of two bf16 matrices a = a_hi + a_lo (the split form prefill
+//      uses: a_hi = bf16(x), a_lo = bf16(x - a_hi) of the fp32 activations x)
 //   w: [cols, ldw] bf16, a weight matrix exactly as the decode GEMV reads it (rows padded to a
 //      multiple of 8 with zeros), K contiguous — i.e. the "col" operand of mma.sync row.col
 //   y: [rows, ldy] fp32
@@ -21,6 +23,12 @@
 // is owned by one thread, its k-sum runs in a fixed order (k tiles in order, mma inside), so
 // results do not depend on the grid or on the other rows: bit-identical run to run and for
 // any chunking of the rows.
+//
+// Split operand (GemmArgs::a_lo not NULL): the a_lo tile is staged with the others (one more
+// 64 x 32 bf16 tile per stage: 45 KiB of shared memory instead of 30) and every weight fragment
+// is multiplied by both a_hi and a_lo, into two sets of fp32 accumulators, each in the fixed
+// k order above; the output is y = sum_hi + sum_lo (then added to y when accumulating). The
+// weights are read from memory once; the tensor-core work is 2x.
 #include "onegraph_testing.h"
 #include "prefill.cuh"
 #include "reliability.cuh"
@@ -68,14 +76,17 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// a[0]: the activations (a_hi when split), a[1]: a_lo (split only).
+template <bool SPLIT>
 struct GemmTiles {
-    __nv_bfloat16 a[kGemmStages][kGemmBM][kGemmSmemLd];
+    __nv_bfloat16 a[SPLIT ? 2 : 1][kGemmStages][kGemmBM][kGemmSmemLd];
     __nv_bfloat16 w[kGemmStages][kGemmBN][kGemmSmemLd];
 };
 
-// Stage k tile `kt` of both operands: 64 rows x 4 chunks each, two chunks per thread each.
-__device__ __forceinline__ void load_tiles(GemmTiles &s, int stage, int kt, const GemmArgs &p,
-                                           int m0, int n0) {
+// Stage k tile `kt` of the operands: 64 rows x 4 chunks each, two chunks per thread each.
+template <bool SPLIT>
+__device__ __forceinline__ void load_tiles(GemmTiles<SPLIT> &s, int stage, int kt,
+                                           const GemmArgs &p, int m0, int n0) {
     const int k0 = kt * kGemmBK;
 #pragma unroll
     for (int i = threadIdx.x; i < kGemmBM * (kGemmBK / 8); i += kGemmThreads) {
@@ -84,27 +95,30 @@ __device__ __forceinline__ void load_tiles(GemmTiles &s, int stage, int kt, cons
         const int m = m0 + row, n = n0 + row;
         const bool a_ok = m < p.rows && col < p.depth;
         const bool w_ok = n < p.cols && col < p.depth;
-        cp_async_16(&s.a[stage][row][col - k0], a_ok ? p.a + (size_t)m * p.lda + col : p.a, a_ok);
+        cp_async_16(&s.a[0][stage][row][col - k0], a_ok ? p.a + (size_t)m * p.lda + col : p.a, a_ok);
+        if constexpr (SPLIT)
+            cp_async_16(&s.a[1][stage][row][col - k0],
+                        a_ok ? p.a_lo + (size_t)m * p.lda + col : p.a_lo, a_ok);
         cp_async_16(&s.w[stage][row][col - k0], w_ok ? p.w + (size_t)n * p.ldw + col : p.w, w_ok);
     }
 }
 
-template <bool ACCUMULATE>
+template <bool ACCUMULATE, bool SPLIT>
 __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs p) {
-    __shared__ __align__(128) GemmTiles s;
+    __shared__ __align__(128) GemmTiles<SPLIT> s;
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
     const int m0 = blockIdx.y * kGemmBM, n0 = blockIdx.x * kGemmBN;
     const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
     const int k_tiles = ceil_div(p.depth, kGemmBK);
 
-    float acc[2][4][4];
+    float acc[2][4][4], acc_lo[2][4][4];  // acc_lo: the a_lo products (split only)
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = acc_lo[i][j][e] = 0.f;
 
 #pragma unroll
     for (int stage = 0; stage < kGemmStages - 1; ++stage) {
@@ -124,19 +138,26 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
         const int stage = kt % kGemmStages;
 #pragma unroll
         for (int kk = 0; kk < kGemmBK; kk += 16) {
-            uint32_t a_frag[2][4], w_frag[2][4];
+            uint32_t a_frag[2][4], lo_frag[2][4], w_frag[2][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-                ldmatrix_x4(a_frag[mi], &s.a[stage][warp_m + mi * 16 + a_row][kk + a_col]);
+            for (int mi = 0; mi < 2; ++mi) {
+                ldmatrix_x4(a_frag[mi], &s.a[0][stage][warp_m + mi * 16 + a_row][kk + a_col]);
+                if constexpr (SPLIT)
+                    ldmatrix_x4(lo_frag[mi], &s.a[1][stage][warp_m + mi * 16 + a_row][kk + a_col]);
+            }
 #pragma unroll
             for (int nj = 0; nj < 2; ++nj)
                 ldmatrix_x4(w_frag[nj], &s.w[stage][warp_n + nj * 16 + w_row][kk + w_col]);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni)
+                for (int ni = 0; ni < 4; ++ni) {
                     mma_bf16_16816(acc[mi][ni], a_frag[mi], w_frag[ni / 2][(ni % 2) * 2],
                                    w_frag[ni / 2][(ni % 2) * 2 + 1]);
+                    if constexpr (SPLIT)
+                        mma_bf16_16816(acc_lo[mi][ni], lo_frag[mi], w_frag[ni / 2][(ni % 2) * 2],
+                                       w_frag[ni / 2][(ni % 2) * 2 + 1]);
+                }
         }
     }
     cp_async_wait<0>();
@@ -156,7 +177,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
                 for (int e = 0; e < 2; ++e) {
                     const int n = n0 + warp_n + ni * 8 + 2 * t + e;
                     if (n < p.cols) {
-                        const float v = acc[mi][ni][half * 2 + e];
+                        const float v = SPLIT ? acc[mi][ni][half * 2 + e] + acc_lo[mi][ni][half * 2 + e]
+                                              : acc[mi][ni][half * 2 + e];
                         if (ACCUMULATE) y_row[n] += v;
                         else y_row[n] = v;
                     }
@@ -173,13 +195,19 @@ cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
     if (args.a == nullptr || args.w == nullptr || args.y == nullptr || args.depth % 8 != 0 ||
         args.lda % 8 != 0 || args.ldw % 8 != 0 || args.depth > args.lda || args.depth > args.ldw ||
         args.ldy < args.cols || (reinterpret_cast<uintptr_t>(args.a) & 15) != 0 ||
+        (reinterpret_cast<uintptr_t>(args.a_lo) & 15) != 0 ||
         (reinterpret_cast<uintptr_t>(args.w) & 15) != 0)
         return cudaErrorInvalidValue;
     const dim3 grid(ceil_div(args.cols, kGemmBN), ceil_div(args.rows, kGemmBM));
     if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
     const dim3 block(kGemmThreads);
-    if (args.accumulate) return launch_kernel(gemm_bf16_kernel<true>, grid, block, 0, stream, false, args);
-    return launch_kernel(gemm_bf16_kernel<false>, grid, block, 0, stream, false, args);
+    if (args.a_lo != nullptr) {
+        if (args.accumulate)
+            return launch_kernel(gemm_bf16_kernel<true, true>, grid, block, 0, stream, false, args);
+        return launch_kernel(gemm_bf16_kernel<false, true>, grid, block, 0, stream, false, args);
+    }
+    if (args.accumulate) return launch_kernel(gemm_bf16_kernel<true, false>, grid, block, 0, stream, false, args);
+    return launch_kernel(gemm_bf16_kernel<false, false>, grid, block, 0, stream, false, args);
 }
 
 }  // namespace og
@@ -187,18 +215,19 @@ cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
 // ---- test entry point (onegraph_testing.h) ------------------------------------------------
 namespace {
 struct DeviceBuffers {  // released on every path out of og_test_gemm
-    void *a = nullptr, *w = nullptr, *y = nullptr;
+    void *a = nullptr, *a_lo = nullptr, *w = nullptr, *y = nullptr;
     ~DeviceBuffers() {
         og::device_free(a);
+        og::device_free(a_lo);
         og::device_free(w);
         og::device_free(y);
     }
 };
 }  // namespace
 
-extern "C" OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *w, int32_t rows,
-                                         int32_t cols, int32_t depth, int32_t accumulate,
-                                         float *y) {
+extern "C" OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo,
+                                         const uint16_t *w, int32_t rows, int32_t cols,
+                                         int32_t depth, int32_t accumulate, float *y) {
     using namespace og;
     if (a == nullptr || w == nullptr || y == nullptr || rows <= 0 || cols <= 0 || depth <= 0 ||
         rows > (1 << 20) || cols > (1 << 20) || depth > (1 << 20) ||
@@ -213,17 +242,24 @@ extern "C" OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *w, i
     const size_t y_bytes = (size_t)rows * cols * sizeof(float);
     DeviceBuffers d;
     OG_CUDA_TRY(device_alloc(&d.a, a_bytes));
+    if (a_lo != nullptr) OG_CUDA_TRY(device_alloc(&d.a_lo, a_bytes));
     OG_CUDA_TRY(device_alloc(&d.w, w_bytes));
     OG_CUDA_TRY(device_alloc(&d.y, y_bytes));
     OG_CUDA_TRY(cudaMemset(d.a, 0, a_bytes));  // pad columns are zeros, as in the library
     OG_CUDA_TRY(cudaMemset(d.w, 0, w_bytes));
     OG_CUDA_TRY(cudaMemcpy2D(d.a, (size_t)ld * 2, a, (size_t)depth * 2, (size_t)depth * 2, rows,
                              cudaMemcpyHostToDevice));
+    if (a_lo != nullptr) {
+        OG_CUDA_TRY(cudaMemset(d.a_lo, 0, a_bytes));
+        OG_CUDA_TRY(cudaMemcpy2D(d.a_lo, (size_t)ld * 2, a_lo, (size_t)depth * 2, (size_t)depth * 2,
+                                 rows, cudaMemcpyHostToDevice));
+    }
     OG_CUDA_TRY(cudaMemcpy2D(d.w, (size_t)ld * 2, w, (size_t)depth * 2, (size_t)depth * 2, cols,
                              cudaMemcpyHostToDevice));
     // y in: the accumulation input, or the caller's poison (never read when accumulate == 0)
     OG_CUDA_TRY(cudaMemcpy(d.y, y, y_bytes, cudaMemcpyHostToDevice));
-    const GemmArgs args = {static_cast<const __nv_bfloat16 *>(d.a), ld,
+    const GemmArgs args = {static_cast<const __nv_bfloat16 *>(d.a),
+                           static_cast<const __nv_bfloat16 *>(d.a_lo), ld,
                            static_cast<const __nv_bfloat16 *>(d.w), ld, static_cast<float *>(d.y),
                            cols, rows, cols, ld, accumulate != 0};
     OG_CUDA_TRY(launch_gemm_bf16(args, 0));

@@ -270,9 +270,9 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
  * the tensor cores, causal attention over the sequence's cached rows and the pass's own), with
  * K/V written into the paged cache exactly as the decode body writes them; then the last
  * token's logits. Later steps (og_begin_step / og_enqueue, graph or not) continue from the
- * cache unchanged. Numerics: as the body, except that the GEMMs' activation inputs are rounded
- * to bf16 (fp32 accumulation); see cuda/prefill.cuh for the bound. Any chunk size gives
- * bit-identical results.
+ * cache unchanged. Numerics: as the body, except that the GEMMs' fp32 activation inputs are
+ * multiplied as hi + lo, two bf16 values (within 2^-16 relative; fp32 accumulation); see
+ * cuda/prefill.cuh for the bound. Any chunk size gives bit-identical results.
  * Everything is checked before any state changes: tokens (OG_E_TOKEN_OUT_OF_RANGE), room
  * (OG_E_CONTEXT_FULL past max_seq_len), the precheck (OG_E_MISSING_WEIGHT), the weight format
  * (OG_E_UNSUPPORTED unless weights_dense is OG_WEIGHTS_BF16: feed such prompts token by token),

@@ -94,9 +94,12 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
 
 /* The prefill GEMM (cuda/gemm.cu): y[m, n] (= or, with accumulate = 1, +=) sum_k a[m, k] *
  * w[n, k]; a [rows, depth] bf16, w [cols, depth] bf16 (rows padded to a multiple of 8 with
- * zeros, as in the library), y [rows, cols] fp32 (input too when accumulating). */
-OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *w, int32_t rows, int32_t cols,
-                              int32_t depth, int32_t accumulate, float *y);
+ * zeros, as in the library), y [rows, cols] fp32 (input too when accumulating). a_lo: NULL,
+ * or [rows, depth] bf16, the low half of a split operand (a = a + a_lo, the form og_prefill
+ * multiplies: y = sum_k a w + sum_k a_lo w, two fp32 sums). */
+OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo, const uint16_t *w,
+                              int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
+                              float *y);
 
 /* ---- reliability hooks (cuda/reliability.cu; test-only, process-wide) ----------------
  * They let tests inject faults and look for damage; a program never needs them. */

@@ -1,15 +1,18 @@
 // prefill.cu — the batched prompt pass: one chunk of prompt tokens through every layer at once
 // (the layer loop and its numerics are described in prefill.cuh). The row-wise kernels here:
 //
+// A GEMM input v (fp32) is stored split, as two bf16 matrices of the same shape: hi = bf16(v),
+// lo = bf16(v - hi) (round to nearest even; lo = 0 where hi overflows to +-inf), see prefill.cuh.
+//
 //   embed_rows          x[r, :] = float(embed_tokens[tokens[r], :])
-//   rmsnorm_rows_bf16   out[r, :] = bf16(x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w), pad cols 0
-//   rope_kv_rows        rope_kv.cu's kernel for every row r at position p0 + r: per-head QK-norm
-//                       and RoPE (q rewritten in place), K/V quantized into the paged cache row
-//                       of block table_row[position / page]; the same block size (128 threads),
-//                       the same sums and the same rounding rules, so a row's K/V equal what
-//                       rope_kv.cu writes from the same qkv values
+//   rmsnorm_rows_split  out[r, :] = split(x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w), pad cols 0
+//   rope_kv_rows        for every row r at position p0 + r and every head, a warp running
+//                       rope_kv.cuh's device functions (QK-norm, RoPE, the cache-row encoding)
+//                       exactly as the decode body does: q rewritten in place, K/V encoded into
+//                       the paged cache row of block table_row[position / page]; a row's K/V
+//                       bits equal what the decode body writes from the same qkv values
 //   prefill_attention   causal attention of the chunk's queries over cache rows [0, p0 + r]
-//   swiglu_rows         act[r, i] = bf16(silu(gate) * up), silu(g) = g / (1 + exp(-g))
+//   swiglu_rows         act[r, i] = split(silu(gate) * up), silu(g) = g / (1 + exp(-g))
 //
 // prefill_attention: grid (query tiles of BQ rows, n_heads), 256 threads as 16 x 16. A block
 // walks the keys [0, p0 + its last row] in tiles of BK rows aligned to position 0, reading each
@@ -17,20 +20,27 @@
 // V as is). Scores are the fp32 dot products of decode attention (the query . dequantized K in
 // head-dim order, divided by sqrt(hd)); the softmax is the online (flash) form in fp32: per row
 // a running max m and sum l, the output rescaled by exp(m_old - m_new) at each tile; masked keys
-// (beyond the row's position) get -inf. out = o / l, rounded to bf16 for the o_proj GEMM. The
+// (beyond the row's position) get -inf. out = o / l, split (hi, lo) for the o_proj GEMM. The
 // head dim is padded with zeros to HD = 64, 128 or 256 in shared memory. Scores differ from
 // decode attention's only in the softmax's summation order (decode sums per split, then combines).
 #include <math.h>
 
 #include "prefill.cuh"
+#include "rope_kv.cuh"
 
 namespace og {
 namespace {
 
 constexpr int kRowThreads = 256;
-constexpr int kRopeThreads = 128;   // = rope_kv.cu's block size: same reductions
-constexpr int kMaxHeadDim = 256;
 constexpr int kAttnThreads = 256;
+
+// v as hi + lo: hi = bf16(v), lo = bf16(v - hi) (exact difference; 0 when hi is +-inf).
+__device__ __forceinline__ void store_split(float v, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    const float hf = __bfloat162float(h);
+    *hi = h;
+    *lo = __float2bfloat16_rn(isinf(hf) ? 0.f : __fsub_rn(v, hf));
+}
 
 __global__ void __launch_bounds__(kRowThreads)
     embed_rows_kernel(const __nv_bfloat16 *table, int vocab, int hidden, const int32_t *tokens,
@@ -47,8 +57,8 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 __global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_rows_bf16_kernel(const float *x, const float *weight, float eps, int hidden,
-                             __nv_bfloat16 *out, int ld) {
+    rmsnorm_rows_split_kernel(const float *x, const float *weight, float eps, int hidden,
+                              __nv_bfloat16 *out, __nv_bfloat16 *out_lo, int ld) {
     __shared__ float scratch[kRowThreads / kWarpSize];
     const int row = blockIdx.x;
     const float *xr = x + (size_t)row * hidden;
@@ -56,13 +66,14 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int i = threadIdx.x; i < hidden; i += kRowThreads) sum_sq = fmaf(xr[i], xr[i], sum_sq);
     const float total = block_sum<kRowThreads>(sum_sq, scratch);
     const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);
-    __nv_bfloat16 *dst = out + (size_t)row * ld;
+    __nv_bfloat16 *dst = out + (size_t)row * ld, *dst_lo = out_lo + (size_t)row * ld;
     for (int i = threadIdx.x; i < ld; i += kRowThreads)
-        dst[i] = __float2bfloat16_rn(i < hidden ? xr[i] * inv_rms * weight[i] : 0.f);
+        store_split(i < hidden ? xr[i] * inv_rms * weight[i] : 0.f, dst + i, dst_lo + i);
 }
 
 __global__ void __launch_bounds__(kRowThreads)
-    swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out, int ld) {
+    swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out,
+                       __nv_bfloat16 *out_lo, int ld) {
     const int64_t total = (int64_t)n_rows * ld;
     for (int64_t idx = (int64_t)blockIdx.x * kRowThreads + threadIdx.x; idx < total;
          idx += (int64_t)gridDim.x * kRowThreads) {
@@ -73,11 +84,11 @@ __global__ void __launch_bounds__(kRowThreads)
             const float up = gate_up[(size_t)row * 2 * inter + inter + i];
             v = gate / (1.0f + expf(-gate)) * up;
         }
-        out[idx] = __float2bfloat16_rn(v);
+        store_split(v, out + idx, out_lo + idx);
     }
 }
 
-// ---- QK-norm + RoPE + KV write, per row (rope_kv.cu's arithmetic) -----------------------
+// ---- QK-norm + RoPE + KV write, per row (rope_kv.cuh's device functions) ----------------
 struct RopeRowsParams {
     float *qkv;                  // [n, qkv_ld]
     int qkv_ld;
@@ -89,100 +100,64 @@ struct RopeRowsParams {
     const int32_t *table_row;    // blocks of the sequence
 };
 
-__device__ __forceinline__ void store_cache_row(const float *values, int head_dim, int kv_dtype,
-                                                void *cache_row, float *scale_out, float *scratch) {
-    if (kv_dtype == OG_KV_F32) {
-        float *dst = static_cast<float *>(cache_row);
-        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) dst[i] = values[i];
-    } else if (kv_dtype == OG_KV_BF16) {
-        __nv_bfloat16 *dst = static_cast<__nv_bfloat16 *>(cache_row);
-        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
-            dst[i] = __float2bfloat16_rn(values[i]);
-    } else {
-        float amax = 0.f;
-        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads)
-            amax = fmaxf(amax, fabsf(values[i]));
-        amax = block_max<kRopeThreads>(amax, scratch);
-        const float scale = amax / 127.0f;
-        int8_t *dst = static_cast<int8_t *>(cache_row);
-        for (int i = threadIdx.x; i < head_dim; i += kRopeThreads) {
-            int q = 0;
-            if (scale > 0.f) {
-                q = __float2int_rn(values[i] / scale);
-                q = max(-127, min(127, q));
-            }
-            dst[i] = (int8_t)q;
-        }
-        if (threadIdx.x == 0 && scale_out != nullptr) *scale_out = scale;
-    }
-}
-
-__global__ void __launch_bounds__(kRopeThreads) rope_kv_rows_kernel(const RopeRowsParams a) {
+// grid (rows, n_heads + n_kv_heads), one warp per block: block (r, h < n_heads) owns query head
+// h of row r, block (r, n_heads + g) KV head g of row r (its k and its v) — rope_kv.cu's kernel
+// per row, with the row's block from the sequence's table instead of the step record.
+__global__ void __launch_bounds__(kWarpSize) rope_kv_rows_kernel(const RopeRowsParams a) {
     __shared__ float head[kMaxHeadDim];
-    __shared__ float scratch[kRopeThreads / kWarpSize];
+    __shared__ float4 row_bytes_s[kMaxHeadDim * 4 / 16];  // the encoded row (unused here)
+    __shared__ float scale_s;
+    const int lane = threadIdx.x;
     const int hd = a.head_dim;
-    const int half = hd / 2;
     const int q_size = a.n_heads * hd;
     const int kv_size = a.n_kv_heads * hd;
     const int row_index = blockIdx.x;
     const bool is_query = (int)blockIdx.y < a.n_heads;
     const int kv_head = (int)blockIdx.y - a.n_heads;
+    const int position = a.p0 + row_index;
+    const float *norm_w = is_query ? a.q_norm : a.k_norm;
+    float w[kHeadSlots];
+    norm_weights(norm_w, hd, lane, w);
+    RopeAngles angles;
+    rope_angles(a.inv_freq, hd, position, lane, angles);
+
     float *qkv = a.qkv + (size_t)row_index * a.qkv_ld;
     float *src = is_query ? qkv + (size_t)blockIdx.y * hd : qkv + q_size + (size_t)kv_head * hd;
-    const float *norm_weight = is_query ? a.q_norm : a.k_norm;
-    const int position = a.p0 + row_index;
-
-    float sum_sq = 0.f;
-    for (int i = threadIdx.x; i < hd; i += kRopeThreads) {
-        const float v = src[i];
-        head[i] = v;
-        sum_sq = fmaf(v, v, sum_sq);
-    }
-    if (norm_weight != nullptr) {
-        const float total = block_sum<kRopeThreads>(sum_sq, scratch);
-        const float inv_rms = 1.0f / sqrtf(total / (float)hd + a.eps);
-        for (int i = threadIdx.x; i < hd; i += kRopeThreads)
-            head[i] = head[i] * inv_rms * norm_weight[i];
-    }
-    __syncthreads();
-    const float pos = (float)position;
-    for (int i = threadIdx.x; i < half; i += kRopeThreads) {
-        float sin_a, cos_a;
-        sincosf(pos * a.inv_freq[i], &sin_a, &cos_a);
-        const float x1 = head[i];
-        const float x2 = head[i + half];
-        head[i] = x1 * cos_a - x2 * sin_a;
-        head[i + half] = x2 * cos_a + x1 * sin_a;
-    }
-    __syncthreads();
+    warp_norm_rope(src, norm_w != nullptr, w, a.eps, angles, hd, head, lane);
     if (is_query) {
-        for (int i = threadIdx.x; i < hd; i += kRopeThreads) src[i] = head[i];
+        for (int i = lane; i < hd; i += kWarpSize) src[i] = head[i];
         return;
     }
     const KvPages &kv = a.kv;
     const int chunk = position / kv.page_size;
     const int block = a.table_row[chunk];
     if (block < 0 || block >= kv.n_blocks) return;  // unreachable: og_prefill reserved the rows
-    const size_t block_offset = (size_t)block * kv.block_stride;
-    const size_t row = (size_t)kv_head * kv.page_size + (position - chunk * kv.page_size);
-    const size_t elem_bytes = a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1;
-    char *k_row = kv.k + block_offset + row * hd * elem_bytes;
-    char *v_row = kv.v + block_offset + row * hd * elem_bytes;
-    float *k_scale = kv.k_scales ? reinterpret_cast<float *>(kv.k_scales + block_offset) + row : nullptr;
-    float *v_scale = kv.v_scales ? reinterpret_cast<float *>(kv.v_scales + block_offset) + row : nullptr;
-    store_cache_row(head, hd, a.kv_dtype, k_row, k_scale, scratch);
-    __syncthreads();
+    const int64_t block_offset = (int64_t)block * kv.block_stride;
+    const int64_t row = (int64_t)kv_head * kv.page_size + (position - chunk * kv.page_size);
+    const int64_t row_bytes = (int64_t)hd * (a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1);
+    char *k_row = kv.k + block_offset + row * row_bytes;
+    char *v_row = kv.v + block_offset + row * row_bytes;
     const float *v_src = qkv + q_size + kv_size + (size_t)kv_head * hd;
-    for (int i = threadIdx.x; i < hd; i += kRopeThreads) head[i] = v_src[i];
-    __syncthreads();
-    store_cache_row(head, hd, a.kv_dtype, v_row, v_scale, scratch);
+    if (a.kv_dtype == OG_KV_F32) {
+        warp_encode_row<OG_KV_F32>(head, hd, row_bytes_s, &scale_s, k_row, nullptr, lane);
+        warp_encode_row<OG_KV_F32>(v_src, hd, row_bytes_s, &scale_s, v_row, nullptr, lane);
+    } else if (a.kv_dtype == OG_KV_BF16) {
+        warp_encode_row<OG_KV_BF16>(head, hd, row_bytes_s, &scale_s, k_row, nullptr, lane);
+        warp_encode_row<OG_KV_BF16>(v_src, hd, row_bytes_s, &scale_s, v_row, nullptr, lane);
+    } else {
+        float *k_scale = reinterpret_cast<float *>(kv.k_scales + block_offset) + row;
+        float *v_scale = reinterpret_cast<float *>(kv.v_scales + block_offset) + row;
+        warp_encode_row<OG_KV_INT8>(head, hd, row_bytes_s, &scale_s, k_row, k_scale, lane);
+        warp_encode_row<OG_KV_INT8>(v_src, hd, row_bytes_s, &scale_s, v_row, v_scale, lane);
+    }
 }
 
 // ---- causal attention over the cache -----------------------------------------------------
 struct PrefillAttnParams {
     const float *q;              // row r, head h at q[r * q_ld + h * hd] (normed, rotated)
     int q_ld;
-    __nv_bfloat16 *out;          // [n, out_ld]: head h at columns [h * hd, (h + 1) * hd)
+    __nv_bfloat16 *out;          // [n, out_ld]: head h at columns [h * hd, (h + 1) * hd), hi
+    __nv_bfloat16 *out_lo;       // [n, out_ld]: ... and lo (store_split)
     int out_ld;
     KvPages kv;
     const int32_t *table_row;
@@ -384,20 +359,22 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
     for (int i = 0; i < RQ; ++i) {
         const int r = ty * RQ + i;
         if (r >= rows_here) continue;
-        __nv_bfloat16 *dst = p.out + (size_t)(row0 + r) * p.out_ld + (size_t)head * hd;
+        const size_t offset = (size_t)(row0 + r) * p.out_ld + (size_t)head * hd;
 #pragma unroll
         for (int kq = 0; kq < DQ; ++kq)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int d = kq * 64 + tx * 4 + e;
-                if (d < hd) dst[d] = __float2bfloat16_rn(o[i][kq * 4 + e] / l_run[i]);
+                if (d < hd) store_split(o[i][kq * 4 + e] / l_run[i], p.out + offset + d, p.out_lo + offset + d);
             }
     }
     // The pad columns after the last head (read by the o_proj GEMM against zero weights).
     const int q_cols = p.n_heads * hd, pad = p.out_ld - q_cols;
     if (head == 0 && pad > 0)
-        for (int i = tid; i < rows_here * pad; i += kAttnThreads)
-            p.out[(size_t)(row0 + i / pad) * p.out_ld + q_cols + i % pad] = __float2bfloat16_rn(0.f);
+        for (int i = tid; i < rows_here * pad; i += kAttnThreads) {
+            const size_t offset = (size_t)(row0 + i / pad) * p.out_ld + q_cols + i % pad;
+            p.out[offset] = p.out_lo[offset] = __float2bfloat16_rn(0.f);
+        }
 }
 
 template <int HD, int BQ, int BK, int KV>
@@ -449,10 +426,12 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
                                     m.embed_tokens, m.V, H, (const int32_t *)s.tokens, s.x));
     for (const PrefillLayer &w : m.layers) {
         // ---- attention block ----
-        OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_bf16_kernel, rows, row_block, 0, stream, false,
-                                        (const float *)s.x, w.input_layernorm, m.eps, H, s.narrow, ldH));
-        OG_CUDA_RETURN_IF(launch_gemm_bf16(
-            GemmArgs{s.narrow, ldH, w.qkv, ldH, s.wide, qkv_rows, n, qkv_rows, ldH, false}, stream));
+        OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream, false,
+                                        (const float *)s.x, w.input_layernorm, m.eps, H, s.narrow,
+                                        s.narrow_lo, ldH));
+        OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.qkv, ldH, s.wide,
+                                                    qkv_rows, n, qkv_rows, ldH, false},
+                                           stream));
         RopeRowsParams rope = {};
         rope.qkv = s.wide;
         rope.qkv_ld = qkv_rows;
@@ -468,11 +447,12 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         rope.kv = w.kv;
         rope.table_row = table_row;
         OG_CUDA_RETURN_IF(launch_kernel(rope_kv_rows_kernel, dim3(n, m.n_heads + m.n_kv),
-                                        dim3(kRopeThreads), 0, stream, false, rope));
+                                        dim3(kWarpSize), 0, stream, false, rope));
         PrefillAttnParams attn = {};
         attn.q = s.wide;
         attn.q_ld = qkv_rows;
         attn.out = s.narrow;
+        attn.out_lo = s.narrow_lo;
         attn.out_ld = ldQ;
         attn.kv = w.kv;
         attn.table_row = table_row;
@@ -484,7 +464,7 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         attn.sqrt_hd = (float)sqrt((double)m.hd);  // as decode attention
         OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
         OG_CUDA_RETURN_IF(launch_gemm_bf16(
-            GemmArgs{s.narrow, ldQ, w.o_proj, ldQ, s.x, H, n, H, ldQ, true}, stream));
+            GemmArgs{s.narrow, s.narrow_lo, ldQ, w.o_proj, ldQ, s.x, H, n, H, ldQ, true}, stream));
 
         // ---- FFN block ----
         if (w.is_moe) {
@@ -505,16 +485,17 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
                     m.Im, x_row, stream, false));
             }
         } else {
-            OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_bf16_kernel, rows, row_block, 0, stream,
+            OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream,
                                             false, (const float *)s.x, w.post_attention_layernorm,
-                                            m.eps, H, s.narrow, ldH));
-            OG_CUDA_RETURN_IF(launch_gemm_bf16(
-                GemmArgs{s.narrow, ldH, w.gate_up, ldH, s.wide, 2 * I, n, 2 * I, ldH, false}, stream));
+                                            m.eps, H, s.narrow, s.narrow_lo, ldH));
+            OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.gate_up, ldH,
+                                                        s.wide, 2 * I, n, 2 * I, ldH, false},
+                                               stream));
             OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n * ldI)),
                                             row_block, 0, stream, false, (const float *)s.wide, I, n,
-                                            s.narrow, ldI));
+                                            s.narrow, s.narrow_lo, ldI));
             OG_CUDA_RETURN_IF(launch_gemm_bf16(
-                GemmArgs{s.narrow, ldI, w.down, ldI, s.x, H, n, H, ldI, true}, stream));
+                GemmArgs{s.narrow, s.narrow_lo, ldI, w.down, ldI, s.x, H, n, H, ldI, true}, stream));
         }
     }
     return cudaSuccess;

@@ -4,26 +4,36 @@
 // A chunk of n prompt tokens (n <= the scratch's chunk rows) at positions [p0, p0 + n) of the
 // selected sequence runs every layer in one pass, as the decode body runs one token:
 //   x [n, H] = embed(tokens)
-//   per layer:  normed16 = bf16(rmsnorm(x))                       [n, ldH]   bf16
-//               qkv      = normed16 . W_qkv^T                      [n, qkv_rows] fp32 (GEMM)
+//   per layer:  normed2  = split(rmsnorm(x))                       [n, ldH]   bf16 hi + lo
+//               qkv      = normed2 . W_qkv^T                       [n, qkv_rows] fp32 (GEMM)
 //               per (row, head): QK-norm + RoPE at p0 + row; K/V quantized into the paged cache
-//               attn16   = bf16(causal attention over cache rows [0, p0 + row])  [n, ldQ]
-//               x       += attn16 . W_o^T                          (GEMM, residual)
-//               dense:   normed16 = bf16(rmsnorm(x)); gate_up = normed16 . W_gu^T (GEMM);
-//                        act16 = bf16(silu(gate) * up); x += act16 . W_down^T (GEMM, residual)
+//               attn2    = split(causal attention over cache rows [0, p0 + row])  [n, ldQ]
+//               x       += attn2 . W_o^T                           (GEMM, residual)
+//               dense:   normed2 = split(rmsnorm(x)); gate_up = normed2 . W_gu^T (GEMM);
+//                        act2 = split(silu(gate) * up); x += act2 . W_down^T (GEMM, residual)
 //               MoE:     per row, the decode body's kernels (router GEMV with the norm fused,
 //                        top-k, experts gate/up + SwiGLU, experts down + weighted residual)
 // The caller then runs the decode body's final RMSNorm + lm_head GEMV on row n - 1 of x.
 //
 // Numerics (vs the decode body, which keeps every activation fp32): the GEMM inputs — the
-// normed hidden state, the attention output and the SwiGLU activation — are rounded to bf16
-// (round to nearest even) so the tensor cores can multiply them; weights are bf16 on both
-// paths and every product is accumulated in fp32. Each GEMM output y = sum_k w_k x_k then
-// differs from the decode path's by at most 2^-8 * sum_k |w_k x_k| (+ fp32 summation order),
-// typically ~2^-9 relative (rel. L2). RMSNorm, QK-norm, RoPE, softmax and the residual stream
-// stay fp32; K/V are quantized with rope_kv.cu's rules (fp32 copy, bf16 round to nearest
-// even, int8 with scale = max|x| / 127 and q = rint(x / scale)), and the attention reads them
-// back dequantized exactly as decode attention does (fp32 query . dequantized K, / sqrt(hd)).
+// normed hidden state, the attention output and the SwiGLU activation — are written as an
+// unevaluated sum of two bf16 values, x = hi + lo with hi = bf16(x), lo = bf16(x - hi) (round
+// to nearest even; x - hi is exact in fp32), so the tensor cores can multiply them:
+// |x - (hi + lo)| <= 2^-8 |x - hi| <= 2^-16 |x|, rms ~2^-18.5 relative (bf16 alone: 2^-8 at
+// most, rms ~2^-9). Weights are bf16 on both paths, bf16 x bf16 products are exact in fp32,
+// and the GEMM sums w.hi and w.lo in two fp32 accumulators (each in a fixed k order), then
+// y = sum_hi + sum_lo. Each GEMM output y = sum_k w_k x_k thus differs from the decode path's
+// by at most 2^-16 * sum_k |w_k x_k| plus the two paths' fp32 summation errors (at most
+// ~depth * 2^-24 * sum_k |w_k x_k| each, typically ~sqrt(depth) * 2^-24): ~2^-18 relative
+// typical (rel. L2), the size of what the fp32 summation order alone moves. QK-norm, RoPE and
+// the K/V encoding run rope_kv.cuh's device functions (the decode body's own code: a warp per
+// head, the same sums and roundings), so equal qkv values give equal K/V bits; RMSNorm,
+// softmax and the residual stream stay fp32, and the attention reads K/V back dequantized
+// exactly as decode attention does (fp32 query . dequantized K, / sqrt(hd)). Where a row's
+// fp32 values still differ from the decode body's (by the bound above), a bf16 or int8 K/V
+// element can round the other way: rel. L2 of a K/V row ~sqrt(delta * u) for a relative move
+// delta and the element rounding u (2^-8 for bf16), ~1e-4 for delta ~2^-18 (~3e-3 when the
+// activations were rounded to bf16 alone).
 // Every row's arithmetic is independent of the chunking (GEMM k-order fixed, attention key
 // tiles aligned to absolute position 0), so any chunk size gives bit-identical results.
 #pragma once
@@ -39,10 +49,13 @@ namespace og {
 // y[m, n] (= or +=) sum_k a[m, k] * w[n, k] for m < rows, n < cols, k < depth:
 //   a [rows, lda] bf16 (activations), w [cols, ldw] bf16 (a weight matrix, rows padded),
 //   y [rows, ldy] fp32. depth must be a multiple of 8 (16-byte chunks) and <= lda, ldw; lda
-//   and ldw multiples of 8; a and w 16-byte aligned. Columns [depth_used, depth) of a and w
-//   must be finite (the library's pad columns are zeros).
+//   and ldw multiples of 8; a, a_lo and w 16-byte aligned. Columns [depth_used, depth) of a,
+//   a_lo and w must be finite (the library's pad columns are zeros).
+//   a_lo: NULL, or the low half of a split operand [rows, lda] (a + a_lo): then
+//   y = sum_k a w + sum_k a_lo w, two fp32 sums in the same k order, added last.
 struct GemmArgs {
     const __nv_bfloat16 *a;
+    const __nv_bfloat16 *a_lo;
     int lda;
     const __nv_bfloat16 *w;
     int ldw;
@@ -74,7 +87,8 @@ struct PrefillScratch {
     int32_t *tokens = nullptr;         // [chunk]
     float *x = nullptr;                // [chunk, H]          the residual stream
     float *wide = nullptr;             // [chunk, prefill_wide_cols]  qkv, then gate|up
-    __nv_bfloat16 *narrow = nullptr;   // [chunk, prefill_narrow_cols] GEMM inputs (bf16)
+    __nv_bfloat16 *narrow = nullptr;   // [chunk, prefill_narrow_cols] GEMM inputs: hi = bf16(x)
+    __nv_bfloat16 *narrow_lo = nullptr;// [chunk, prefill_narrow_cols] and lo = bf16(x - hi)
 };
 inline int prefill_wide_cols(int qkv_rows, int intermediate) {
     return qkv_rows > 2 * intermediate ? qkv_rows : 2 * intermediate;

@@ -53,9 +53,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                              float *y, float *normed);
     fn("og_test_gemv_quant", c_int32, c_int32, c_void_p, c_void_p, c_int32, c_int32, P_f32, P_f32,
        c_float, P_f32, P_f32)
-    # og_status og_test_gemm(const uint16_t *a, const uint16_t *w, int32_t rows, int32_t cols,
-    #                        int32_t depth, int32_t accumulate, float *y);
-    fn("og_test_gemm", P_u16, P_u16, c_int32, c_int32, c_int32, c_int32, P_f32)
+    # og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo, const uint16_t *w,
+    #                        int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
+    #                        float *y);
+    fn("og_test_gemm", P_u16, P_u16, P_u16, c_int32, c_int32, c_int32, c_int32, P_f32)
     # og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
     #                                 float *inv_freq);
     fn("og_test_rope_inv_freq", c_int32, c_double, c_double, P_f32)
@@ -200,17 +201,36 @@ def gemv(weight_bits: np.ndarray, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def gemm(a_bits: np.ndarray, w_bits: np.ndarray, y: np.ndarray | None = None) -> np.ndarray:
+def gemm(a_bits: np.ndarray, w_bits: np.ndarray, y: np.ndarray | None = None,
+         a_lo_bits: np.ndarray | None = None) -> np.ndarray:
     """The prefill GEMM: a [rows, depth] bf16 bits . w [cols, depth] bf16 bits^T -> [rows, cols]
-    fp32, added to y when it is given (else into a NaN-poisoned buffer)."""
+    fp32, added to y when it is given (else into a NaN-poisoned buffer). a_lo_bits (same shape
+    as a): the low half of a split operand, a + a_lo (the form og_prefill multiplies)."""
     a_bits, w_bits = _array(a_bits, np.uint16), _array(w_bits, np.uint16)
     (rows, depth), (cols, depth_w) = a_bits.shape, w_bits.shape
     if depth != depth_w:
         raise ValueError(f"gemm: a has {depth} columns, w has {depth_w}")
+    a_lo = None
+    if a_lo_bits is not None:
+        a_lo_bits = _array(a_lo_bits, np.uint16)
+        if a_lo_bits.shape != a_bits.shape:
+            raise ValueError(f"gemm: a_lo has shape {a_lo_bits.shape}, a {a_bits.shape}")
+        a_lo = _p(a_lo_bits, c_uint16)
     out = _out((rows, cols)) if y is None else _array(y, np.float32).copy()
-    _check(load().og_test_gemm(_p(a_bits, c_uint16), _p(w_bits, c_uint16), rows, cols, depth,
+    _check(load().og_test_gemm(_p(a_bits, c_uint16), a_lo, _p(w_bits, c_uint16), rows, cols, depth,
                                0 if y is None else 1, _p(out, c_float)), "og_test_gemm")
     return out
+
+
+def bf16_split(values) -> tuple[np.ndarray, np.ndarray]:
+    """float32 -> (hi, lo) bf16 bit patterns with hi = bf16(x), lo = bf16(x - hi), both round
+    to nearest even: the split form og_prefill gives its GEMMs (cuda/prefill.cuh)."""
+    f = np.ascontiguousarray(values, dtype=np.float32)
+    hi = bf16_bits(f)
+    hi_f = bf16_to_f32(hi)
+    with np.errstate(invalid="ignore"):
+        rest = np.where(np.isinf(hi_f), np.float32(0), f - hi_f)  # hi = +-inf: lo = 0
+    return hi, bf16_bits(rest)
 
 
 def gemv_rmsnorm(weight_bits: np.ndarray, x: np.ndarray, norm_weight: np.ndarray, eps: float):

@@ -36,6 +36,27 @@ def test_abi_4_in_header_binding_and_rust():
     assert re.findall(r"pub (\w+):", config_rs)[-1] == "prefill_chunk"
 
 
+def test_bf16_split_is_within_2_to_the_minus_16():
+    """The GEMM inputs of og_prefill (cuda/prefill.cuh, "Numerics"): x = hi + lo, hi = bf16(x),
+    lo = bf16(x - hi): within 2^-16 |x| (2^-8 of a residual at most 2^-8 |x|), rms ~2^-18.5
+    relative; the numerics statement and the GPU tests' bounds rest on this."""
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(200_000), rng.standard_normal(1000) * 1e30,
+                        rng.standard_normal(1000) * 1e-30, [0.0, -0.0, 1.0, 3.0e38]]).astype(np.float32)
+    hi, lo = ct.bf16_split(x)
+    x64 = x.astype(np.float64)
+    approx = ct.bf16_to_f32(hi).astype(np.float64) + ct.bf16_to_f32(lo).astype(np.float64)
+    err = np.abs(approx - x64)
+    assert np.all(err <= 2.0 ** -16 * np.abs(x64))
+    normal = slice(0, 200_000)
+    typical = np.sqrt(np.mean((err[normal] / np.abs(x64[normal])) ** 2))
+    assert 2.0 ** -20 < typical < 2.0 ** -18, typical
+    # ... against bf16 alone: 2^-8 at most, ~2^-9 typical
+    one = np.abs(ct.bf16_to_f32(hi).astype(np.float64) - x64)[normal] / np.abs(x64[normal])
+    assert one.max() <= 2.0 ** -8 and typical < one.max() / 64
+
+
 def test_og_prefill_is_bound(lib):  # noqa: F811
     f = lib.og_prefill
     assert f.restype is ctypes.c_int32
