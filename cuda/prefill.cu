@@ -132,24 +132,8 @@ __global__ void __launch_bounds__(kWarpSize) rope_kv_rows_kernel(const RopeRowsP
     const int chunk = position / kv.page_size;
     const int block = a.table_row[chunk];
     if (block < 0 || block >= kv.n_blocks) return;  // unreachable: og_prefill reserved the rows
-    const int64_t block_offset = (int64_t)block * kv.block_stride;
-    const int64_t row = (int64_t)kv_head * kv.page_size + (position - chunk * kv.page_size);
-    const int64_t row_bytes = (int64_t)hd * (a.kv_dtype == OG_KV_F32 ? 4 : a.kv_dtype == OG_KV_BF16 ? 2 : 1);
-    char *k_row = kv.k + block_offset + row * row_bytes;
-    char *v_row = kv.v + block_offset + row * row_bytes;
-    const float *v_src = qkv + q_size + kv_size + (size_t)kv_head * hd;
-    if (a.kv_dtype == OG_KV_F32) {
-        warp_encode_row<OG_KV_F32>(head, hd, row_bytes_s, &scale_s, k_row, nullptr, lane);
-        warp_encode_row<OG_KV_F32>(v_src, hd, row_bytes_s, &scale_s, v_row, nullptr, lane);
-    } else if (a.kv_dtype == OG_KV_BF16) {
-        warp_encode_row<OG_KV_BF16>(head, hd, row_bytes_s, &scale_s, k_row, nullptr, lane);
-        warp_encode_row<OG_KV_BF16>(v_src, hd, row_bytes_s, &scale_s, v_row, nullptr, lane);
-    } else {
-        float *k_scale = reinterpret_cast<float *>(kv.k_scales + block_offset) + row;
-        float *v_scale = reinterpret_cast<float *>(kv.v_scales + block_offset) + row;
-        warp_encode_row<OG_KV_INT8>(head, hd, row_bytes_s, &scale_s, k_row, k_scale, lane);
-        warp_encode_row<OG_KV_INT8>(v_src, hd, row_bytes_s, &scale_s, v_row, v_scale, lane);
-    }
+    warp_store_kv_row(kv, a.kv_dtype, block, position, kv_head, hd, head,
+                      qkv + q_size + kv_size + (size_t)kv_head * hd, row_bytes_s, &scale_s, lane);
 }
 
 // ---- causal attention over the cache -----------------------------------------------------

@@ -132,4 +132,30 @@ __device__ __forceinline__ void warp_encode_row(const float *values, int hd, voi
     __syncwarp();
 }
 
+// Store the new K and V rows of KV head kv_head at `position` into block `block` of the paged
+// cache (row kv_head * page_size + position % page_size of each page), encoded as above. The
+// decode KV-write kernel and prefill's per-row kernel share it so both write identical bytes.
+__device__ __forceinline__ void warp_store_kv_row(const KvPages &kv, int kv_dtype, int block,
+                                                  int position, int kv_head, int hd,
+                                                  const float *k_src, const float *v_src,
+                                                  void *row_s, float *scale_s, int lane) {
+    const int64_t block_offset = (int64_t)block * kv.block_stride;
+    const int64_t row = (int64_t)kv_head * kv.page_size + position % kv.page_size;
+    const int64_t row_bytes = (int64_t)hd * (kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1);
+    char *k_row = kv.k + block_offset + row * row_bytes;
+    char *v_row = kv.v + block_offset + row * row_bytes;
+    if (kv_dtype == OG_KV_F32) {
+        warp_encode_row<OG_KV_F32>(k_src, hd, row_s, scale_s, k_row, nullptr, lane);
+        warp_encode_row<OG_KV_F32>(v_src, hd, row_s, scale_s, v_row, nullptr, lane);
+    } else if (kv_dtype == OG_KV_BF16) {
+        warp_encode_row<OG_KV_BF16>(k_src, hd, row_s, scale_s, k_row, nullptr, lane);
+        warp_encode_row<OG_KV_BF16>(v_src, hd, row_s, scale_s, v_row, nullptr, lane);
+    } else {
+        float *k_scale = reinterpret_cast<float *>(kv.k_scales + block_offset) + row;
+        float *v_scale = reinterpret_cast<float *>(kv.v_scales + block_offset) + row;
+        warp_encode_row<OG_KV_INT8>(k_src, hd, row_s, scale_s, k_row, k_scale, lane);
+        warp_encode_row<OG_KV_INT8>(v_src, hd, row_s, scale_s, v_row, v_scale, lane);
+    }
+}
+
 }  // namespace og
