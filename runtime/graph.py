@@ -103,29 +103,25 @@ class DecodeGraph:
         self.launch()
         self.synchronize()
 
-    def node_types(self) -> Counter:
-        """How many nodes of each type the captured graph holds, e.g. {'Kernel': 170, 'Memcpy': 2}."""
+    def _typed_nodes(self):
+        """(node, cudaGraphNodeType) for every node of the captured graph."""
         rt = self._rt
         _, count = _check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
         nodes, _ = _check(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
-        kinds = Counter()
-        for node in nodes:
-            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
-            kinds[kind.name.replace("cudaGraphNodeType", "")] += 1
-        return kinds
+        return [(node, _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")) for node in nodes]
+
+    def node_types(self) -> Counter:
+        """How many nodes of each type the captured graph holds, e.g. {'Kernel': 170, 'Memcpy': 2}."""
+        return Counter(kind.name.replace("cudaGraphNodeType", "") for _, kind in self._typed_nodes())
 
     def memcpy_directions(self) -> Counter:
         """The captured memcpy nodes by direction name (e.g. {'HostToDevice': 1, 'DeviceToHost': 1})."""
         rt = self._rt
-        _, count = _check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
-        nodes, _ = _check(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
         directions = Counter()
-        for node in nodes:
-            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
-            if kind != rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
-                continue
-            params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
-            directions[params.kind.name.replace("cudaMemcpy", "")] += 1
+        for node, kind in self._typed_nodes():
+            if kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+                params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
+                directions[params.kind.name.replace("cudaMemcpy", "")] += 1
         return directions
 
     def close(self) -> None:
