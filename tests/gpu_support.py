@@ -1,5 +1,31 @@
-"""Shared by the GPU tests: skip cleanly unless the library is built and a device is usable."""
+"""Shared by the tests: building the library, skipping cleanly unless it is built and a device
+is usable, synthetic models, greedy decoding."""
+import importlib.util
+import os
+import pathlib
+
 import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_build_module():
+    """build.py as a module (a script at the repository root, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("onegraph_build", ROOT / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_library_or_skip():
+    """Build the library (incremental) unless $ONEGRAPH_LIB names one; skip without nvcc.
+    Returns the built library's path, or None when $ONEGRAPH_LIB is used."""
+    if os.environ.get("ONEGRAPH_LIB"):
+        return None
+    build = load_build_module()
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
+    return build.build_library()
 
 
 def require_gpu():

@@ -4,14 +4,12 @@ block allocator through its host-only test entry points, and the Engine's sequen
 CPU path. The kernel and the engine on the GPU: tests/test_paged_gpu.py."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from gpu_support import synthetic
+from gpu_support import build_library_or_skip, load_build_module, synthetic
 from runtime import capi
 from runtime.engine import Engine, EngineError
 from runtime.kvpool import PoolLayout, zero_blocks
@@ -149,20 +147,9 @@ def test_zeroing_one_segment_leaves_its_neighbours():
 
 # ---- the library's allocator, on the host ---------------------------------------------------------
 
-def _load_build_module():
-    spec = importlib.util.spec_from_file_location("onegraph_build", ROOT / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def allocator_type():
-    if not os.environ.get("ONEGRAPH_LIB"):
-        build = _load_build_module()
-        if build.find_nvcc() is None:
-            pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
-        build.build_library()
+    build_library_or_skip()
     try:
         from runtime import capi_testing
         capi_testing.load()
@@ -244,7 +231,7 @@ def test_sequences_on_the_host(tmp_path):
     the CUDA runtime stubbed (tests/native/cuda_stubs.cpp). About 5 s to compile."""
     import shutil
     import subprocess
-    build = _load_build_module()
+    build = load_build_module()
     nvcc, cxx = build.find_nvcc(), shutil.which("g++") or shutil.which("c++")
     if nvcc is None or cxx is None:
         pytest.skip("nvcc and a host C++ compiler are needed")

@@ -8,7 +8,6 @@ Skips with the reason when the library cannot be built here (no nvcc).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import pathlib
 import threading
@@ -16,26 +15,17 @@ import threading
 import numpy as np
 import pytest
 
+from gpu_support import build_library_or_skip
 from runtime import capi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER = ROOT / "cuda" / "onegraph.h"
 
 
-def _load_build_module():
-    spec = importlib.util.spec_from_file_location("onegraph_build", ROOT / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def lib():
     if not os.environ.get("ONEGRAPH_LIB"):
-        build = _load_build_module()
-        if build.find_nvcc() is None:
-            pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
-        path = build.build_library()  # incremental: returns at once when up to date
+        path = build_library_or_skip()  # incremental: returns at once when up to date
         assert path is not None and pathlib.Path(path).is_file()
     try:
         return capi.load_library()

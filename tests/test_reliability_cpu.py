@@ -9,7 +9,6 @@ The GPU half is tests/test_reliability_gpu.py.
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
 import re
 
@@ -17,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_support import synthetic
+from gpu_support import build_library_or_skip, synthetic
 from runtime import capi
 from runtime.engine import Engine, EngineError, check_finite
 from runtime.graph import GraphError
@@ -46,14 +45,7 @@ def handle_functions(header: pathlib.Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lib():
-    if not os.environ.get("ONEGRAPH_LIB"):
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("onegraph_build", ROOT / "build.py")
-        build = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(build)
-        if build.find_nvcc() is None:
-            pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
-        build.build_library()
+    build_library_or_skip()
     try:
         library = capi.load_library()
     except capi.LibraryUnavailable as e:
