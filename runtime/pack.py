@@ -249,6 +249,9 @@ def decode_main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
     p.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto")
     p.add_argument("--no-graph", action="store_true")
+    # The C and Rust programs feed the prompt one og_step per token; "token" by default here too,
+    # so the three programs run the same kernels and print the same ids.
+    p.add_argument("--prefill", choices=["token", "batched"], default="token")
     p.add_argument("file")
     p.add_argument("n", type=int)
     p.add_argument("ids", type=int, nargs="+")
@@ -256,7 +259,7 @@ def decode_main(argv=None) -> int:
     from .engine import Engine
     config, tensors = open_packed(args.file)
     engine = Engine.from_tensors(config, tensors, kv=args.kv, max_seq_len=args.max_seq_len,
-                                 graph=not args.no_graph, device=args.device)
+                                 graph=not args.no_graph, device=args.device, prefill=args.prefill)
     with engine:
         t0 = time.perf_counter()
         tokens = engine.generate(args.ids, args.n, stop_token_ids=())

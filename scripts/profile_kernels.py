@@ -4,6 +4,9 @@
         --csv --page raw --print-units base python3 scripts/profile_kernels.py --preset qwen3-0.6b --context 96 > ncu.csv
     python3 scripts/profile_kernels.py --summarize ncu.csv --steps 2
 
+With --prefill N the profiled region is instead one batched prefill of an N-token prompt
+(summarize with --steps 1). --weights int8|q4 profiles quantized weights.
+
 The decode runs on the non-graph path (each kernel launched on its own, so each is
 profiled alone); the profiler is switched on only around `--steps` decode steps taken
 after a prompt that fills the cache to `--context` tokens.
@@ -25,8 +28,18 @@ def run(args) -> None:
     from runtime.synth import iter_tensors, preset_config
     config = preset_config(args.preset, num_hidden_layers=args.layers)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.context)]
+    if args.prefill:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.prefill)]
+        with Engine(config, lambda: iter_tensors(config), kv=args.kv, max_seq_len=args.prefill + 1,
+                    graph=False, device="gpu", weights=args.weights) as engine:
+            engine.prefill(prompt[:8])  # warm-up outside the profiled region
+            engine.reset()
+            rt.cudaProfilerStart()
+            engine.prefill(prompt)
+            rt.cudaProfilerStop()
+        return
     with Engine(config, lambda: iter_tensors(config), kv=args.kv, max_seq_len=args.context + args.steps + 1,
-                graph=False, device="gpu") as engine:
+                graph=False, device="gpu", weights=args.weights) as engine:
         logits = engine.prefill(prompt)
         rt.cudaProfilerStart()
         for _ in range(args.steps):
@@ -62,6 +75,8 @@ if __name__ == "__main__":
     p.add_argument("--kv", default="int8")
     p.add_argument("--context", type=int, default=96)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--prefill", type=int, default=0, help="profile one batched prefill of this many tokens")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "q4"])
     p.add_argument("--summarize", default=None, help="an ncu --csv --page raw output to summarize")
     a = p.parse_args()
     summarize(a.summarize, a.steps) if a.summarize else run(a)

@@ -246,7 +246,8 @@ def test_second_turn_and_fork_equal_one_prefill():
         _assert_greedy_agrees(got, want, margins)
         if got != want:
             return
-        ref.step(want[-1])
+        # generate() leaves its last token unfed; _reference_greedy fed all of its tokens. Both
+        # now hold first + the 10 generated tokens.
         engine.step(got[-1])
         got2 = engine.generate(second, 20, stop_token_ids=())
         want2, margins2, _ = _reference_greedy(ref, second, 20)
