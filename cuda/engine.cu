@@ -488,7 +488,9 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         e->moe_act = a.take<float>((size_t)d.top_k * d.Im);
     }
     // og_prefill's scratch for one chunk of rows (prefill.cuh)
-    const int chunk = std::min(e->cfg.prefill_chunk > 0 ? e->cfg.prefill_chunk : 256, d.max_seq);
+    // 1024 rows by default: the prefill attention runs (rows / 64) x heads blocks, and 256-row
+    // chunks (64 blocks for 16 heads) left half of an H200's 132 SMs idle.
+    const int chunk = std::min(e->cfg.prefill_chunk > 0 ? e->cfg.prefill_chunk : 1024, d.max_seq);
     e->prefill.chunk = chunk;
     e->prefill.tokens = a.take<int32_t>(chunk);
     e->prefill.x = a.take<float>((size_t)chunk * d.H);

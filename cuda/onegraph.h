@@ -162,7 +162,7 @@ typedef struct og_config {
                                        for one full-length sequence                       */
     int32_t kv_max_sequences;       /* sequences alive at once; 0 = 16                    */
     /* batched prefill (og_prefill), ABI 4 */
-    int32_t prefill_chunk;          /* prompt rows per pass of og_prefill; 0 = 256 (capped at
+    int32_t prefill_chunk;          /* prompt rows per pass of og_prefill; 0 = 1024 (capped at
                                        max_seq_len). Sizes its scratch, allocated at init   */
 } og_config;
 

@@ -212,7 +212,7 @@ def test_chunked_prefill_is_bit_identical_to_one_pass(kv):
     config, tensors = _model("tiny-dense")
     prompt = _prompt(config, 150)
     out = {}
-    for chunk in (0, 7, 64):  # 0 = 256: one pass
+    for chunk in (0, 7, 64):  # 0 = 1024: one pass
         with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=160, device="gpu", kv_page_size=16,
                                  prefill_chunk=chunk) as engine:
             logits = engine.prefill(prompt)
