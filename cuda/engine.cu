@@ -785,7 +785,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
                                c.rms_norm_eps, e->router_logits, e->normed};
             OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
             OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
-                                        e->selected_experts, e->selected_weights, stream));
+                                        e->selected_experts, e->selected_weights, stream, pdl));
             const MoeExperts gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales,
                                         w.expert_gate_up.format};
             const MoeExperts down = {w.expert_down.data, w.expert_down.scales,

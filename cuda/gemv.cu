@@ -221,11 +221,14 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 //     staged input value read from shared memory feeds four rows (a 16-byte chunk carries 16 or
 //     32 values: with two rows, reading x would cost 4-8 shared-memory bytes per weight byte);
 //   - lane l reads chunks l, l + 32, ... of every row, kQuantUnroll chunks of each of the 4 rows
-//     in flight (8 x 16 bytes per lane), and sums as quant.cuh's rows_dot says;
+//     in flight (16 x 16 bytes per lane), and sums as quant.cuh's rows_dot says;
 //   - the staged input is swizzled per chunk (quant.cuh) so the 16-byte shared loads of a
 //     quarter-warp hit distinct banks.
 constexpr int kQuantRows = 4;
-constexpr int kQuantUnroll = 2;
+// 4: a warp keeps 8 KB in flight. With 2 (4 KB), the 8B shape's int8 GEMVs read 1.5-2.7 TB/s
+// in ncu: eight such warps per SM cover too little of the DRAM latency. Same per-lane chunk
+// order whatever the unroll, so the sums are unchanged.
+constexpr int kQuantUnroll = 4;
 
 struct QuantGemvParams {
     const uint8_t *weight;

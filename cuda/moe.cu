@@ -108,6 +108,8 @@ __global__ void __launch_bounds__(32)
 moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, int norm,
                 int32_t *__restrict__ selected, float *__restrict__ weights) {
     const int lane = threadIdx.x;
+    og::pdl_wait();  // the router GEMV's logits
+    og::pdl_launch_dependents();
     float p[VPL];
     unsigned unavailable = 0;  // bit v: slot v is past E or already picked
     float m = -INFINITY;
@@ -217,6 +219,8 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         }
     };
 
+    og::pdl_wait();  // selected (top-k) and x_normed (router GEMV) come from earlier kernels
+    og::pdl_launch_dependents();
     int p = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (p < pairs) {  // first weights in flight while x is staged
         locate(p);
@@ -287,6 +291,8 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
     const size_t expert_chunks = (size_t)hidden * nch;
+    og::pdl_wait();  // selected, sel_weights and act come from earlier kernels
+    og::pdl_launch_dependents();
     // Lane j holds expert j's id and weight (top_k <= 32); items fetch them by shuffle.
     const int e_lane = lane < top_k ? __ldg(selected + lane) : 0;
     const float w_lane = lane < top_k ? __ldg(sel_weights + lane) : 0.0f;
@@ -367,7 +373,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
 // shared memory, swizzled per 16-byte chunk; a warp handles four rows so that every staged
 // value read feeds four rows; kQuantUnroll 16-byte chunks of each row in flight per lane.
 constexpr int kQuantRows = 4;
-constexpr int kQuantUnroll = 2;
+constexpr int kQuantUnroll = 4;  // as gemv.cu: 8 KB in flight per warp
 // down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per SM), so each lane keeps
 // more chunks in flight: 4 x 4 rows x 16 bytes.
 constexpr int kDownQuantUnroll = 4;
@@ -599,33 +605,24 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top_k,
                             int norm_topk_prob, int32_t *selected_experts,
-                            float *selected_weights, cudaStream_t stream) {
+                            float *selected_weights, cudaStream_t stream, bool pdl) {
     if (!router_logits || !selected_experts || !selected_weights) return cudaErrorInvalidValue;
     if (num_experts < 1 || num_experts > kMaxExperts) return cudaErrorInvalidValue;
     if (top_k < 1 || top_k > kMaxTopK || top_k > num_experts) return cudaErrorInvalidValue;
     const int norm = norm_topk_prob ? 1 : 0;
-    if (num_experts <= 32)
-        moe_topk_kernel<1><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
-                                                 selected_experts, selected_weights);
-    else if (num_experts <= 64)
-        moe_topk_kernel<2><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
-                                                 selected_experts, selected_weights);
-    else if (num_experts <= 128)
-        moe_topk_kernel<4><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
-                                                 selected_experts, selected_weights);
-    else if (num_experts <= 256)
-        moe_topk_kernel<8><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
-                                                 selected_experts, selected_weights);
-    else
-        moe_topk_kernel<16><<<1, 32, 0, stream>>>(router_logits, num_experts, top_k, norm,
-                                                  selected_experts, selected_weights);
-    return cudaGetLastError();
+    const auto kernel = num_experts <= 32    ? &moe_topk_kernel<1>
+                        : num_experts <= 64  ? &moe_topk_kernel<2>
+                        : num_experts <= 128 ? &moe_topk_kernel<4>
+                        : num_experts <= 256 ? &moe_topk_kernel<8>
+                                             : &moe_topk_kernel<16>;
+    return og::launch_kernel(kernel, dim3(1), dim3(32), 0, stream, pdl, router_logits,
+                             num_experts, top_k, norm, selected_experts, selected_weights);
 }
 
 cudaError_t launch_moe_gate_up_swiglu(const __nv_bfloat16 *gate_up_weights,
                                       const float *x_normed, const int32_t *selected_experts,
                                       int top_k, int hidden, int moe_inter, float *act,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, bool pdl) {
     if (!gate_up_weights || !x_normed || !selected_experts || !act) return cudaErrorInvalidValue;
     if (!aligned16(gate_up_weights)) return cudaErrorInvalidValue;
     if (top_k < 1 || top_k > kMaxTopK || hidden < 1 || moe_inter < 1) return cudaErrorInvalidValue;
@@ -636,9 +633,9 @@ cudaError_t launch_moe_gate_up_swiglu(const __nv_bfloat16 *gate_up_weights,
     int grid = 0;
     cudaError_t err = persistent_grid(fn, smem, (long long)top_k * moe_inter, &grid);
     if (err != cudaSuccess) return err;
-    moe_gate_up_swiglu_kernel<kGateUpUnroll><<<grid, kThreads, smem, stream>>>(
-        gate_up_weights, x_normed, selected_experts, top_k, hidden, moe_inter, act);
-    return cudaGetLastError();
+    return og::launch_kernel(&moe_gate_up_swiglu_kernel<kGateUpUnroll>, dim3(grid), dim3(kThreads),
+                             smem, stream, pdl, gate_up_weights, x_normed, selected_experts, top_k,
+                             hidden, moe_inter, act);
 }
 
 cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
@@ -646,7 +643,7 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
                                               const int32_t *selected_experts,
                                               const float *selected_weights, int top_k,
                                               int hidden, int moe_inter, float *x,
-                                              cudaStream_t stream) {
+                                              cudaStream_t stream, bool pdl) {
     if (!down_weights || !act || !selected_experts || !selected_weights || !x)
         return cudaErrorInvalidValue;
     if (!aligned16(down_weights)) return cudaErrorInvalidValue;
@@ -657,9 +654,9 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
     int grid = 0;
     cudaError_t err = persistent_grid(fn, smem, hidden, &grid);
     if (err != cudaSuccess) return err;
-    moe_down_kernel<kDownDepth><<<grid, kThreads, smem, stream>>>(
-        down_weights, act, selected_experts, selected_weights, top_k, hidden, moe_inter, x);
-    return cudaGetLastError();
+    return og::launch_kernel(&moe_down_kernel<kDownDepth>, dim3(grid), dim3(kThreads), smem,
+                             stream, pdl, down_weights, act, selected_experts, selected_weights,
+                             top_k, hidden, moe_inter, x);
 }
 
 namespace {
@@ -713,7 +710,7 @@ cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_
     if (gate_up.format == OG_WEIGHTS_BF16)
         return launch_moe_gate_up_swiglu(static_cast<const __nv_bfloat16 *>(gate_up.data),
                                          x_normed, selected_experts, top_k, hidden, moe_inter,
-                                         act, stream);
+                                         act, stream, pdl);
     if (!x_normed || !selected_experts || !act || !valid_quant_args(gate_up, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
     if (gate_up.format == OG_WEIGHTS_INT8)
@@ -733,7 +730,7 @@ cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const floa
     if (down.format == OG_WEIGHTS_BF16)
         return launch_moe_down_weighted_residual(static_cast<const __nv_bfloat16 *>(down.data),
                                                  act, selected_experts, selected_weights, top_k,
-                                                 hidden, moe_inter, x, stream);
+                                                 hidden, moe_inter, x, stream, pdl);
     if (!act || !selected_experts || !selected_weights || !x ||
         !valid_quant_args(down, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;

@@ -28,14 +28,14 @@
 // norm_topk_prob, the selected weights are divided by their sum. One small block.
 cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top_k,
                             int norm_topk_prob, int32_t *selected_experts,
-                            float *selected_weights, cudaStream_t stream);
+                            float *selected_weights, cudaStream_t stream, bool pdl = false);
 
 // act[j, i] = silu(gate_e[i] . x) * (up_e[i] . x),  e = selected_experts[j],
 // for j < top_k, i < moe_inter; fp32 accumulation.
 cudaError_t launch_moe_gate_up_swiglu(const __nv_bfloat16 *gate_up_weights,
                                       const float *x_normed, const int32_t *selected_experts,
                                       int top_k, int hidden, int moe_inter, float *act,
-                                      cudaStream_t stream);
+                                      cudaStream_t stream, bool pdl = false);
 
 // For every row r < hidden:
 //   y = 0; for j in 0..top_k-1 (selection order): y += selected_weights[j] * (down_e[r] . act[j])
@@ -47,7 +47,7 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
                                               const int32_t *selected_experts,
                                               const float *selected_weights, int top_k,
                                               int hidden, int moe_inter, float *x,
-                                              cudaStream_t stream);
+                                              cudaStream_t stream, bool pdl = false);
 
 // The experts' weights in any OG_WEIGHTS_* format (scales NULL for bf16).
 struct MoeExperts {
@@ -56,8 +56,10 @@ struct MoeExperts {
     int format;
 };
 
-// The two launchers above for any weight format. bf16 runs the kernels above (pdl ignored:
-// they are launched plainly); int8 / q4 run dequantizing kernels that compute the same sums
+// With pdl, every MoE kernel is launched with programmatic dependent launch: it waits on its
+// predecessor (griddepcontrol.wait) before reading anything an earlier kernel wrote, so its
+// launch overlaps the predecessor's tail.
+// The two launchers above for any weight format. bf16 runs the kernels above; int8 / q4 run dequantizing kernels that compute the same sums
 // up to fp32 rounding order:
 //   gate_up: a warp computes two outputs (gate rows i, i+1 and up rows I+i, I+i+1 of one
 //            selected expert), sharing each staged x value among four rows;
@@ -65,8 +67,6 @@ struct MoeExperts {
 //            rows as one long dot product against the concatenated act vectors, each 16-byte
 //            chunk's partial sum scaled by selected_weights[j] * (row scale or group scale);
 //            x[r] += the warp's sum.
-// With pdl, the quantized kernels are launched with programmatic dependent launch (they wait
-// on their predecessor before reading anything).
 cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_normed,
                                       const int32_t *selected_experts, int top_k, int hidden,
                                       int moe_inter, float *act, cudaStream_t stream, bool pdl);
