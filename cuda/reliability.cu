@@ -163,13 +163,17 @@ og_status GuardSet::corrupt(const char *name, int after, cudaStream_t stream) co
         // Flip the band's first byte after the buffer (an off-by-one write), or its last byte
         // before it (a write at index -1).
         const uintptr_t address = after ? r.after : r.before + kGuardBytes - 1;
+        // Both copies on the engine's stream, then a sync: a plain cudaMemcpy from pageable
+        // memory may return before its DMA lands, and the engine's (non-blocking) stream is
+        // not ordered after the legacy stream, so a check right after could read the old byte.
         uint8_t value = 0;
+        OG_CUDA_TRY(cudaMemcpyAsync(&value, reinterpret_cast<void *>(address), 1,
+                                    cudaMemcpyDeviceToHost, stream));
         OG_CUDA_TRY(cudaStreamSynchronize(stream));
-        OG_CUDA_TRY(cudaMemcpy(&value, reinterpret_cast<void *>(address), 1,
-                               cudaMemcpyDeviceToHost));
         value = (uint8_t)~value;
-        OG_CUDA_TRY(cudaMemcpy(reinterpret_cast<void *>(address), &value, 1,
-                               cudaMemcpyHostToDevice));
+        OG_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void *>(address), &value, 1,
+                                    cudaMemcpyHostToDevice, stream));
+        OG_CUDA_TRY(cudaStreamSynchronize(stream));
         return OG_OK;
     }
     std::string known;
