@@ -215,20 +215,31 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     }
 }
 
-// ---- int8 / q4 -------------------------------------------------------------------------------
-// Same modes, staging and grid-stride task loop as the bf16 kernel; what differs:
-//   - a task is kQuantRows = 4 rows (SwiGLU: gate rows i, i+1 and up rows I+i, I+i+1), so each
-//     staged input value read from shared memory feeds four rows (a 16-byte chunk carries 16 or
-//     32 values: with two rows, reading x would cost 4-8 shared-memory bytes per weight byte);
-//   - lane l reads chunks l, l + 32, ... of every row, kQuantUnroll chunks of each of the 4 rows
-//     in flight (16 x 16 bytes per lane), and sums as quant.cuh's rows_dot says;
-//   - the staged input is swizzled per chunk (quant.cuh) so the 16-byte shared loads of a
-//     quarter-warp hit distinct banks.
-constexpr int kQuantRows = 4;
-// 4: a warp keeps 8 KB in flight. With 2 (4 KB), the 8B shape's int8 GEMVs read 1.5-2.7 TB/s
-// in ncu: eight such warps per SM cover too little of the DRAM latency. Same per-lane chunk
-// order whatever the unroll, so the sums are unchanged.
-constexpr int kQuantUnroll = 4;
+// ---- int8 / q4: the tensor cores ------------------------------------------------------------
+// Dequantizing to fp32 and one fp32 fma per weight cost ~13 instructions per 4 int8 bytes and
+// ~25 per 4 q4 bytes (more per token than bf16's 1 per byte): the quantized GEMVs were bound by
+// instruction issue, not DRAM. Here the dot products run on mma.sync m16n8k16 (fp16 inputs,
+// fp32 accumulation), which leaves only the dequantization (quant.cuh's LOP3 trick: codes
+// straight into fp16, exactly) to the CUDA cores.
+//
+//   A (16 x 16, fp16): weight codes, exact in fp16. Lane (g, t) = (lane / 4, lane % 4) loads
+//       16-byte chunk c = 4 kb + t of rows g and g + 8 of the task (k-block kb = 4 chunks);
+//       each 32-bit word of a chunk feeds one mma (int8: 4 codes per row) or two (q4: 8 codes):
+//       its half2 pairs are the lane's A registers, so a lane's k indices {2t, 2t+1, 2t+8,
+//       2t+9} stand for 4 physical columns of its own word (any assignment works as long as
+//       B uses the same one).
+//   B (16 x 8, fp16): x * 2^e split into hi + lo fp16 halves (|x 2^e - hi - lo| <= 2^-22
+//       |x 2^e|; 2^e puts max |x| in [2^14, 2^15), inside fp16's range), staged in shared
+//       memory per word in the A pairs' column order. Column n of B is non-zero only in the
+//       rows of lane t = n % 4, hi for n < 4 and lo for n >= 4: D[:, n] is then the sum over
+//       chunk c = 4 kb + n % 4 alone, so a q4 group (= one chunk) stays separate and takes its
+//       own scale: acc += scale(row, c) * D[row, n]. int8 accumulates D over the whole row
+//       and applies the row scale at the end.
+//   A task is 16 rows (SwiGLU: gate rows i..i+7 and up rows I+i..I+i+7); the block's 8 warps
+//   split its k-blocks (warp w: kb = w, w + 8, ..., U k-blocks in flight), and the 8 partial
+//   sums per row are added in warp order (deterministic: graph replays are bit-identical).
+constexpr int kQuantTaskRows = 16;    // the mma's M
+constexpr int kQuantKBlocks = 4;      // k-blocks per warp in flight: 2 x 4 x 16 bytes per lane
 
 struct QuantGemvParams {
     const uint8_t *weight;
@@ -237,113 +248,221 @@ struct QuantGemvParams {
     const float *norm_weight;
     float *y;
     float *normed_out;
-    int rows, cols, n_chunks, n_tasks, out_rows, scales_per_row;
+    int rows, cols, n_chunks, n_kblocks, n_tasks, out_rows, scales_per_row;
     int64_t row_bytes;
     float eps;
 };
 
-// The task's rows (clamped to the matrix) and which outputs it owns.
+// d += A . B for one m16n8k16 tile (fp16 inputs, fp32 accumulation).
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Values per 32-bit word of codes and half2 pairs per word (quant.cuh word_pairs).
+template <int FMT>
+struct WordPairs {
+    static constexpr int kValues = FMT == OG_WEIGHTS_Q4 ? 8 : 4;
+    static constexpr int kPairs = kValues / 2;
+};
+__device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
+    uint32_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
+}
+
+// Row of the matrix behind row slot r (0..15) of task `task`, clamped into the matrix.
 template <int MODE>
-__device__ __forceinline__ void quant_task_rows(const QuantGemvParams &p, int task,
-                                                int (&row)[kQuantRows], int &first_out,
-                                                int &n_out) {
+__device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task, int r) {
     if (MODE == kGemvNormSwiglu) {
-        first_out = 2 * task;
-        n_out = min(2, p.out_rows - first_out);
-        const int second = first_out + n_out - 1;
-        row[0] = first_out;
-        row[1] = second;
-        row[2] = p.out_rows + first_out;
-        row[3] = p.out_rows + second;
-    } else {
-        first_out = kQuantRows * task;
-        n_out = min(kQuantRows, p.rows - first_out);
-#pragma unroll
-        for (int r = 0; r < kQuantRows; ++r) row[r] = first_out + min(r, n_out - 1);
+        const int i = min(8 * task + (r & 7), p.out_rows - 1);
+        return r < 8 ? i : p.out_rows + i;
     }
+    return min(kQuantTaskRows * task + r, p.rows - 1);
 }
 
 template <int FMT, int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    constexpr int F = QuantFormat<FMT>::kValuesPerChunk / 4;  // float4s per chunk
-    constexpr int R = kQuantRows;
-    extern __shared__ float4 x_smem4[];              // [n_chunks * F], swizzled
-    __shared__ float scratch[WARPS];
+    constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
+    constexpr int U = kQuantKBlocks;
+    extern __shared__ uint32_t x_pairs[];  // [2 (hi, lo)][n_words][P] half2, n_words = 16 n_kblocks
+    __shared__ float scratch[2 * WARPS];
+    __shared__ float partial[WARPS][kQuantTaskRows];
 
-    const int warp = threadIdx.x / kWarpSize;
-    const int lane = threadIdx.x % kWarpSize;
-    const int task_stride = gridDim.x * WARPS;
-    int task = blockIdx.x * WARPS + warp;
+    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    const int g = lane >> 2, t = lane & 3;
+    int task = blockIdx.x;
 
-    // Weights do not depend on earlier kernels: pull this warp's first rows into L2.
-    if (task < p.n_tasks && lane < R) {
-        int row[R], first_out, n_out;
-        quant_task_rows<MODE>(p, task, row, first_out, n_out);
-        int my_row = row[0];
-        bool distinct = true;
-#pragma unroll
-        for (int r = 1; r < R; ++r) {
-            if (lane == r) {
-                my_row = row[r];
-                distinct = row[r] != row[r - 1];
-            }
-        }
-        if (distinct) prefetch_l2(p.weight + (size_t)my_row * p.row_bytes, (uint32_t)p.row_bytes);
+    // Weights do not depend on earlier kernels: pull the block's first rows into L2.
+    if (task < p.n_tasks && tid < kQuantTaskRows) {
+        const int row = quant_task_row<MODE>(p, task, tid);
+        if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
+            prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
     }
     pdl_wait();
     pdl_launch_dependents();
 
-    const int n_float4 = p.n_chunks * F;
-    const float sum_sq = stage_vector<FMT, kThreads>(x_smem4, p.x, p.cols, n_float4, threadIdx.x);
-    if (mode_has_norm(MODE)) {
-        // block_sum ends with a barrier: every staged element is visible below.
-        const float total = block_sum<kThreads>(sum_sq, scratch);
-        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
-        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-        float *x_smem = reinterpret_cast<float *>(x_smem4);
-        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-            float &slot = x_smem[4 * swizzled_float4<FMT>(i >> 2) + (i & 3)];
-            const float n = slot * inv_rms * p.norm_weight[i];
-            slot = n;
-            if (write_normed) p.normed_out[i] = n;
+    // ---- x (normalized in norm modes) -> the scale 2^e -> hi/lo fp16 pairs in shared memory
+    const bool norm = mode_has_norm(MODE);
+    float sum_sq = 0.f, max_abs = 0.f;  // norm: max |x w|, the normalized max before 1/rms
+    for (int i = tid; i < p.cols; i += kThreads) {
+        const float v = p.x[i];
+        sum_sq = fmaf(v, v, sum_sq);
+        max_abs = fmaxf(max_abs, fabsf(norm ? v * p.norm_weight[i] : v));
+    }
+    sum_sq = warp_sum(sum_sq);
+    max_abs = warp_max(max_abs);
+    if (lane == 0) {
+        scratch[warp] = sum_sq;
+        scratch[WARPS + warp] = max_abs;
+    }
+    __syncthreads();
+    float total = 0.f, bound = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        total += scratch[w];
+        bound = fmaxf(bound, scratch[WARPS + w]);
+    }
+    const float inv_rms = norm ? 1.0f / sqrtf(total / (float)p.cols + p.eps) : 1.f;
+    if (norm) bound *= inv_rms;
+    int e = 0;
+    if (bound > 0.f && bound <= 3.0e38f) {
+        int ex;
+        frexpf(bound, &ex);                 // bound in [2^(ex-1), 2^ex)
+        e = min(max(15 - ex, -100), 100);   // bound * 2^e in [2^14, 2^15)
+    }
+    const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
+    const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
+    const int n_words = p.n_kblocks * 16;
+    for (int wi = tid; wi < n_words; wi += kThreads) {
+        float v[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int col = wi * V + k;
+            float x = 0.f;
+            if (col < p.cols) {
+                x = p.x[col];
+                if (norm) {
+                    x = x * inv_rms * p.norm_weight[col];
+                    if (write_normed) p.normed_out[col] = x;
+                }
+            }
+            v[k] = x * up;
+        }
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+            const __half h0 = __float2half_rn(v[k]), h1 = __float2half_rn(v[k + P]);
+            const __half l0 = __float2half_rn(v[k] - __half2float(h0));
+            const __half l1 = __float2half_rn(v[k + P] - __half2float(h1));
+            const __half2 hi = __halves2half2(h0, h1), lo = __halves2half2(l0, l1);
+            memcpy(&x_pairs[wi * P + k], &hi, 4);
+            memcpy(&x_pairs[(n_words + wi) * P + k], &lo, 4);
         }
     }
     __syncthreads();
 
-    for (; task < p.n_tasks; task += task_stride) {
-        int row[R], first_out, n_out;
-        quant_task_rows<MODE>(p, task, row, first_out, n_out);
-        const uint8_t *row_ptr[R];
-        const void *scale_ptr[R];
+    // B: lane (g, t) supplies column g; non-zero only where t == g % 4 (hi: g < 4, lo: g >= 4).
+    const bool b_active = (g & 3) == t;
+    const uint32_t *b_base = x_pairs + (size_t)(g >> 2) * n_words * P;
+    // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
+    const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
+
+    for (; task < p.n_tasks; task += gridDim.x) {
+        const int row_g = quant_task_row<MODE>(p, task, g);
+        const int row_g8 = quant_task_row<MODE>(p, task, g + 8);
+        const uint4 *w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes);
+        const uint4 *w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes);
+        const uint16_t *s_g = static_cast<const uint16_t *>(p.scales) + (size_t)row_g * p.scales_per_row;
+        const uint16_t *s_g8 = static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the whole row's sums
+        float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+        for (int kb0 = warp; kb0 < p.n_kblocks; kb0 += WARPS * U) {
+            uint4 a_g[U], a_g8[U];
+            float sc_g[U], sc_g8[U];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            row_ptr[r] = p.weight + (size_t)row[r] * p.row_bytes;
-            scale_ptr[r] = static_cast<const char *>(p.scales) +
-                           (size_t)row[r] * p.scales_per_row * weight_scale_bytes(FMT);
-        }
-        float acc[R];
-        rows_dot<FMT, R, kQuantUnroll>(row_ptr, scale_ptr, p.n_chunks, x_smem4, lane, acc);
-        if (lane == 0) {
-            if (MODE == kGemvNormSwiglu) {
+            for (int u = 0; u < U; ++u) {
+                const int c = 4 * (kb0 + u * WARPS) + t;
+                const bool ok = kb0 + u * WARPS < p.n_kblocks && c < p.n_chunks;
+                a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
+                a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
+                sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
+                sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
+            }
 #pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    if (k < n_out) {
-                        const float gate = acc[k], up = acc[2 + k];
-                        const float silu = gate / (1.0f + expf(-gate));
-                        p.y[first_out + k] = silu * up;
+            for (int u = 0; u < U; ++u) {
+                const int kb = kb0 + u * WARPS;
+                if (kb >= p.n_kblocks) break;  // warp-uniform
+                const uint32_t *b_chunk = b_base + (size_t)(4 * kb + t) * 4 * P;
+                float dq[4] = {0.f, 0.f, 0.f, 0.f};
+                float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    __half2 hg[P], hg8[P];
+                    word_pairs(word_of(a_g[u], j), hg);
+                    word_pairs(word_of(a_g8[u], j), hg8);
+#pragma unroll
+                    for (int m = 0; m < P / 2; ++m) {
+                        const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
+                        mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
+                                  half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
+                                  b_active ? b.x : 0u, b_active ? b.y : 0u);
                     }
                 }
-            } else {
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (r < n_out) {
-                        if (MODE == kGemvResidual) p.y[first_out + r] += acc[r];
-                        else p.y[first_out + r] = acc[r];
-                    }
+                if (FMT == OG_WEIGHTS_Q4) {
+                    const float s0 = __shfl_sync(kFullMask, sc_g[u], src0);
+                    const float s1 = __shfl_sync(kFullMask, sc_g[u], src1);
+                    const float s0_8 = __shfl_sync(kFullMask, sc_g8[u], src0);
+                    const float s1_8 = __shfl_sync(kFullMask, sc_g8[u], src1);
+                    acc_g = fmaf(s0, dq[0], acc_g);
+                    acc_g = fmaf(s1, dq[1], acc_g);
+                    acc_g8 = fmaf(s0_8, dq[2], acc_g8);
+                    acc_g8 = fmaf(s1_8, dq[3], acc_g8);
                 }
             }
         }
+        // The row's 8 columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
+        float sum_g = FMT == OG_WEIGHTS_Q4 ? acc_g : d[0] + d[1];
+        float sum_g8 = FMT == OG_WEIGHTS_Q4 ? acc_g8 : d[2] + d[3];
+        sum_g += __shfl_xor_sync(kFullMask, sum_g, 1);
+        sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
+        sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 1);
+        sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
+        if (t == 0) {
+            partial[warp][g] = sum_g;
+            partial[warp][g + 8] = sum_g8;
+        }
+        __syncthreads();
+        if (tid < kQuantTaskRows) {
+            auto row_sum = [&](int r) {
+                float s = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) s += partial[w][r];
+                s *= down;
+                if (FMT == OG_WEIGHTS_INT8)
+                    s *= static_cast<const float *>(p.scales)[quant_task_row<MODE>(p, task, r)];
+                return s;
+            };
+            if (MODE == kGemvNormSwiglu) {
+                const int out = 8 * task + tid;
+                if (tid < 8 && out < p.out_rows) {
+                    const float gate = row_sum(tid), up_ = row_sum(tid + 8);
+                    p.y[out] = gate / (1.0f + expf(-gate)) * up_;
+                }
+            } else {
+                const int out = kQuantTaskRows * task + tid;
+                if (out < p.rows) {
+                    const float s = row_sum(tid);
+                    if (MODE == kGemvResidual) p.y[out] += s;
+                    else p.y[out] = s;
+                }
+            }
+        }
+        __syncthreads();  // partial is reused by the next task
     }
 }
 
@@ -435,8 +554,8 @@ const void *gemv_kernel_for(GemvMode mode, int warps, int format, int unroll) {
 }
 
 int gemv_tasks(GemvMode mode, int rows, int format) {
-    if (format != OG_WEIGHTS_BF16)  // kQuantRows rows (SwiGLU: 2 outputs) per task
-        return mode == kGemvNormSwiglu ? ceil_div(rows / 2, 2) : ceil_div(rows, kQuantRows);
+    if (format != OG_WEIGHTS_BF16)  // 16 rows (SwiGLU: 8 outputs) per task
+        return mode == kGemvNormSwiglu ? ceil_div(rows / 2, 8) : ceil_div(rows, kQuantTaskRows);
     return mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2);
 }
 
@@ -474,8 +593,9 @@ size_t gemv_smem_bytes(GemvMode mode, int cols, int format) {
 }  // namespace
 
 size_t gemv_input_smem_bytes(int cols, int format) {
-    const int per_chunk = format == OG_WEIGHTS_BF16 ? kRowAlignElems : weight_values_per_chunk(format);
-    return (size_t)round_up(cols, per_chunk) * sizeof(float);
+    if (format == OG_WEIGHTS_BF16) return (size_t)round_up(cols, kRowAlignElems) * sizeof(float);
+    // hi + lo fp16 per column, whole k-blocks (4 chunks)
+    return (size_t)round_up(cols, 4 * weight_values_per_chunk(format)) * 2 * sizeof(__half);
 }
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
@@ -488,11 +608,10 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     // Fewer warps per block when the matrix has few rows, so that about two blocks land on
     // every SM (a block stages x once, so larger blocks are cheaper when there is work).
     const int tasks = gemv_tasks(mode, rows, format);
-    // Quantized formats aim at one block per SM rather than two: their weights are 2-3.5x
-    // smaller, so every block's staging of x (an L2 read of the whole input) weighs more.
-    const int blocks_wanted = format == OG_WEIGHTS_BF16 ? 2 * sm_count : sm_count;
+    const int blocks_wanted = 2 * sm_count;
     int warps = kGemvMaxWarps;
-    while (warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
+    // Quantized: a block of 8 warps per 16-row task (the warps split its columns).
+    while (format == OG_WEIGHTS_BF16 && warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
     const void *kernel = gemv_kernel_for(mode, warps, format, unroll);
     const size_t smem_bytes = gemv_smem_bytes(mode, cols, format);
     OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
@@ -500,7 +619,7 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
     if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
-    const int needed = ceil_div(tasks, warps);
+    const int needed = format == OG_WEIGHTS_BF16 ? ceil_div(tasks, warps) : tasks;
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
     plan->unroll = unroll;
@@ -525,6 +644,7 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.rows = args.rows;
         q.cols = args.cols;
         q.n_chunks = ceil_div(args.cols, weight_values_per_chunk(args.format));
+        q.n_kblocks = ceil_div(q.n_chunks, 4);
         q.n_tasks = gemv_tasks(mode, args.rows, args.format);
         q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
         q.scales_per_row = (int)weight_scales_per_row(args.format, args.cols);

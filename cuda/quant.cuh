@@ -1,5 +1,7 @@
-// quant.cuh — quantized weight matrices on the device (int8 per row, q4 in groups of 32) and
-// the dequantizing dot products shared by the dense GEMV (gemv.cu) and the MoE experts (moe.cu).
+// quant.cuh — quantized weight matrices on the device (int8 per row, q4 in groups of 32): the
+// layouts, the dequantization of a word of codes into exact fp16 pairs (shared by the dense
+// GEMV's tensor-core path in gemv.cu and the MoE experts in moe.cu), and the MoE experts'
+// fp32 dot products.
 //
 // Device layouts (the rules that produce them: onegraph.h "weight formats", runtime/quant.py):
 //   OG_WEIGHTS_BF16  data [rows, round_up(cols, 8)] bf16                   scales none
@@ -119,37 +121,48 @@ __device__ __forceinline__ uint32_t word_of(const uint4 &v, int k) {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
+// The codes of one 32-bit word as exact fp16 pairs (low half first):
+//   int8: (q0, q2), (q1, q3);   q4: (q0, q4), (q1, q5), (q2, q6), (q3, q7)
+// where q4 byte j holds code 2j in its low nibble and 2j + 1 in its high nibble.
+__device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[2]) {  // int8
+    const __half2 offset = half2_bits(0x64806480u);                        // 1152, 1152
+    h[0] = __hsub2(as_half2(and_xor(w, 0x00FF00FFu, 0x64806480u)), offset);
+    h[1] = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);
+}
+__device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[4]) {  // q4
+    const __half2 offset = half2_bits(0x64086408u);                        // 1032, 1032
+    const __half2 sixteenth = half2_bits(0x2C002C00u);                     // 1/16
+    const __half2 minus72 = half2_bits(0xD480D480u);                       // -72
+    const uint32_t w8 = w >> 8;
+    h[0] = __hsub2(as_half2(and_xor(w, 0x000F000Fu, 0x64086408u)), offset);
+    h[1] = __hfma2(as_half2(and_xor(w, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
+    h[2] = __hsub2(as_half2(and_xor(w8, 0x000F000Fu, 0x64086408u)), offset);
+    h[3] = __hfma2(as_half2(and_xor(w8, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
+}
+
 // acc + the 4 int8 codes of w . x (element order), one fma per element.
 __device__ __forceinline__ float int8_word_dot(uint32_t w, float4 x, float acc) {
-    const __half2 offset = half2_bits(0x64806480u);                      // 1152, 1152
-    const __half2 even = __hsub2(as_half2(and_xor(w, 0x00FF00FFu, 0x64806480u)), offset);  // q0, q2
-    const __half2 odd = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);  // q1, q3
-    acc = fmaf(__low2float(even), x.x, acc);
-    acc = fmaf(__low2float(odd), x.y, acc);
-    acc = fmaf(__high2float(even), x.z, acc);
-    acc = fmaf(__high2float(odd), x.w, acc);
+    __half2 h[2];
+    word_pairs(w, h);
+    acc = fmaf(__low2float(h[0]), x.x, acc);
+    acc = fmaf(__low2float(h[1]), x.y, acc);
+    acc = fmaf(__high2float(h[0]), x.z, acc);
+    acc = fmaf(__high2float(h[1]), x.w, acc);
     return acc;
 }
 
-// acc + the 8 q4 codes of w . (xa, xb) (element order), one fma per element. Byte j of w holds
-// elements 2j (low nibble) and 2j + 1 (high nibble).
+// acc + the 8 q4 codes of w . (xa, xb) (element order), one fma per element.
 __device__ __forceinline__ float q4_word_dot(uint32_t w, float4 xa, float4 xb, float acc) {
-    const __half2 offset = half2_bits(0x64086408u);                      // 1032, 1032
-    const __half2 sixteenth = half2_bits(0x2C002C00u);                   // 1/16
-    const __half2 minus72 = half2_bits(0xD480D480u);                     // -72
-    const uint32_t w8 = w >> 8;
-    const __half2 e04 = __hsub2(as_half2(and_xor(w, 0x000F000Fu, 0x64086408u)), offset);
-    const __half2 e15 = __hfma2(as_half2(and_xor(w, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
-    const __half2 e26 = __hsub2(as_half2(and_xor(w8, 0x000F000Fu, 0x64086408u)), offset);
-    const __half2 e37 = __hfma2(as_half2(and_xor(w8, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
-    acc = fmaf(__low2float(e04), xa.x, acc);
-    acc = fmaf(__low2float(e15), xa.y, acc);
-    acc = fmaf(__low2float(e26), xa.z, acc);
-    acc = fmaf(__low2float(e37), xa.w, acc);
-    acc = fmaf(__high2float(e04), xb.x, acc);
-    acc = fmaf(__high2float(e15), xb.y, acc);
-    acc = fmaf(__high2float(e26), xb.z, acc);
-    acc = fmaf(__high2float(e37), xb.w, acc);
+    __half2 h[4];
+    word_pairs(w, h);
+    acc = fmaf(__low2float(h[0]), xa.x, acc);
+    acc = fmaf(__low2float(h[1]), xa.y, acc);
+    acc = fmaf(__low2float(h[2]), xa.z, acc);
+    acc = fmaf(__low2float(h[3]), xa.w, acc);
+    acc = fmaf(__high2float(h[0]), xb.x, acc);
+    acc = fmaf(__high2float(h[1]), xb.y, acc);
+    acc = fmaf(__high2float(h[2]), xb.z, acc);
+    acc = fmaf(__high2float(h[3]), xb.w, acc);
     return acc;
 }
 
