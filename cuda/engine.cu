@@ -71,13 +71,15 @@ og_status require_device(void) {
 }
 
 cudaError_t allow_dynamic_smem(const void *kernel, size_t smem_bytes) {
-    if (smem_bytes <= 48 * 1024) return cudaSuccess;
+    // Both limits (48 KB without opting in, the device's opt-in maximum) cover static plus
+    // dynamic shared memory of a block: 48 KB of dynamic memory beside a kernel's own static
+    // arrays needs the opt-in too.
+    cudaFuncAttributes attrs;
+    OG_CUDA_RETURN_IF(cudaFuncGetAttributes(&attrs, kernel));
+    if (smem_bytes + attrs.sharedSizeBytes <= 48 * 1024) return cudaSuccess;
     int device = 0, optin = 0;
     OG_CUDA_RETURN_IF(cudaGetDevice(&device));
     OG_CUDA_RETURN_IF(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    // The opt-in limit covers static plus dynamic shared memory of a block.
-    cudaFuncAttributes attrs;
-    OG_CUDA_RETURN_IF(cudaFuncGetAttributes(&attrs, kernel));
     const size_t dynamic_limit = (size_t)optin - attrs.sharedSizeBytes;
     if (smem_bytes > dynamic_limit) return cudaErrorInvalidValue;
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic_limit);

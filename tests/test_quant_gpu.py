@@ -84,6 +84,7 @@ GEMV_SHAPES = [  # (rows, cols): single rows, tails of 4-row tasks, partial 16/3
     (5, 4100),
     (4096, 1024),        # qwen3-0.6b fused QKV
     (64, 12289),         # the staged input needs more than 48 KB of shared memory
+    (20, 12288),         # exactly 48 KB staged (qwen3-8b down): the kernel's static arrays need the opt-in
     (20001, 64),         # more tasks than resident warps: the grid-stride loop
 ]
 
