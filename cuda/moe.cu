@@ -550,11 +550,15 @@ int g_smem_attr_next = 0;
 // Raise fn's dynamic shared-memory limit when smem needs more than the default; the limit
 // only ever grows so that an earlier, larger launch keeps working. Caller holds the mutex.
 cudaError_t ensure_smem_limit(const void *fn, int device, size_t smem) {
-    if (smem <= kDefaultSmem) return cudaSuccess;
-    int optin = 0;
-    cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    // The limits cover the kernel's static shared memory too.
+    cudaFuncAttributes attrs;
+    cudaError_t err = cudaFuncGetAttributes(&attrs, fn);
     if (err != cudaSuccess) return err;
-    if (smem > (size_t)optin) return cudaErrorInvalidValue;
+    if (smem + attrs.sharedSizeBytes <= kDefaultSmem) return cudaSuccess;
+    int optin = 0;
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    if (smem + attrs.sharedSizeBytes > (size_t)optin) return cudaErrorInvalidValue;
     SmemAttrEntry *slot = nullptr;
     for (SmemAttrEntry &a : g_smem_attr)
         if (a.fn == fn && a.device == device) slot = &a;
