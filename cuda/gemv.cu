@@ -466,48 +466,35 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     }
 }
 
-template <int FMT, int MODE>
-const void *quant_kernel_for(int warps) {
-    switch (warps) {
-        case 2: return (const void *)gemv_quant_kernel<FMT, MODE, 2>;
-        case 4: return (const void *)gemv_quant_kernel<FMT, MODE, 4>;
-        case 8: return (const void *)gemv_quant_kernel<FMT, MODE, 8>;
-    }
-    return nullptr;
-}
+// The quantized kernel always runs 8 warps per block (a 16-row task's columns split 8 ways).
+constexpr int kQuantWarps = 8;
 
 template <int FMT>
 const void *quant_kernel_for(GemvMode mode, int warps) {
+    if (warps != kQuantWarps) return nullptr;
     switch (mode) {
-        case kGemvPlain: return quant_kernel_for<FMT, kGemvPlain>(warps);
-        case kGemvNorm: return quant_kernel_for<FMT, kGemvNorm>(warps);
-        case kGemvResidual: return quant_kernel_for<FMT, kGemvResidual>(warps);
-        case kGemvNormSwiglu: return quant_kernel_for<FMT, kGemvNormSwiglu>(warps);
+        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps>;
+        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps>;
+        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps>;
+        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps>;
     }
     return nullptr;
-}
-
-template <int FMT, int MODE>
-cudaError_t launch_quant(int warps, dim3 grid, int smem, cudaStream_t stream, bool pdl,
-                         const QuantGemvParams &p) {
-    const dim3 block(warps * kWarpSize);
-    switch (warps) {
-        case 2: return launch_kernel(gemv_quant_kernel<FMT, MODE, 2>, grid, block, smem, stream, pdl, p);
-        case 4: return launch_kernel(gemv_quant_kernel<FMT, MODE, 4>, grid, block, smem, stream, pdl, p);
-        case 8: return launch_kernel(gemv_quant_kernel<FMT, MODE, 8>, grid, block, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidConfiguration;
 }
 
 template <int FMT>
 cudaError_t launch_quant(GemvMode mode, int warps, dim3 grid, int smem, cudaStream_t stream,
                          bool pdl, const QuantGemvParams &p) {
+    if (warps != kQuantWarps) return cudaErrorInvalidConfiguration;
+    const dim3 block(kQuantWarps * kWarpSize);
     switch (mode) {
-        case kGemvPlain: return launch_quant<FMT, kGemvPlain>(warps, grid, smem, stream, pdl, p);
-        case kGemvNorm: return launch_quant<FMT, kGemvNorm>(warps, grid, smem, stream, pdl, p);
-        case kGemvResidual: return launch_quant<FMT, kGemvResidual>(warps, grid, smem, stream, pdl, p);
+        case kGemvPlain:
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps>, grid, block, smem, stream, pdl, p);
+        case kGemvNorm:
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps>, grid, block, smem, stream, pdl, p);
+        case kGemvResidual:
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps>, grid, block, smem, stream, pdl, p);
         case kGemvNormSwiglu:
-            return launch_quant<FMT, kGemvNormSwiglu>(warps, grid, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps>, grid, block, smem, stream, pdl, p);
     }
     return cudaErrorInvalidValue;
 }
