@@ -428,3 +428,28 @@ def test_merge_runs(tmp_path, capsys):
     assert len(doc["results"]) == 8 and len(doc["context_sweep"]) == 8
     assert sum(note.startswith("merged: ") for note in doc["notes"]) == 2
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("qwen3-0.6b")
+
+
+def test_suite_script_invocations_parse():
+    """scripts/bench_suite.sh: every `bench NAME ARGS` line is a valid `onegraph bench` command
+    (presets, peers, contexts shorter than each model's positions), so a GPU call is not spent
+    on a typo."""
+    import os
+    import re
+    import shlex
+    peer_module = bench.import_bench_module("peers")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                          "bench_suite.sh")
+    text = open(script, encoding="utf-8").read().replace("\\\n", " ")
+    calls = [shlex.split(m.group(1)) for m in re.finditer(r"^bench (suite-\S+ .*)$", text, re.M)]
+    assert len(calls) >= 3
+    models = set()
+    for name, *argv in calls:
+        args = bench.parse_args(argv + ["--json", f"/tmp/{name}.json"])
+        s = bench.settings_from(args)
+        assert set(s.peers) <= set(peer_module.PEERS), f"{name}: unknown peer in {s.peers}"
+        for target in bench.targets_from(args):
+            models.add(target.label.split("/")[0])
+            too_long = [c for c in s.contexts + s.ttft if c >= target.config.max_position_embeddings]
+            assert not too_long, f"{name}: {too_long} exceed {target.label}'s positions"
+    assert {"qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"} <= models
