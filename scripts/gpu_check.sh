@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh [full|quick|bench]   # quick: skip slow tests; bench: benchmark only
 #   BENCH_ARGS="--preset qwen3-8b ..." bash scripts/gpu_check.sh bench
 # Time limits (seconds) from the environment: PYTEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT.
+# SANITIZE_TOOLS and SANITIZE_TARGETS (scripts/sanitize.sh) narrow the sanitizer runs, e.g.
+#   SANITIZE_TOOLS=racecheck SANITIZE_TARGETS=quant BENCH_ARGS="--preset qwen3-30b-a3b" bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -28,7 +30,7 @@ if [ "$MODE" != bench ]; then
   note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log")"
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
   SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
-    bash scripts/sanitize.sh memcheck initcheck racecheck synccheck > "$OUT/sanitize.log" 2>&1
+    bash scripts/sanitize.sh ${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck} > "$OUT/sanitize.log" 2>&1
   note "sanitize: rc=$?"
 fi
 
