@@ -431,7 +431,7 @@ def test_merge_runs(tmp_path, capsys):
 
 
 def test_suite_script_invocations_parse():
-    """scripts/bench_suite.sh: every `bench NAME ARGS` line is a valid `onegraph bench` command
+    """scripts/bench_suite.sh: every `bench PART ARGS` line is a valid `onegraph bench` command
     (presets, peers, contexts shorter than each model's positions), so a GPU call is not spent
     on a typo."""
     import os
@@ -441,7 +441,7 @@ def test_suite_script_invocations_parse():
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                           "bench_suite.sh")
     text = open(script, encoding="utf-8").read().replace("\\\n", " ")
-    calls = [shlex.split(m.group(1)) for m in re.finditer(r"^bench (suite-\S+ .*)$", text, re.M)]
+    calls = [shlex.split(m.group(1)) for m in re.finditer(r"\) bench (\S+ --[^;\n]*)", text)]
     assert len(calls) >= 3
     models = set()
     for name, *argv in calls:
