@@ -1,7 +1,8 @@
 """The benchmark chart from an `onegraph bench` JSON document (runtime/bench.py, schema 1).
 
-Left: tok/s per model, one bar per runtime (onegraph graph / non-graph per KV format, the
-peers), log scale, with each model's bandwidth floor drawn as a black line over its group.
+Left: tok/s per model, one bar per runtime (onegraph graph / non-graph per KV format, page
+and weight format; the peers), a linear axis from zero, with each bar's own bandwidth floor
+(its weight format's bytes) drawn as a black tick above it.
 Right (when --contexts ran): decode ms/token against the context length, one line per
 model, KV format and mode, the floor of each as a dotted line.
 
@@ -36,7 +37,8 @@ def plot(doc: dict, path: str) -> None:
 def _series_name(r: dict) -> str:
     if r["runtime"].startswith("hf-"):
         return r["runtime"]
-    return f"{r['runtime']} ({r['kv']} KV{_page_label(r)})"
+    weights = r.get("weights") or "bf16"
+    return f"{r['runtime']} ({r['kv']} KV{_page_label(r)}" + ("" if weights == "bf16" else f", {weights}") + ")"
 
 
 def _page_label(r: dict) -> str:
@@ -50,23 +52,26 @@ def _unique(items) -> list:
 
 def _bars(ax, results: list[dict]) -> None:
     models = _unique(r["model"] for r in results)
-    series = _unique(_series_name(r) for r in results)
-    width = 0.8 / max(len(series), 1)
-    for j, name in enumerate(series):
-        for i, model in enumerate(models):
-            r = next((r for r in results if r["model"] == model and _series_name(r) == name), None)
-            if r is None:
-                continue
-            x = i - 0.4 + (j + 0.5) * width
-            first = i == _first(results, name, models)  # one legend entry per series
-            ax.bar(x, r["tokens_per_s"], width, color=f"C{j}", label=name if first else None)
-            ax.annotate(f"{r['tokens_per_s']:.0f}", (x, r["tokens_per_s"]), ha="center", va="bottom", fontsize=7)
+    series = _unique(_series_name(r) for r in results)  # colour and legend order
+    present = {m: [r for name in series for r in results if r["model"] == m and _series_name(r) == name]
+               for m in models}
+    width = 0.8 / max(len(rs) for rs in present.values())
+    labelled = set()
     for i, model in enumerate(models):
-        floor = max((r["floor_tokens_per_s"] or 0 for r in results if r["model"] == model), default=0)
-        if floor:
-            ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linewidth=2,
-                      label="bandwidth floor" if i == 0 else None)
-            ax.annotate(f"floor {floor:.0f}", (i, floor), ha="center", va="bottom", fontsize=8)
+        rs = present[model]  # this model's bars side by side, centred on its tick
+        for k, r in enumerate(rs):
+            name = _series_name(r)
+            x = i - len(rs) * width / 2 + (k + 0.5) * width
+            ax.bar(x, r["tokens_per_s"], width, color=f"C{series.index(name)}",
+                   label=name if name not in labelled else None)
+            labelled.add(name)
+            ax.annotate(f"{r['tokens_per_s']:.0f}", (x, r["tokens_per_s"]), ha="center", va="bottom", fontsize=7)
+            floor = r.get("floor_tokens_per_s")
+            if floor:  # this bar's own floor (the bytes of its weight format and KV)
+                ax.hlines(floor, x - width / 2, x + width / 2, colors="black", linewidth=2,
+                          label="bandwidth floor (each bar's own)" if "floor" not in labelled else None)
+                labelled.add("floor")
+                ax.annotate(f"{floor:.0f}", (x, floor), ha="center", va="bottom", fontsize=6)
     layers = {r["model"]: r["layers"] for r in results}
     ax.set_xticks(range(len(models)), [f"{m}\n{layers[m]} layers" for m in models])
     # Linear from zero: bar heights compare as ratios (a log axis made 1.08x look like 2x).
@@ -75,11 +80,6 @@ def _bars(ax, results: list[dict]) -> None:
     ax.set_title("decode throughput per model")
     ax.legend(fontsize=8)
     ax.grid(axis="y", which="both", alpha=0.3)
-
-
-def _first(results, name, models) -> int:
-    """Index of the first model that has this series (so each legend entry appears once)."""
-    return next(i for i, m in enumerate(models) if any(r["model"] == m and _series_name(r) == name for r in results))
 
 
 def _context_lines(ax, sweep: list[dict]) -> None:
@@ -92,7 +92,7 @@ def _context_lines(ax, sweep: list[dict]) -> None:
                     label=f"{model} {kv} KV{page} {runtime.removeprefix('onegraph-')}")
         floor = sorted({(r["context"], r["floor_ms"]) for r in rows if r["floor_ms"]})
         if floor:
-            ax.plot(*zip(*floor), ":", color=f"C{k}", label=f"{model} {kv} KV floor")
+            ax.plot(*zip(*floor), ":", color=f"C{k}", label=f"{model} {kv} KV{page} floor")
     contexts = sorted({r["context"] for r in sweep})
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 and c % 1024 == 0 else str(c) for c in contexts])

@@ -232,6 +232,29 @@ def test_plot_writes_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def test_plot_draws_every_result_with_its_own_floor():
+    """One bar per result (weight formats are series of their own) and one floor tick per bar,
+    at that result's floor: a model measured in bf16, int8 and q4 shows all three."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plot = bench.import_bench_module("plot")
+    base = {"model": "m", "layers": 2, "kv": "int8", "kv_page_size": 64, "status": "ok"}
+    results = [dict(base, runtime=rt, weights=w, tokens_per_s=tps, floor_tokens_per_s=floor)
+               for w, floor in (("bf16", 300.0), ("int8+lm", 550.0), ("q4+lm", 990.0))
+               for rt, tps in (("onegraph-graph", floor / 2), ("onegraph-nongraph", floor / 3))]
+    results.append(dict(base, model="other", runtime="hf-eager", weights="bf16", tokens_per_s=40.0,
+                        floor_tokens_per_s=None))
+    fig, ax = plt.subplots()
+    plot._bars(ax, results)
+    heights = sorted(p.get_height() for p in ax.patches)
+    assert heights == sorted(r["tokens_per_s"] for r in results)
+    floors = sorted(seg[0][1] for c in ax.collections for seg in c.get_segments())
+    assert floors == [300.0, 300.0, 550.0, 550.0, 990.0, 990.0]
+    plt.close(fig)
+
+
 def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     note = bench.write_plot(synthetic_doc(), str(tmp_path / "x.png"))
