@@ -124,7 +124,8 @@ inline cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 
     return cudaGetLastError();
 }
 
-// Raise a kernel's dynamic shared-memory limit when it needs more than the default 48 KB.
+// Raise a kernel's dynamic shared-memory limit when it needs more than the default 48 KB
+// (smem_bytes plus the kernel's static arrays); the engine's plans and moe.cu's launchers.
 // The limit is set to the device's opt-in maximum so that engines of different shapes
 // never lower each other's limit.
 cudaError_t allow_dynamic_smem(const void *kernel, size_t smem_bytes);

@@ -55,7 +55,6 @@ constexpr int kGateUpUnroll = 4;   // 16-byte chunks per lane per batch, for gat
 // slower on the H200 (254 vs 286 tok/s for 48 layers): 180 registers, one block per SM.
 constexpr int kDownDepth = 8;      // 16-byte loads per lane per batch in down
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr size_t kDefaultSmem = 48 * 1024;  // dynamic shared memory without opting in
 
 // Weights are read once per token: skip L1 (keep it for the staged vectors' neighbours)
 // and ask L2 to fetch whole 256-byte sectors groups, since a warp streams rows anyway.
@@ -535,42 +534,9 @@ struct OccupancyEntry {
     size_t smem;
     int blocks_per_sm;
 };
-struct SmemAttrEntry {
-    const void *fn;
-    int device;
-    size_t bytes;
-};
 std::mutex g_launch_mutex;
 OccupancyEntry g_occupancy[32];
 int g_occupancy_next = 0;
-SmemAttrEntry g_smem_attr[32];
-int g_smem_attr_next = 0;
-
-// Raise fn's dynamic shared-memory limit when smem needs more than the default; the limit
-// only ever grows so that an earlier, larger launch keeps working. Caller holds the mutex.
-cudaError_t ensure_smem_limit(const void *fn, int device, size_t smem) {
-    // The limits cover the kernel's static shared memory too.
-    cudaFuncAttributes attrs;
-    cudaError_t err = cudaFuncGetAttributes(&attrs, fn);
-    if (err != cudaSuccess) return err;
-    if (smem + attrs.sharedSizeBytes <= kDefaultSmem) return cudaSuccess;
-    int optin = 0;
-    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err != cudaSuccess) return err;
-    if (smem + attrs.sharedSizeBytes > (size_t)optin) return cudaErrorInvalidValue;
-    SmemAttrEntry *slot = nullptr;
-    for (SmemAttrEntry &a : g_smem_attr)
-        if (a.fn == fn && a.device == device) slot = &a;
-    if (slot && slot->bytes >= smem) return cudaSuccess;
-    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) return err;
-    if (!slot) {
-        slot = &g_smem_attr[g_smem_attr_next];
-        g_smem_attr_next = (g_smem_attr_next + 1) % 32;
-    }
-    *slot = SmemAttrEntry{fn, device, smem};
-    return cudaSuccess;
-}
 
 // A persistent grid for work_warps warp-sized items: no more blocks than fit on the device
 // at once, and as few as keep every warp at the same number of rounds. Host queries only
@@ -584,11 +550,11 @@ cudaError_t persistent_grid(const void *fn, size_t smem, long long work_warps, i
     int per_sm = -1;
     {
         std::lock_guard<std::mutex> lock(g_launch_mutex);
-        err = ensure_smem_limit(fn, device, smem);
-        if (err != cudaSuccess) return err;
         for (const OccupancyEntry &o : g_occupancy)
             if (o.fn == fn && o.device == device && o.smem == smem) per_sm = o.blocks_per_sm;
-        if (per_sm < 0) {
+        if (per_sm < 0) {  // first launch of this shape: the shared-memory opt-in, then occupancy
+            err = og::allow_dynamic_smem(fn, smem);
+            if (err != cudaSuccess) return err;
             err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem);
             if (err != cudaSuccess) return err;
             g_occupancy[g_occupancy_next] = OccupancyEntry{fn, device, smem, per_sm};
