@@ -14,18 +14,21 @@
 //   row: score = (q . k_int8) * (k_scale * (1 / sqrt(hd))) (fp32 or bf16: (q . k) * (1 /
 //   sqrt(hd))), and the weight p * v_scale multiplies the integer row.
 //   GQA: the G = n_heads / n_kv consecutive query heads of a KV head share it, so a block reads
-//   its KV rows once for all G heads.
+//   its KV rows once for a group of HG of them (as many as the registers hold: 8 for bf16 KV
+//   at head dim 128, 4 for int8); with G > HG each head group has its own blocks, side by
+//   side over the same chunks, rather than a second pass over the rows.
 //
-// Fused prologue (rope_kv.cuh): every block rotates the G query heads it needs (a warp per
-// head; q is tiny). The block that owns the chunk holding row `position` also norms and
-// rotates k, encodes k and v in the cache type, stores them at row `position` of block
-// step->row_block (layer 0 also stores row_block into the block table), and takes that row
-// from shared memory instead of the cache. So nothing in the kernel reads a row it writes.
+// Fused prologue (rope_kv.cuh): every block rotates the query heads of its head group (a warp
+// per head; q is tiny). The block that owns the chunk holding row `position` also norms and
+// rotates k, encodes k and v in the cache type, and takes that row from shared memory instead
+// of the cache; head group 0's owner stores them at row `position` of block step->row_block
+// (layer 0 also stores row_block into the block table). So nothing in the kernel reads a row
+// it writes.
 //
 // Work split. The context is cut into chunks of C = split_len rows (a multiple of 32). Grid
-// (n_kv, B), 256 threads: block b of a KV head takes chunks b, b + B, b + 2B, ... (B is fixed by
-// the plan: about one wave of blocks), so any context spreads over up to B blocks per head and
-// a short one occupies few. Inside a block, a chunk is cut into tiles of R rows and warp w takes
+// (n_kv * head groups, B), 256 threads: block b of a (KV head, head group) takes chunks b,
+// b + B, b + 2B, ... (B is fixed by the plan: about one wave of blocks), so any context spreads
+// over up to B blocks per head group and a short one occupies few. Inside a block, a chunk is cut into tiles of R rows and warp w takes
 // tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16 lanes (16-byte loads, or one
 // element per lane for head dims other than 64/128/256), so one load instruction covers 32 / L
 // consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane. A warp works
@@ -33,9 +36,9 @@
 // i+2 and the block-table reads of tile i+3 are in flight (a row's address depends on its table
 // entry, so a tile is located two steps before it is loaded). Each warp keeps an online softmax (running
 // max m, sum l, accumulator o per head, rescaled when m grows); the 8 warps combine through
-// shared memory in warp order. A block that is alone for its KV head (len <= C) writes out
+// shared memory in warp order. A block that is alone for its head group (len <= C) writes out
 // directly; otherwise it writes (m, l, o) as a partial, and the last of the n_active blocks of
-// the head to finish (an atomic counter, reset by that block) combines the partials in block
+// the head group to finish (an atomic counter, reset by that block) combines the partials in block
 // order: the same arithmetic whichever block is last, so results are bit-identical run to run.
 // The first tile's K/V loads depend only on the step record and on earlier steps' rows, and the
 // prologue's norm weights and rotation angles only on weights and the position, so all of them
@@ -75,8 +78,8 @@ struct AttnLayout {
 struct AttnParams {
     AttentionArgs a;
     int chunk;          // C: rows per chunk (plan.split_len)
-    int n_blocks;       // B: blocks per KV head
-    int q_heads;        // query heads staged per block: G rounded up to the head group
+    int n_blocks;       // B: blocks per (KV head, head group)
+    int head_groups;    // ceil(G / HG): blocks of a KV head's chunk, one per head group
     float inv_sqrt_hd;  // 1 / sqrt(hd): scores are (q . k) * (k_scale * inv_sqrt_hd)
 };
 
@@ -85,17 +88,16 @@ struct AttnSmem {
     int q, o, m, l, f, stats, factors, new_k, new_v, k_head, scales, total;
 };
 __host__ __device__ inline int round4(int n) { return (n + 3) & ~3; }
-__host__ __device__ inline AttnSmem attn_smem(int q_heads, int head_group, int group, int hd,
-                                              int n_blocks, int elem_bytes) {
+__host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_blocks, int elem_bytes) {
     AttnSmem s;
     int off = 0;
-    s.q = off;        off += round4(q_heads * hd);                       // [q_heads, hd]
+    s.q = off;        off += round4(head_group * hd);                    // [HG, hd]
     s.o = off;        off += round4(kAttnWarps * head_group * hd);       // [warps, HG, hd]
     s.m = off;        off += round4(kAttnWarps * head_group);            // [warps, HG]
     s.l = off;        off += round4(kAttnWarps * head_group);
     s.f = off;        off += round4(kAttnWarps * head_group);
-    s.stats = off;    off += round4(2 * (group > head_group ? group : head_group));
-    s.factors = off;  off += round4(group * n_blocks);                   // [G, B]
+    s.stats = off;    off += round4(2 * head_group);
+    s.factors = off;  off += round4(head_group * n_blocks);              // [HG, B]
     s.new_k = off;    off += round4((hd * elem_bytes + 3) / 4);          // the new row's bytes
     s.new_v = off;    off += round4((hd * elem_bytes + 3) / 4);
     s.k_head = off;   off += round4(hd);                                 // rotated k (fp32)
@@ -465,9 +467,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;
     const int lane = tid % kWarpSize;
-    const int kv_head = blockIdx.x;
+    // Block (kv_head * head_groups + hg, b): query heads head0 .. head0 + heads_here - 1 of
+    // KV head kv_head, chunks b, b + B, ...
+    const int kv_head = blockIdx.x / p.head_groups;
+    const int hg = blockIdx.x - kv_head * p.head_groups;
     const int b = blockIdx.y;
-    const int head0 = kv_head * group;
+    const int head0 = kv_head * group + hg * HG;
+    const int heads_here = min(HG, group - hg * HG);
     const int C = p.chunk, B = p.n_blocks;
 
     // The step record is written before the body's first kernel, and the rows below `position`
@@ -480,6 +486,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     const int n_active = min(B, n_chunks);
     const bool fused = a.qkv != nullptr;
     const bool row_ok = position >= 0 && position < a.max_seq_len;
+    // The owner of the chunk holding `position` rotates and encodes the new K/V row into its
+    // shared memory (every head group's owner: each reads the row from there); only head group
+    // 0's owner stores it into the cache.
     const bool owner = fused && ((len - 1) / C) % B == b;
     const KvPages &kv = a.kv;
 
@@ -525,35 +534,35 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     pdl_wait();
     pdl_launch_dependents();
 
-    const AttnSmem lay = attn_smem(p.q_heads, HG, group, hd, B, L::kElemBytes);
+    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes);
     float *q_s = smem + lay.q;
     float *new_scales = smem + lay.scales;
     void *new_k_s = smem + lay.new_k;
     void *new_v_s = smem + lay.new_v;
 
-    // ---- the G query heads (and, in the owner block, the new K/V row) --------------------
+    // ---- the block's query heads (and, in the owner block, the new K/V row) --------------
     if (!fused) {
-        for (int i = tid; i < p.q_heads * hd; i += kAttnThreads)
-            q_s[i] = i < group * hd ? a.q[(size_t)head0 * hd + i] : 0.f;
+        for (int i = tid; i < HG * hd; i += kAttnThreads)
+            q_s[i] = i < heads_here * hd ? a.q[(size_t)head0 * hd + i] : 0.f;
     } else {
-        for (int i = group * hd + tid; i < p.q_heads * hd; i += kAttnThreads) q_s[i] = 0.f;
+        for (int i = heads_here * hd + tid; i < HG * hd; i += kAttnThreads) q_s[i] = 0.f;
         const int q_size = a.n_heads * hd, kv_size = a.n_kv_heads * hd;
         const int row_block = step->row_block;
-        const bool store = row_ok && (unsigned)row_block < (unsigned)kv.n_blocks;
+        const bool store = hg == 0 && row_ok && (unsigned)row_block < (unsigned)kv.n_blocks;
         const int page_index = row_ok ? position / kv.page_size : 0;
         const int64_t base = (int64_t)row_block * kv.block_stride;
         const int64_t row_index = (int64_t)kv_head * kv.page_size + (position - page_index * kv.page_size);
         const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
-        const int tasks = group + (owner ? 2 : 0);
+        const int tasks = heads_here + (owner ? 2 : 0);
         for (int task = warp; task < tasks; task += kAttnWarps) {
-            if (task < group) {
+            if (task < heads_here) {
                 float *head = q_s + task * hd;
                 warp_norm_rope(a.qkv + (size_t)(head0 + task) * hd, a.q_norm != nullptr, q_w,
                                a.eps, angles, hd, head, lane);
                 if (owner && a.q_out != nullptr)
                     for (int i = lane; i < hd; i += kWarpSize)
                         a.q_out[(size_t)(head0 + task) * hd + i] = head[i];
-            } else if (task == group) {
+            } else if (task == heads_here) {
                 float *k_head = smem + lay.k_head;
                 warp_norm_rope(a.qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
                                a.eps, angles, hd, k_head, lane);
@@ -582,119 +591,107 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     float *m_s = smem + lay.m;       // [warps, HG]
     float *l_s = smem + lay.l;
     float *f_s = smem + lay.f;
-    float *stats = smem + lay.stats; // [2, max(G, HG)]: max, sum
-    const int stats_stride = group > HG ? group : HG;
+    float *stats = smem + lay.stats; // [2, HG]: max, sum
+    const int stats_stride = HG;
     float *partial_o = a.partials;                                          // [n_heads, B, hd]
     float *partial_m = a.partials + (size_t)a.n_heads * B * hd;             // [n_heads, B]
     float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
 
-    for (int hg = 0; hg < group; hg += HG) {
-        const int heads_here = min(HG, group - hg);
-        if (hg > 0) {  // another pass over the rows for the next head group
-            cursor = -1;
-            row0 = next_row(cursor);
-            locate_tile<KV, HD>(loc1, row0, src);
-            load_tile<KV, HD>(cur, loc1, src, hd);
-            locate_tile<KV, HD>(loc1, next_row(cursor), src);
-            locate_tile<KV, HD>(loc2, next_row(cursor), src);
-        }
-        WarpState<HG, E> st;
+    WarpState<HG, E> st;
 #pragma unroll
-        for (int j = 0; j < HG; ++j) {
-            st.m[j] = -INFINITY;
-            st.l[j] = 0.f;
+    for (int j = 0; j < HG; ++j) {
+        st.m[j] = -INFINITY;
+        st.l[j] = 0.f;
 #pragma unroll
-            for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
-        }
-        while (row0 >= 0) {
-            // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
-            // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
-            // tile i+3 are in flight.
-            Tile<KV, HD> nxt;
-            load_tile<KV, HD>(nxt, loc1, src, hd);
-            prefetch_tile<KV, HD>(loc2, src);
-            const int row1 = loc1.row0;
-            loc1 = loc2;
-            locate_tile<KV, HD>(loc2, next_row(cursor), src);
-            attend_tile<KV, HD, HG>(cur, row0, src, q_s + hg * hd, new_k_s, new_v_s, new_scales,
-                                    hd, p.inv_sqrt_hd, lane, st);
-            cur = nxt;
-            row0 = row1;
-        }
+        for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
+    }
+    while (row0 >= 0) {
+        // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
+        // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
+        // tile i+3 are in flight.
+        Tile<KV, HD> nxt;
+        load_tile<KV, HD>(nxt, loc1, src, hd);
+        prefetch_tile<KV, HD>(loc2, src);
+        const int row1 = loc1.row0;
+        loc1 = loc2;
+        locate_tile<KV, HD>(loc2, next_row(cursor), src);
+        attend_tile<KV, HD, HG>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+                                hd, p.inv_sqrt_hd, lane, st);
+        cur = nxt;
+        row0 = row1;
+    }
 
-        // ---- the warp's state over its row groups, then the block's warps in order --------
-        constexpr int LPR = L::kLanesPerRow;
+    // ---- the warp's state over its row groups, then the block's warps in order --------
+    constexpr int LPR = L::kLanesPerRow;
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+#pragma unroll
+        for (int off = LPR; off < kWarpSize; off <<= 1) {
+            st.l[j] += __shfl_xor_sync(kFullMask, st.l[j], off);
+#pragma unroll
+            for (int e = 0; e < E; ++e) st.o[j][e] += __shfl_xor_sync(kFullMask, st.o[j][e], off);
+        }
+    }
+    if (lane < LPR) {
 #pragma unroll
         for (int j = 0; j < HG; ++j) {
+            float *o_w = o_s + (warp * HG + j) * hd;
 #pragma unroll
-            for (int off = LPR; off < kWarpSize; off <<= 1) {
-                st.l[j] += __shfl_xor_sync(kFullMask, st.l[j], off);
+            for (int v = 0; v < L::kVecsPerLane; ++v) {
+                if constexpr (L::kVector) {
+                    const int e0 = (lane + v * LPR) * L::kVec;
 #pragma unroll
-                for (int e = 0; e < E; ++e) st.o[j][e] += __shfl_xor_sync(kFullMask, st.o[j][e], off);
-            }
-        }
-        if (lane < LPR) {
-#pragma unroll
-            for (int j = 0; j < HG; ++j) {
-                float *o_w = o_s + (warp * HG + j) * hd;
-#pragma unroll
-                for (int v = 0; v < L::kVecsPerLane; ++v) {
-                    if constexpr (L::kVector) {
-                        const int e0 = (lane + v * LPR) * L::kVec;
-#pragma unroll
-                        for (int i = 0; i < L::kVec; i += 4)
-                            *reinterpret_cast<float4 *>(o_w + e0 + i) =
-                                make_float4(st.o[j][v * L::kVec + i], st.o[j][v * L::kVec + i + 1],
-                                            st.o[j][v * L::kVec + i + 2], st.o[j][v * L::kVec + i + 3]);
-                    } else {
-                        const int d = lane + v * kWarpSize;
-                        if (d < hd) o_w[d] = st.o[j][v];
-                    }
+                    for (int i = 0; i < L::kVec; i += 4)
+                        *reinterpret_cast<float4 *>(o_w + e0 + i) =
+                            make_float4(st.o[j][v * L::kVec + i], st.o[j][v * L::kVec + i + 1],
+                                        st.o[j][v * L::kVec + i + 2], st.o[j][v * L::kVec + i + 3]);
+                } else {
+                    const int d = lane + v * kWarpSize;
+                    if (d < hd) o_w[d] = st.o[j][v];
                 }
             }
         }
-        if (lane == 0) {
+    }
+    if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < HG; ++j) {
-                m_s[warp * HG + j] = st.m[j];
-                l_s[warp * HG + j] = st.l[j];
-            }
+        for (int j = 0; j < HG; ++j) {
+            m_s[warp * HG + j] = st.m[j];
+            l_s[warp * HG + j] = st.l[j];
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    for (int j = tid; j < heads_here; j += kAttnThreads) {
+        float m = -INFINITY;
+        for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
+        float l = 0.f;
+        for (int w = 0; w < kAttnWarps; ++w) {
+            const float f = expf(m_s[w * HG + j] - m);  // 0 for a warp without rows
+            f_s[w * HG + j] = f;
+            l = fmaf(l_s[w * HG + j], f, l);
+        }
+        stats[j] = m;
+        stats[stats_stride + j] = l;
+    }
+    __syncthreads();
+    for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
+        const int j = i / hd;
+        const int d = i - j * hd;
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w)
+            o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
+        const size_t head = (size_t)head0 + j;
+        if (n_active == 1)
+            a.out[head * hd + d] = o / stats[stats_stride + j];
+        else
+            partial_o[(head * B + b) * hd + d] = o;
+    }
+    if (n_active > 1) {
         for (int j = tid; j < heads_here; j += kAttnThreads) {
-            float m = -INFINITY;
-            for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
-            float l = 0.f;
-            for (int w = 0; w < kAttnWarps; ++w) {
-                const float f = expf(m_s[w * HG + j] - m);  // 0 for a warp without rows
-                f_s[w * HG + j] = f;
-                l = fmaf(l_s[w * HG + j], f, l);
-            }
-            stats[j] = m;
-            stats[stats_stride + j] = l;
+            const size_t head = (size_t)head0 + j;
+            partial_m[head * B + b] = stats[j];
+            partial_l[head * B + b] = stats[stats_stride + j];
         }
-        __syncthreads();
-        for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
-            const int j = i / hd;
-            const int d = i - j * hd;
-            float o = 0.f;
-#pragma unroll
-            for (int w = 0; w < kAttnWarps; ++w)
-                o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
-            const size_t head = (size_t)head0 + hg + j;
-            if (n_active == 1)
-                a.out[head * hd + d] = o / stats[stats_stride + j];
-            else
-                partial_o[(head * B + b) * hd + d] = o;
-        }
-        if (n_active > 1) {
-            for (int j = tid; j < heads_here; j += kAttnThreads) {
-                const size_t head = (size_t)head0 + hg + j;
-                partial_m[head * B + b] = stats[j];
-                partial_l[head * B + b] = stats[stats_stride + j];
-            }
-        }
-        __syncthreads();  // o_s, m_s, l_s, f_s and stats are reused
     }
     if (n_active == 1) return;
 
@@ -702,7 +699,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-        const unsigned previous = atomicAdd(&a.counters[kv_head], 1u);
+        const unsigned previous = atomicAdd(&a.counters[blockIdx.x], 1u);
         is_last_block = previous + 1u == (unsigned)n_active;
     }
     __syncthreads();
@@ -711,7 +708,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
 
     // factors[j, s] = exp(m_s - M); stats[stride + j] = L = sum_s l_s * factors[j, s]
     float *factors = smem + lay.factors;
-    for (int j = warp; j < group; j += kAttnWarps) {
+    for (int j = warp; j < heads_here; j += kAttnWarps) {
         const size_t base = (size_t)(head0 + j) * B;
         float m = -INFINITY;
         for (int s = lane; s < n_active; s += kWarpSize) m = fmaxf(m, __ldcg(partial_m + base + s));
@@ -726,7 +723,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         if (lane == 0) stats[stats_stride + j] = l;
     }
     __syncthreads();
-    for (int i = tid; i < group * hd; i += kAttnThreads) {
+    for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
         const int j = i / hd;
         const int d = i - j * hd;
         const size_t head = (size_t)head0 + j;
@@ -735,7 +732,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             o = fmaf(factors[j * B + s], __ldcg(partial_o + (head * B + s) * hd + d), o);
         a.out[head * hd + d] = o / stats[stats_stride + j];
     }
-    if (tid == 0) a.counters[kv_head] = 0u;
+    if (tid == 0) a.counters[blockIdx.x] = 0u;
 }
 
 using AttnKernel = void (*)(AttnParams);
@@ -812,6 +809,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     const int group = n_heads / n_kv_heads;
     int head_group = max_group;
     if (head_dim == 128) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
+    const int head_groups = ceil_div(group, head_group);
     const AttnKernel kernel = kernel_for(kv_dtype, head_dim, head_group);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
@@ -819,7 +817,6 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     if (split_len == 0) split_len = kAttnWarps * tile_rows;
     split_len = (int)round_up(split_len < 32 ? 32 : split_len, 32);
     const int n_splits = ceil_div(max_seq_len, split_len);
-    const int q_heads = (int)round_up(group, head_group);
     const int eb = elem_bytes(kv_dtype);
 
     int device = 0, smem_optin = 0, sm_count = 0;
@@ -827,26 +824,32 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     OG_CUDA_RETURN_IF(
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    // Blocks per KV head: one wave of blocks over all heads (at most one per chunk).
-    size_t smem = (size_t)attn_smem(q_heads, head_group, group, head_dim, n_splits, eb).total * 4;
+    // Blocks per (KV head, head group): one wave of blocks over all of them (at most one per
+    // chunk).
+    size_t smem = (size_t)attn_smem(head_group, head_dim, n_splits, eb).total * 4;
     if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
     OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
     int per_sm = 0;
     OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
     if (per_sm <= 0) return cudaErrorInvalidConfiguration;
-    int n_blocks = per_sm * sm_count / n_kv_heads;
+    int n_blocks = per_sm * sm_count / (n_kv_heads * head_groups);
     n_blocks = n_blocks < 1 ? 1 : n_blocks > n_splits ? n_splits : n_blocks;
-    smem = (size_t)attn_smem(q_heads, head_group, group, head_dim, n_blocks, eb).total * 4;
+    smem = (size_t)attn_smem(head_group, head_dim, n_blocks, eb).total * 4;
     plan->split_len = split_len;
     plan->n_splits = n_splits;
     plan->n_blocks = n_blocks;
     plan->head_group = head_group;
+    plan->head_groups = head_groups;
     plan->smem_bytes = (int)smem;
     return cudaSuccess;
 }
 
 size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan) {
     return (size_t)n_heads * plan.n_blocks * (head_dim + 2);
+}
+
+int attention_counters(int n_kv_heads, const AttentionPlan &plan) {
+    return n_kv_heads * plan.head_groups;
 }
 
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
@@ -860,9 +863,11 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     p.a = args;
     p.chunk = plan.split_len;
     p.n_blocks = plan.n_blocks;
-    p.q_heads = (int)round_up(args.n_heads / args.n_kv_heads, plan.head_group);
+    p.head_groups = plan.head_groups;
+    if (plan.head_groups != ceil_div(args.n_heads / args.n_kv_heads, plan.head_group))
+        return cudaErrorInvalidValue;
     p.inv_sqrt_hd = (float)(1.0 / sqrt((double)args.head_dim));
-    const dim3 grid(args.n_kv_heads, plan.n_blocks), block(kAttnThreads);
+    const dim3 grid(args.n_kv_heads * plan.head_groups, plan.n_blocks), block(kAttnThreads);
     return launch_kernel(kernel, grid, block, (size_t)plan.smem_bytes, stream, pdl, p);
 }
 

@@ -189,7 +189,7 @@ struct og_engine {
     float *act = nullptr;                // (I) silu(gate) * up
     float *logits = nullptr;             // (V)
     float *attn_partials = nullptr;      // split-KV scratch
-    unsigned *attn_counters = nullptr;   // (n_kv)
+    unsigned *attn_counters = nullptr;   // (n_kv * attention head groups)
     float *router_logits = nullptr;      // (E)
     int32_t *selected_experts = nullptr; // (top_k)
     float *selected_weights = nullptr;   // (top_k)
@@ -482,7 +482,7 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->act = a.take<float>(d.I > 0 ? d.I : 1);
     e->logits = a.take<float>(d.V);
     e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
-    e->attn_counters = a.take<unsigned>(d.n_kv);
+    e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention));
     if (d.any_moe) {
         e->router_logits = a.take<float>(d.E);
         e->selected_experts = a.take<int32_t>(d.top_k);

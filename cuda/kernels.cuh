@@ -124,8 +124,10 @@ cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, 
 struct AttentionPlan {
     int split_len = 0;            // rows per chunk (a multiple of 32)
     int n_splits = 0;             // ceil(max_seq_len / split_len): chunks at full context
-    int n_blocks = 0;             // blocks per KV head; block b takes chunks b, b + n_blocks, ...
-    int head_group = 0;           // query heads accumulated together in registers
+    int n_blocks = 0;             // blocks per (KV head, head group); block b takes chunks b,
+                                  // b + n_blocks, ...
+    int head_group = 0;           // query heads accumulated together in registers (HG)
+    int head_groups = 0;          // ceil(n_heads / n_kv_heads / HG): blocks side by side per chunk
     int smem_bytes = 0;
 };
 // split_len 0: the kernel's default chunk (one tile per warp); otherwise rounded up to a
@@ -135,6 +137,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
                            int kv_dtype, int split_len, AttentionPlan *plan);
 // Size of the scratch the launch needs: partial outputs and softmax statistics.
 size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan);
+// Entries of AttentionArgs::counters: one per (KV head, head group).
+int attention_counters(int n_kv_heads, const AttentionPlan &plan);
 
 struct AttentionArgs {
     // Fused mode (qkv != NULL: the body): q and the new K/V row come from the QKV GEMV's
@@ -157,8 +161,8 @@ struct AttentionArgs {
     const og_step_record *step;   // visible length = position + 1
     int n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype;
     float *partials;              // attention_partial_floats(...) floats
-    unsigned *counters;           // [n_kv_heads], zero before the first launch; each launch
-                                  // leaves them zero again
+    unsigned *counters;           // [attention_counters(...)], zero before the first launch;
+                                  // each launch leaves them zero again
     float *out;                   // [n_heads * hd]
 };
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,

@@ -144,6 +144,20 @@ bool attention_shape_ok(int n_heads, int n_kv_heads, int head_dim, int max_seq_l
            (kv_dtype == OG_KV_F32 || kv_dtype == OG_KV_BF16 || kv_dtype == OG_KV_INT8);
 }
 
+// The attention kernel's split counters, one per (KV head, head group), must be back at zero.
+og_status check_counters_reset(const char *fn, const DeviceBuffer &d_counters, int n,
+                               const AttentionPlan &plan) {
+    std::vector<unsigned> counters(n);
+    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
+    for (int i = 0; i < n; ++i)
+        if (counters[i] != 0)
+            return set_error(OG_E_CUDA,
+                             "%s: split counter of KV head %d, head group %d is %u after the "
+                             "launch (must be reset to 0)",
+                             fn, i / plan.head_groups, i % plan.head_groups, counters[i]);
+    return OG_OK;
+}
+
 // Attention of q over the cache `kv` (already on the device) at visible_len rows, as the body
 // launches it; checks that the split counters are left at zero.
 og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n_heads,
@@ -160,8 +174,9 @@ og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n
     const size_t partial_bytes = attention_partial_floats(n_heads, head_dim, plan) * 4;
     OG_TRY(alloc(d_partials, partial_bytes));
     OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
-    OG_TRY(alloc(d_counters, (size_t)n_kv_heads * sizeof(unsigned)));
-    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)n_kv_heads * sizeof(unsigned)));
+    const size_t counter_bytes = (size_t)attention_counters(n_kv_heads, plan) * sizeof(unsigned);
+    OG_TRY(alloc(d_counters, counter_bytes));
+    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, counter_bytes));
     OG_TRY(alloc_copy(d_out, out, q_len * 4));
     AttentionArgs a = {};
     a.q = d_q.as<float>();
@@ -177,14 +192,7 @@ og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n
     a.out = d_out.as<float>();
     OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
     OG_TRY(copy_back(out, d_out, q_len * 4));
-    std::vector<unsigned> counters(n_kv_heads);
-    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
-    for (int h = 0; h < n_kv_heads; ++h)
-        if (counters[h] != 0)
-            return set_error(OG_E_CUDA,
-                             "%s: split counter of KV head %d is %u after the launch (must be "
-                             "reset to 0)",
-                             fn, h, counters[h]);
+    OG_TRY(check_counters_reset(fn, d_counters, attention_counters(n_kv_heads, plan), plan));
     if (split_len_out != nullptr) *split_len_out = plan.split_len;
     if (n_splits_out != nullptr) *n_splits_out = plan.n_splits;
     return OG_OK;
@@ -203,8 +211,9 @@ og_status run_fused(const char *fn, AttentionArgs a, int split_len, float *q_hos
     const size_t partial_bytes = attention_partial_floats(a.n_heads, a.head_dim, plan) * 4;
     OG_TRY(alloc(d_partials, partial_bytes));
     OG_CUDA_TRY(cudaMemset(d_partials.ptr, 0xff, partial_bytes));  // NaN: unread if unwritten
-    OG_TRY(alloc(d_counters, (size_t)a.n_kv_heads * sizeof(unsigned)));
-    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, (size_t)a.n_kv_heads * sizeof(unsigned)));
+    const size_t counter_bytes = (size_t)attention_counters(a.n_kv_heads, plan) * sizeof(unsigned);
+    OG_TRY(alloc(d_counters, counter_bytes));
+    OG_CUDA_TRY(cudaMemset(d_counters.ptr, 0, counter_bytes));
     OG_TRY(alloc(d_out, q_len * 4));
     OG_CUDA_TRY(cudaMemset(d_out.ptr, 0xff, q_len * 4));
     OG_TRY(alloc(d_q, q_len * 4));
@@ -217,15 +226,7 @@ og_status run_fused(const char *fn, AttentionArgs a, int split_len, float *q_hos
     OG_TRY(finish_launch(launch_attention(a, plan, 0, false), "launch_attention"));
     OG_TRY(copy_back(q_host, d_q, q_len * 4));
     OG_TRY(copy_back(out, d_out, q_len * 4));
-    std::vector<unsigned> counters(a.n_kv_heads);
-    OG_TRY(copy_back(counters.data(), d_counters, counters.size() * sizeof(unsigned)));
-    for (int h = 0; h < a.n_kv_heads; ++h)
-        if (counters[h] != 0)
-            return set_error(OG_E_CUDA,
-                             "%s: split counter of KV head %d is %u after the launch (must be "
-                             "reset to 0)",
-                             fn, h, counters[h]);
-    return OG_OK;
+    return check_counters_reset(fn, d_counters, attention_counters(a.n_kv_heads, plan), plan);
 }
 
 og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int rows, int cols,
