@@ -476,6 +476,72 @@ OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64
                          max_seq_len, kv_dtype, visible_len, split_len, out, nullptr, nullptr);
 }
 
+namespace {
+
+// The inputs both paged fused entry points take (the new token's qkv, the norms, the angles,
+// the step record, the pool and the block tables), checked and uploaded once.
+struct PagedRowInputs {
+    float *qkv;
+    int32_t n_heads, n_kv_heads, head_dim;
+    const float *q_norm, *k_norm;
+    float eps;
+    const float *inv_freq;
+    int32_t position, max_seq_len, kv_dtype;
+    void *pool;
+    int64_t block_stride;
+    int32_t n_blocks, page_size;
+    int64_t k_offset, v_offset, k_scales_offset, v_scales_offset;
+    int32_t seq_slot, row_block;
+    int32_t *block_tables;
+    int32_t n_tables, max_blocks_per_seq;
+};
+struct PagedRowDevice {
+    DeviceBuffer qkv, q_norm, k_norm, inv_freq, step, pool, tables;
+    KvPages kv;
+    size_t qkv_len = 0, pool_bytes = 0, table_bytes = 0;
+};
+
+og_status upload_paged_row(const char *fn, const PagedRowInputs &in, PagedRowDevice &d) {
+    if (in.qkv == nullptr || in.inv_freq == nullptr || in.pool == nullptr ||
+        in.block_tables == nullptr || in.n_heads <= 0 || in.n_kv_heads <= 0 ||
+        in.n_heads % in.n_kv_heads != 0 || in.head_dim <= 0 || in.head_dim % 2 != 0 ||
+        in.head_dim > 256 || in.max_seq_len <= 0 || (in.q_norm == nullptr) != (in.k_norm == nullptr) ||
+        (in.kv_dtype != OG_KV_F32 && in.kv_dtype != OG_KV_BF16 && in.kv_dtype != OG_KV_INT8) ||
+        in.n_tables <= 0 || in.max_blocks_per_seq <= 0 || in.seq_slot < 0 ||
+        in.seq_slot >= in.n_tables || in.page_size <= 0 ||
+        (int64_t)in.max_blocks_per_seq * in.page_size < in.max_seq_len)
+        return set_error(OG_E_INVALID_ARGUMENT, "%s: bad argument", fn);
+    OG_TRY(require_device());
+    d.qkv_len = (size_t)(in.n_heads + 2 * in.n_kv_heads) * in.head_dim;
+    d.pool_bytes = (size_t)in.block_stride * in.n_blocks;
+    d.table_bytes = (size_t)in.n_tables * in.max_blocks_per_seq * sizeof(int32_t);
+    OG_TRY(alloc_copy(d.qkv, in.qkv, d.qkv_len * 4));
+    if (in.q_norm != nullptr) {
+        OG_TRY(alloc_copy(d.q_norm, in.q_norm, (size_t)in.head_dim * 4));
+        OG_TRY(alloc_copy(d.k_norm, in.k_norm, (size_t)in.head_dim * 4));
+    }
+    OG_TRY(alloc_copy(d.inv_freq, in.inv_freq, (size_t)in.head_dim / 2 * 4));
+    og_step_record record = {};
+    record.position = in.position;
+    record.seq_slot = in.seq_slot;
+    record.row_block = in.row_block;
+    OG_TRY(alloc_copy(d.step, &record, sizeof record));
+    OG_TRY(alloc_copy(d.pool, in.pool, d.pool_bytes));
+    OG_TRY(alloc_copy(d.tables, in.block_tables, d.table_bytes));
+    return paged_pages(fn, d.pool.as<char>(), in.block_stride, in.n_blocks, in.page_size,
+                       in.n_kv_heads, in.head_dim, in.kv_dtype, in.k_offset, in.v_offset,
+                       in.k_scales_offset, in.v_scales_offset, d.tables.as<int32_t>(),
+                       in.max_blocks_per_seq, &d.kv);
+}
+
+// The pool and the block tables back to the caller's copies.
+og_status copy_back_paged(const PagedRowInputs &in, const PagedRowDevice &d) {
+    OG_TRY(copy_back(in.pool, d.pool, d.pool_bytes));
+    return copy_back(in.block_tables, d.tables, d.table_bytes);
+}
+
+}  // namespace
+
 OG_API og_status og_test_qk_norm_rope_kv_paged(
     float *qkv, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *q_norm,
     const float *k_norm, float eps, const float *inv_freq, int32_t position, int32_t max_seq_len,
@@ -483,53 +549,29 @@ OG_API og_status og_test_qk_norm_rope_kv_paged(
     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
     int32_t max_blocks_per_seq) {
-    if (qkv == nullptr || inv_freq == nullptr || pool == nullptr || block_tables == nullptr ||
-        n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || head_dim <= 0 ||
-        head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 ||
-        (q_norm == nullptr) != (k_norm == nullptr) ||
-        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && kv_dtype != OG_KV_INT8) ||
-        n_tables <= 0 || max_blocks_per_seq <= 0 || seq_slot < 0 || seq_slot >= n_tables ||
-        page_size <= 0 || (int64_t)max_blocks_per_seq * page_size < max_seq_len)
-        return set_error(OG_E_INVALID_ARGUMENT, "og_test_qk_norm_rope_kv_paged: bad argument");
-    OG_TRY(require_device());
-    const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
-    const size_t pool_bytes = (size_t)block_stride * n_blocks;
-    const size_t table_bytes = (size_t)n_tables * max_blocks_per_seq * sizeof(int32_t);
-    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_pool, d_tables;
-    OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
-    if (q_norm != nullptr) {
-        OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
-        OG_TRY(alloc_copy(d_kn, k_norm, (size_t)head_dim * 4));
-    }
-    OG_TRY(alloc_copy(d_freq, inv_freq, (size_t)head_dim / 2 * 4));
-    og_step_record record = {};
-    record.position = position;
-    record.seq_slot = seq_slot;
-    record.row_block = row_block;
-    OG_TRY(alloc_copy(d_step, &record, sizeof record));
-    OG_TRY(alloc_copy(d_pool, pool, pool_bytes));
-    OG_TRY(alloc_copy(d_tables, block_tables, table_bytes));
+    const PagedRowInputs in = {qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                               position, max_seq_len, kv_dtype, pool, block_stride, n_blocks,
+                               page_size, k_offset, v_offset, k_scales_offset, v_scales_offset,
+                               seq_slot, row_block, block_tables, n_tables, max_blocks_per_seq};
+    PagedRowDevice d;
+    OG_TRY(upload_paged_row("og_test_qk_norm_rope_kv_paged", in, d));
     RopeKvArgs a = {};
-    OG_TRY(paged_pages("og_test_qk_norm_rope_kv_paged", d_pool.as<char>(), block_stride, n_blocks,
-                       page_size, n_kv_heads, head_dim, kv_dtype, k_offset, v_offset,
-                       k_scales_offset, v_scales_offset, d_tables.as<int32_t>(),
-                       max_blocks_per_seq, &a.kv));
-    a.qkv = d_qkv.as<float>();
-    a.q_norm = d_qn.as<float>();
-    a.k_norm = d_kn.as<float>();
+    a.kv = d.kv;
+    a.qkv = d.qkv.as<float>();
+    a.q_norm = d.q_norm.as<float>();
+    a.k_norm = d.k_norm.as<float>();
     a.eps = eps;
-    a.inv_freq = d_freq.as<float>();
-    a.step = d_step.as<og_step_record>();
+    a.inv_freq = d.inv_freq.as<float>();
+    a.step = d.step.as<og_step_record>();
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
     a.head_dim = head_dim;
     a.max_seq_len = max_seq_len;
     a.kv_dtype = kv_dtype;
-    a.table_update = d_tables.as<int32_t>();
+    a.table_update = d.tables.as<int32_t>();
     OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
-    OG_TRY(copy_back(qkv, d_qkv, qkv_len * 4));
-    OG_TRY(copy_back(pool, d_pool, pool_bytes));
-    return copy_back(block_tables, d_tables, table_bytes);
+    OG_TRY(copy_back(qkv, d.qkv, d.qkv_len * 4));
+    return copy_back_paged(in, d);
 }
 
 OG_API og_status og_test_attention_fused(
@@ -540,51 +582,30 @@ OG_API og_status og_test_attention_fused(
     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
     int32_t max_blocks_per_seq, int32_t split_len, float *out) {
     const char *fn = "og_test_attention_fused";
-    if (qkv == nullptr || inv_freq == nullptr || pool == nullptr || block_tables == nullptr ||
-        out == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
-        head_dim <= 0 || head_dim % 2 != 0 || head_dim > 256 || max_seq_len <= 0 ||
-        position < 0 || position >= max_seq_len || (q_norm == nullptr) != (k_norm == nullptr) ||
-        (kv_dtype != OG_KV_F32 && kv_dtype != OG_KV_BF16 && kv_dtype != OG_KV_INT8) ||
-        n_tables <= 0 || max_blocks_per_seq <= 0 || seq_slot < 0 || seq_slot >= n_tables ||
-        page_size <= 0 || (int64_t)max_blocks_per_seq * page_size < max_seq_len || split_len < 0)
+    if (out == nullptr || position < 0 || position >= max_seq_len || split_len < 0)
         return set_error(OG_E_INVALID_ARGUMENT, "%s: bad argument", fn);
-    OG_TRY(require_device());
-    const size_t qkv_len = (size_t)(n_heads + 2 * n_kv_heads) * head_dim;
-    const size_t pool_bytes = (size_t)block_stride * n_blocks;
-    const size_t table_bytes = (size_t)n_tables * max_blocks_per_seq * sizeof(int32_t);
-    DeviceBuffer d_qkv, d_qn, d_kn, d_freq, d_step, d_pool, d_tables;
-    OG_TRY(alloc_copy(d_qkv, qkv, qkv_len * 4));
-    if (q_norm != nullptr) {
-        OG_TRY(alloc_copy(d_qn, q_norm, (size_t)head_dim * 4));
-        OG_TRY(alloc_copy(d_kn, k_norm, (size_t)head_dim * 4));
-    }
-    OG_TRY(alloc_copy(d_freq, inv_freq, (size_t)head_dim / 2 * 4));
-    og_step_record record = {};
-    record.position = position;
-    record.seq_slot = seq_slot;
-    record.row_block = row_block;
-    OG_TRY(alloc_copy(d_step, &record, sizeof record));
-    OG_TRY(alloc_copy(d_pool, pool, pool_bytes));
-    OG_TRY(alloc_copy(d_tables, block_tables, table_bytes));
+    const PagedRowInputs in = {qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                               position, max_seq_len, kv_dtype, pool, block_stride, n_blocks,
+                               page_size, k_offset, v_offset, k_scales_offset, v_scales_offset,
+                               seq_slot, row_block, block_tables, n_tables, max_blocks_per_seq};
+    PagedRowDevice d;
+    OG_TRY(upload_paged_row(fn, in, d));
     AttentionArgs a = {};
-    OG_TRY(paged_pages(fn, d_pool.as<char>(), block_stride, n_blocks, page_size, n_kv_heads,
-                       head_dim, kv_dtype, k_offset, v_offset, k_scales_offset, v_scales_offset,
-                       d_tables.as<int32_t>(), max_blocks_per_seq, &a.kv));
-    a.qkv = d_qkv.as<float>();
-    a.q_norm = d_qn.as<float>();
-    a.k_norm = d_kn.as<float>();
+    a.kv = d.kv;
+    a.qkv = d.qkv.as<float>();
+    a.q_norm = d.q_norm.as<float>();
+    a.k_norm = d.k_norm.as<float>();
     a.eps = eps;
-    a.inv_freq = d_freq.as<float>();
-    a.table_update = d_tables.as<int32_t>();
-    a.step = d_step.as<og_step_record>();
+    a.inv_freq = d.inv_freq.as<float>();
+    a.table_update = d.tables.as<int32_t>();
+    a.step = d.step.as<og_step_record>();
     a.n_heads = n_heads;
     a.n_kv_heads = n_kv_heads;
     a.head_dim = head_dim;
     a.max_seq_len = max_seq_len;
     a.kv_dtype = kv_dtype;
     OG_TRY(run_fused(fn, a, split_len, qkv, out));  // q over the first n_heads * hd of qkv
-    OG_TRY(copy_back(pool, d_pool, pool_bytes));
-    return copy_back(block_tables, d_tables, table_bytes);
+    return copy_back_paged(in, d);
 }
 
 OG_API og_status og_test_zero_blocks(void *backing, uint64_t backing_bytes, uint64_t pool_offset,
