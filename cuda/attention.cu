@@ -25,24 +25,25 @@
 // (layer 0 also stores row_block into the block table). So nothing in the kernel reads a row
 // it writes.
 //
-// Work split. The context is cut into chunks of C = split_len rows (a multiple of 32). Grid
-// (n_kv * head groups, B), 256 threads: block b of a (KV head, head group) takes chunks b,
-// b + B, b + 2B, ... (B is fixed by the plan: about one wave of blocks), so any context spreads
-// over up to B blocks per head group and a short one occupies few. Inside a block, a chunk is cut into tiles of R rows and warp w takes
-// tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16 lanes (16-byte loads, or one
-// element per lane for head dims other than 64/128/256), so one load instruction covers 32 / L
-// consecutive rows and a tile is 2-4 such loads of K and of V in flight per lane. A warp works
-// as a pipeline: while it folds in tile i, the K/V loads of tile i+1, an L2 prefetch of tile
-// i+2 and the block-table reads of tile i+3 are in flight (a row's address depends on its table
-// entry, so a tile is located two steps before it is loaded). Each warp keeps an online softmax (running
-// max m, sum l, accumulator o per head, rescaled when m grows); the 8 warps combine through
-// shared memory in warp order. A block that is alone for its head group (len <= C) writes out
-// directly; otherwise it writes (m, l, o) as a partial, and the last of the n_active blocks of
-// the head group to finish (an atomic counter, reset by that block) combines the partials in block
-// order: the same arithmetic whichever block is last, so results are bit-identical run to run.
-// The first tile's K/V loads depend only on the step record and on earlier steps' rows, and the
-// prologue's norm weights and rotation angles only on weights and the position, so all of them
-// are issued before waiting on the previous kernel (PDL), overlapping its tail.
+// Work split. The context is cut into chunks of C = split_len rows (a multiple of 32). Grid (n_kv
+// * head groups, B), 256 threads: block b of a (KV head, head group) takes chunks b, b + B, b +
+// 2B, ... (B is fixed by the plan: about one wave of blocks), so any context spreads over up to B
+// blocks per head group and a short one occupies few. Inside a block, a chunk is cut into tiles
+// of R rows and warp w takes tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16
+// lanes (16-byte loads, or one element per lane for head dims other than 64/128/256), so one load
+// instruction covers 32 / L consecutive rows and a tile is 2-4 such loads of K and of V in flight
+// per lane. A warp works as a pipeline: while it folds in tile i, the K/V loads of tile i+1, an
+// L2 prefetch of tile i+2 and the block-table reads of tile i+3 are in flight (a row's address
+// depends on its table entry, so a tile is located two steps before it is loaded). Each warp
+// keeps an online softmax (running max m, sum l, accumulator o per head, rescaled when m grows);
+// the 8 warps combine through shared memory in warp order. A block that is alone for its head
+// group (len <= C) writes out directly; otherwise it writes (m, l, o) as a partial, and the last
+// of the n_active blocks of the head group to finish (an atomic counter, reset by that block)
+// combines the partials in block order: the same arithmetic whichever block is last, so results
+// are bit-identical run to run. The first tile's K/V loads depend only on the step record and on
+// earlier steps' rows, and the prologue's norm weights and rotation angles only on weights and
+// the position, so all of them are issued before waiting on the previous kernel (PDL),
+// overlapping its tail.
 #include <math.h>
 
 #include <type_traits>
