@@ -239,6 +239,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 //   split its k-blocks (warp w: kb = w, w + 8, ..., U k-blocks in flight), and the 8 partial
 //   sums per row are added in warp order (deterministic: graph replays are bit-identical).
 constexpr int kQuantTaskRows = 16;    // the mma's M
+// A fifth mode, for the MoE experts (moe.cu): gate/up + SwiGLU of the top_k selected experts
+// over the shared normed x, act[j, i] = silu(gate_e[i] . x) * (up_e[i] . x), e = selected[j];
+// the weights hold 2I rows per expert (gate, then up).
+constexpr int kQuantMoeGateUp = 16;
 constexpr int kQuantKBlocks = 4;      // k-blocks per warp in flight: 2 x 4 x 16 bytes per lane
 
 struct QuantGemvParams {
@@ -251,6 +255,8 @@ struct QuantGemvParams {
     int rows, cols, n_chunks, n_kblocks, n_tasks, out_rows, scales_per_row;
     int64_t row_bytes;
     float eps;
+    const int32_t *selected;  // kQuantMoeGateUp: the experts chosen for this token [top_k]
+    int tasks_per_expert;     // kQuantMoeGateUp: ceil(I / 8)
 };
 
 // d += A . B for one m16n8k16 tile (fp16 inputs, fp32 accumulation).
@@ -278,6 +284,11 @@ __device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
 // Row of the matrix behind row slot r (0..15) of task `task`, clamped into the matrix.
 template <int MODE>
 __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task, int r) {
+    if (MODE == kQuantMoeGateUp) {
+        const int j = task / p.tasks_per_expert;
+        const int i = min(8 * (task - j * p.tasks_per_expert) + (r & 7), p.out_rows - 1);
+        return __ldg(p.selected + j) * 2 * p.out_rows + (r < 8 ? i : p.out_rows + i);
+    }
     if (MODE == kGemvNormSwiglu) {
         const int i = min(8 * task + (r & 7), p.out_rows - 1);
         return r < 8 ? i : p.out_rows + i;
@@ -298,8 +309,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int g = lane >> 2, t = lane & 3;
     int task = blockIdx.x;
 
-    // Weights do not depend on earlier kernels: pull the block's first rows into L2.
-    if (task < p.n_tasks && tid < kQuantTaskRows) {
+    // Weights do not depend on earlier kernels: pull the block's first rows into L2 (not the
+    // experts': which rows depends on the top-k kernel's output).
+    if (MODE != kQuantMoeGateUp && task < p.n_tasks && tid < kQuantTaskRows) {
         const int row = quant_task_row<MODE>(p, task, tid);
         if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
             prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
@@ -447,11 +459,12 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
                     s *= static_cast<const float *>(p.scales)[quant_task_row<MODE>(p, task, r)];
                 return s;
             };
-            if (MODE == kGemvNormSwiglu) {
-                const int out = 8 * task + tid;
-                if (tid < 8 && out < p.out_rows) {
+            if (MODE == kGemvNormSwiglu || MODE == kQuantMoeGateUp) {
+                const int j = MODE == kQuantMoeGateUp ? task / p.tasks_per_expert : 0;
+                const int i = 8 * (task - j * p.tasks_per_expert) + tid;
+                if (tid < 8 && i < p.out_rows) {
                     const float gate = row_sum(tid), up_ = row_sum(tid + 8);
-                    p.y[out] = gate / (1.0f + expf(-gate)) * up_;
+                    p.y[(size_t)j * p.out_rows + i] = gate / (1.0f + expf(-gate)) * up_;
                 }
             } else {
                 const int out = kQuantTaskRows * task + tid;
@@ -637,6 +650,8 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.scales_per_row = (int)weight_scales_per_row(args.format, args.cols);
         q.row_bytes = weight_row_bytes(args.format, args.cols);
         q.eps = args.eps;
+        q.selected = nullptr;
+        q.tasks_per_expert = 0;
         const dim3 grid(plan.grid);
         if (args.format == OG_WEIGHTS_INT8)
             return launch_quant<OG_WEIGHTS_INT8>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
@@ -661,6 +676,49 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         case 8: return launch_warps<8>(mode, plan.unroll, grid, plan.smem_bytes, stream, pdl, p);
     }
     return cudaErrorInvalidConfiguration;
+}
+
+namespace {
+template <int FMT>
+cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
+                                      cudaStream_t stream, bool pdl) {
+    const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps>;
+    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
+}
+}  // namespace
+
+cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void *scales,
+                                     const float *x_normed, const int32_t *selected, int top_k,
+                                     int hidden, int inter, float *act, cudaStream_t stream,
+                                     bool pdl) {
+    if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || weights == nullptr ||
+        scales == nullptr || x_normed == nullptr || selected == nullptr || act == nullptr ||
+        top_k < 1 || hidden < 1 || inter < 1 || (int64_t)top_k * ceil_div(inter, 8) > INT32_MAX)
+        return cudaErrorInvalidValue;
+    QuantGemvParams q = {};
+    q.weight = static_cast<const uint8_t *>(weights);
+    q.scales = scales;
+    q.x = x_normed;
+    q.y = act;
+    q.rows = 2 * inter;  // per expert
+    q.cols = hidden;
+    q.n_chunks = ceil_div(hidden, weight_values_per_chunk(format));
+    q.n_kblocks = ceil_div(q.n_chunks, 4);
+    q.tasks_per_expert = ceil_div(inter, 8);
+    q.n_tasks = top_k * q.tasks_per_expert;
+    q.out_rows = inter;
+    q.scales_per_row = (int)weight_scales_per_row(format, hidden);
+    q.row_bytes = weight_row_bytes(format, hidden);
+    q.selected = selected;
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    // Two blocks per SM fit (registers); more would only queue, and the grid strides anyway.
+    const int grid = q.n_tasks < 2 * sm_count ? q.n_tasks : 2 * sm_count;
+    const size_t smem = gemv_input_smem_bytes(hidden, format);
+    if (format == OG_WEIGHTS_INT8)
+        return launch_moe_gate_up_format<OG_WEIGHTS_INT8>(q, grid, smem, stream, pdl);
+    return launch_moe_gate_up_format<OG_WEIGHTS_Q4>(q, grid, smem, stream, pdl);
 }
 
 }  // namespace og

@@ -36,6 +36,7 @@
 //     direct launch.
 // Expert ids are trusted: the launchers do not know E, and launch_moe_topk only produces
 // ids in [0, E).
+#include "kernels.cuh"
 #include "moe.cuh"
 #include "moe_testing.h"
 #include "quant.cuh"
@@ -370,60 +371,14 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
 }
 
 // ---- quantized experts (int8 / q4) ------------------------------------------------------------
-// The dense quantized GEMV's building blocks (quant.cuh): the input staged once per block in
-// shared memory, swizzled per 16-byte chunk; a warp handles four rows so that every staged
-// value read feeds four rows; kQuantUnroll 16-byte chunks of each row in flight per lane.
+// gate/up runs on the dense quantized GEMV's tensor-core kernel (gemv.cu,
+// og::launch_moe_gate_up_quant). down, below, keeps fp32 fmas (quant.cuh rows_dot) so that the
+// experts' outputs are summed in selection order: the input (act) is staged once per block in
+// shared memory, swizzled per 16-byte chunk; a warp handles four rows so that every staged value
+// read feeds four rows. down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per
+// SM), so each lane keeps 4 x 4 rows x 16 bytes in flight.
 constexpr int kQuantRows = 4;
-constexpr int kQuantUnroll = 4;  // as gemv.cu: 8 KB in flight per warp
-// down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per SM), so each lane keeps
-// more chunks in flight: 4 x 4 rows x 16 bytes.
 constexpr int kDownQuantUnroll = 4;
-
-// Task t = (selected expert j, output pair i0 = 2p): gate rows i0, i1 and up rows I+i0, I+i1 of
-// expert selected[j], i1 = min(i0 + 1, I - 1); act[j, i0 (+1)] = silu(gate) * up.
-template <int FMT>
-__global__ void __launch_bounds__(kThreads)
-moe_gate_up_quant_kernel(const uint8_t *__restrict__ weights, const void *__restrict__ scales,
-                         const float *__restrict__ x, const int32_t *__restrict__ selected,
-                         int top_k, int hidden, int inter, float *__restrict__ act) {
-    constexpr int F = og::QuantFormat<FMT>::kValuesPerChunk / 4;
-    constexpr int R = kQuantRows;
-    extern __shared__ float4 smem[];  // [n_chunks * F] swizzled x
-    const int lane = threadIdx.x & 31;
-    const int n_chunks = (hidden + 4 * F - 1) / (4 * F);
-    const int64_t row_bytes = (int64_t)n_chunks * 16;
-    const int64_t scale_row_bytes = og::weight_scales_per_row(FMT, hidden) * og::weight_scale_bytes(FMT);
-    const int pairs = (inter + 1) / 2;
-    const int n_tasks = top_k * pairs;
-
-    og::pdl_wait();
-    og::pdl_launch_dependents();
-    og::stage_vector<FMT, kThreads>(smem, x, hidden, n_chunks * F, threadIdx.x);
-    __syncthreads();
-
-    for (int task = blockIdx.x * kWarps + (threadIdx.x >> 5); task < n_tasks;
-         task += gridDim.x * kWarps) {
-        const int j = task / pairs;
-        const int i0 = 2 * (task - j * pairs);
-        const int n_out = min(2, inter - i0);
-        const int64_t gate = (int64_t)__ldg(selected + j) * 2 * inter + i0;  // expert's row i0
-        const int64_t rows[R] = {gate, gate + n_out - 1, gate + inter, gate + inter + n_out - 1};
-        const uint8_t *row_ptr[R];
-        const void *scale_ptr[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            row_ptr[r] = weights + rows[r] * row_bytes;
-            scale_ptr[r] = static_cast<const char *>(scales) + rows[r] * scale_row_bytes;
-        }
-        float y[R];
-        og::rows_dot<FMT, R, kQuantUnroll>(row_ptr, scale_ptr, n_chunks, smem, lane, y);
-        if (lane == 0) {
-#pragma unroll
-            for (int k = 0; k < 2; ++k)
-                if (k < n_out) act[(size_t)j * inter + i0 + k] = y[k] / (1.0f + expf(-y[k])) * y[2 + k];
-        }
-    }
-}
 
 // Task t = rows r0..r0+3 of the output (clamped to hidden): for each row, one dot product over
 // the concatenation of the top_k experts' rows against the concatenated act vectors, chunk
@@ -634,23 +589,6 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
 namespace {
 
 template <int FMT>
-cudaError_t launch_gate_up_quant(const MoeExperts &w, const float *x_normed,
-                                 const int32_t *selected, int top_k, int hidden, int inter,
-                                 float *act, cudaStream_t stream, bool pdl) {
-    const int n_chunks = (hidden + og::QuantFormat<FMT>::kValuesPerChunk - 1) /
-                         og::QuantFormat<FMT>::kValuesPerChunk;
-    const size_t smem = (size_t)n_chunks * og::QuantFormat<FMT>::kValuesPerChunk * sizeof(float);
-    const auto kernel = &moe_gate_up_quant_kernel<FMT>;
-    int grid = 0;
-    cudaError_t err = persistent_grid(reinterpret_cast<const void *>(kernel), smem,
-                                      (long long)top_k * ((inter + 1) / 2), &grid);
-    if (err != cudaSuccess) return err;
-    return og::launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, pdl,
-                             static_cast<const uint8_t *>(w.data), w.scales, x_normed, selected,
-                             top_k, hidden, inter, act);
-}
-
-template <int FMT>
 cudaError_t launch_down_quant(const MoeExperts &w, const float *act, const int32_t *selected,
                               const float *sel_weights, int top_k, int hidden, int inter,
                               float *x, cudaStream_t stream, bool pdl) {
@@ -685,13 +623,10 @@ cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_
                                          act, stream, pdl);
     if (!x_normed || !selected_experts || !act || !valid_quant_args(gate_up, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    if (gate_up.format == OG_WEIGHTS_INT8)
-        return launch_gate_up_quant<OG_WEIGHTS_INT8>(gate_up, x_normed, selected_experts, top_k,
-                                                     hidden, moe_inter, act, stream, pdl);
-    if (gate_up.format == OG_WEIGHTS_Q4)
-        return launch_gate_up_quant<OG_WEIGHTS_Q4>(gate_up, x_normed, selected_experts, top_k,
-                                                   hidden, moe_inter, act, stream, pdl);
-    return cudaErrorInvalidValue;
+    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu)
+    return og::launch_moe_gate_up_quant(gate_up.format, gate_up.data, gate_up.scales, x_normed,
+                                        selected_experts, top_k, hidden, moe_inter, act, stream,
+                                        pdl);
 }
 
 cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const float *act,
