@@ -239,10 +239,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 //   split its k-blocks (warp w: kb = w, w + 8, ..., U k-blocks in flight), and the 8 partial
 //   sums per row are added in warp order (deterministic: graph replays are bit-identical).
 constexpr int kQuantTaskRows = 16;    // the mma's M
-// A fifth mode, for the MoE experts (moe.cu): gate/up + SwiGLU of the top_k selected experts
-// over the shared normed x, act[j, i] = silu(gate_e[i] . x) * (up_e[i] . x), e = selected[j];
-// the weights hold 2I rows per expert (gate, then up).
-constexpr int kQuantMoeGateUp = 16;
+// A fifth mode beside GemvMode's four, for the MoE experts (moe.cu): gate/up + SwiGLU of the
+// top_k selected experts over the shared normed x, act[j, i] = silu(gate_e[i] . x) *
+// (up_e[i] . x), e = selected[j]; the weights hold 2I rows per expert (gate, then up).
+constexpr int kQuantMoeGateUp = 4;
 constexpr int kQuantKBlocks = 4;      // k-blocks per warp in flight: 2 x 4 x 16 bytes per lane
 
 struct QuantGemvParams {
@@ -683,7 +683,9 @@ template <int FMT>
 cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
                                       cudaStream_t stream, bool pdl) {
     const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps>;
-    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    // The opt-in (a driver call per launch) only for inputs that need it: under 32 KB of
+    // staged input plus the kernel's ~0.6 KB of static arrays stay below the 48 KB default.
+    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
     return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
 }
 }  // namespace
