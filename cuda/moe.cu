@@ -370,117 +370,6 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     }
 }
 
-// ---- quantized experts (int8 / q4) ------------------------------------------------------------
-// gate/up runs on the dense quantized GEMV's tensor-core kernel (gemv.cu,
-// og::launch_moe_gate_up_quant). down, below, keeps fp32 fmas (quant.cuh rows_dot) so that the
-// experts' outputs are summed in selection order: the input (act) is staged once per block in
-// shared memory, swizzled per 16-byte chunk; a warp handles four rows so that every staged value
-// read feeds four rows. down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per
-// SM), so each lane keeps 4 x 4 rows x 16 bytes in flight.
-constexpr int kQuantRows = 4;
-constexpr int kDownQuantUnroll = 4;
-
-// Task t = rows r0..r0+3 of the output (clamped to hidden): for each row, one dot product over
-// the concatenation of the top_k experts' rows against the concatenated act vectors, chunk
-// C = j * n_chunks + c (expert j, chunk c of its row) scaled by selected_weights[j] times the
-// row scale (int8) or the chunk's group scale (q4); x[r] += the sum.
-template <int FMT>
-__global__ void __launch_bounds__(kThreads)
-moe_down_quant_kernel(const uint8_t *__restrict__ weights, const void *__restrict__ scales,
-                      const float *__restrict__ act, const int32_t *__restrict__ selected,
-                      const float *__restrict__ sel_weights, int top_k, int hidden, int inter,
-                      float *__restrict__ x) {
-    constexpr int F = og::QuantFormat<FMT>::kValuesPerChunk / 4;
-    constexpr int R = kQuantRows;
-    constexpr int U = kDownQuantUnroll;
-    extern __shared__ float4 smem[];  // [top_k * n_chunks * F] swizzled act, experts concatenated
-    __shared__ int32_t expert_of[kMaxTopK];
-    __shared__ float weight_of[kMaxTopK];
-    const int lane = threadIdx.x & 31;
-    const int n_chunks = (inter + 4 * F - 1) / (4 * F);  // per expert row
-    const int total_chunks = top_k * n_chunks;
-    const int64_t row_bytes = (int64_t)n_chunks * 16;
-    const int scales_per_row = (int)og::weight_scales_per_row(FMT, inter);
-    const int n_tasks = (hidden + R - 1) / R;
-
-    og::pdl_wait();
-    og::pdl_launch_dependents();
-    if (threadIdx.x < top_k) {
-        expert_of[threadIdx.x] = selected[threadIdx.x];
-        weight_of[threadIdx.x] = sel_weights[threadIdx.x];
-    }
-    for (int i = threadIdx.x; i < total_chunks * F; i += kThreads) {
-        const int j = i / (n_chunks * F);
-        const int k0 = 4 * (i - j * n_chunks * F);  // first element within expert j's vector
-        const float *src = act + (size_t)j * inter;
-        float4 v;
-        v.x = k0 + 0 < inter ? src[k0 + 0] : 0.f;  // pad: finite zeros against the pad weights
-        v.y = k0 + 1 < inter ? src[k0 + 1] : 0.f;
-        v.z = k0 + 2 < inter ? src[k0 + 2] : 0.f;
-        v.w = k0 + 3 < inter ? src[k0 + 3] : 0.f;
-        smem[og::swizzled_float4<FMT>(i)] = v;
-    }
-    __syncthreads();
-
-    const int key = og::swizzle_key<FMT>(lane);  // = the key of every chunk C this lane reads
-    for (int task = blockIdx.x * kWarps + (threadIdx.x >> 5); task < n_tasks;
-         task += gridDim.x * kWarps) {
-        const int r0 = R * task;
-        const int n_out = min(R, hidden - r0);
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = 0.f;
-        for (int base = lane; base < total_chunks; base += 32 * U) {
-            uint4 v[U][R];
-            float factor[U][R];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int chunk = base + 32 * u;
-                const bool live = chunk < total_chunks;
-                const int j = live ? chunk / n_chunks : 0;
-                const int c = chunk - j * n_chunks;
-                const int64_t expert_row = (int64_t)expert_of[j] * hidden;
-                const float wj = weight_of[j];
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int64_t row = expert_row + r0 + min(r, n_out - 1);
-                    if (live) {
-                        v[u][r] = og::load_weight_chunk(
-                            reinterpret_cast<const uint4 *>(weights + row * row_bytes) + c);
-                        const float s = FMT == OG_WEIGHTS_Q4
-                            ? og::load_bf16_scale(static_cast<const uint16_t *>(scales) +
-                                                  row * scales_per_row + c)
-                            : __ldg(static_cast<const float *>(scales) + row);
-                        factor[u][r] = wj * s;
-                    } else {
-                        v[u][r] = make_uint4(0u, 0u, 0u, 0u);
-                        factor[u][r] = 0.f;
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int chunk = base + 32 * u;
-                if (chunk < total_chunks) {
-                    float g[R];
-#pragma unroll
-                    for (int r = 0; r < R; ++r) g[r] = 0.f;
-                    og::chunk_dots<FMT, R>(v[u], smem + chunk * F, key, g);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[r] = fmaf(factor[u][r], g[r], acc[r]);
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = og::warp_sum(acc[r]);
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (r < n_out) x[r0 + r] = __fadd_rn(x[r0 + r], acc[r]);
-        }
-    }
-}
-
 // ---- launch helpers ---------------------------------------------------------------------------
 
 struct OccupancyEntry {
@@ -588,24 +477,6 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
 
 namespace {
 
-template <int FMT>
-cudaError_t launch_down_quant(const MoeExperts &w, const float *act, const int32_t *selected,
-                              const float *sel_weights, int top_k, int hidden, int inter,
-                              float *x, cudaStream_t stream, bool pdl) {
-    const int n_chunks = (inter + og::QuantFormat<FMT>::kValuesPerChunk - 1) /
-                         og::QuantFormat<FMT>::kValuesPerChunk;
-    const size_t smem =
-        (size_t)top_k * n_chunks * og::QuantFormat<FMT>::kValuesPerChunk * sizeof(float);
-    const auto kernel = &moe_down_quant_kernel<FMT>;
-    int grid = 0;
-    cudaError_t err = persistent_grid(reinterpret_cast<const void *>(kernel), smem,
-                                      (hidden + kQuantRows - 1) / kQuantRows, &grid);
-    if (err != cudaSuccess) return err;
-    return og::launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, pdl,
-                             static_cast<const uint8_t *>(w.data), w.scales, act, selected,
-                             sel_weights, top_k, hidden, inter, x);
-}
-
 bool valid_quant_args(const MoeExperts &w, int top_k, int hidden, int inter) {
     return w.data != nullptr && w.scales != nullptr && aligned16(w.data) && top_k >= 1 &&
            top_k <= kMaxTopK && hidden >= 1 && inter >= 1 &&
@@ -641,13 +512,9 @@ cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const floa
     if (!act || !selected_experts || !selected_weights || !x ||
         !valid_quant_args(down, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    if (down.format == OG_WEIGHTS_INT8)
-        return launch_down_quant<OG_WEIGHTS_INT8>(down, act, selected_experts, selected_weights,
-                                                  top_k, hidden, moe_inter, x, stream, pdl);
-    if (down.format == OG_WEIGHTS_Q4)
-        return launch_down_quant<OG_WEIGHTS_Q4>(down, act, selected_experts, selected_weights,
-                                                top_k, hidden, moe_inter, x, stream, pdl);
-    return cudaErrorInvalidValue;
+    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu), experts summed in order
+    return og::launch_moe_down_quant(down.format, down.data, down.scales, act, selected_experts,
+                                     selected_weights, top_k, hidden, moe_inter, x, stream, pdl);
 }
 
 // ---- test entry points (moe_testing.h) -----------------------------------------------------
