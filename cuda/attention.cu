@@ -250,12 +250,10 @@ __device__ __forceinline__ float4 decode4(const uint4 &r, int g) {
         const uint32_t w1 = g == 0 ? r.y : r.w;
         return make_float4(bf16_lo(w0), bf16_hi(w0), bf16_lo(w1), bf16_hi(w1));
     } else {
-        const uint32_t w = word_of(r, g);
-        const __half2 offset = half2_bits(0x64806480u);  // 1152, 1152
-        const __half2 even = __hsub2(as_half2(and_xor(w, 0x00FF00FFu, 0x64806480u)), offset);
-        const __half2 odd = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);
-        return make_float4(__low2float(even), __low2float(odd), __high2float(even),
-                           __high2float(odd));
+        __half2 h[2];  // (q0, q2), (q1, q3)
+        word_pairs(word_of(r, g), h);
+        return make_float4(__low2float(h[0]), __low2float(h[1]), __high2float(h[0]),
+                           __high2float(h[1]));
     }
 }
 template <int KV>

@@ -500,6 +500,11 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     const size_t narrow = (size_t)chunk * prefill_narrow_cols(d.H, d.q_size, d.I);
     e->prefill.narrow = a.take<__nv_bfloat16>(narrow);     // the GEMM inputs' hi halves
     e->prefill.narrow_lo = a.take<__nv_bfloat16>(narrow);  // ... and their lo halves
+    if (e->cfg.weights_dense != OG_WEIGHTS_BF16) {  // one dequantized dense matrix, hi + lo
+        const size_t w = prefill_weight_elems(d.H, d.q_size, d.qkv_rows, d.any_dense ? d.I : 0);
+        e->prefill.w_hi = a.take<__nv_bfloat16>(w);
+        e->prefill.w_lo = a.take<__nv_bfloat16>(w);
+    }
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 
@@ -831,8 +836,14 @@ PrefillModel prefill_model(const og_engine *e) {
     m.embed_tokens = e->embed_tokens;
     m.inv_freq = e->inv_freq;
     m.layers.resize(d.L);
-    const auto bf16 = [](const DeviceMatrix &w) {
-        return reinterpret_cast<const __nv_bfloat16 *>(w.data);
+    const auto matrix = [](const DeviceMatrix &w, int rows, int cols) {
+        PrefillMatrix m;
+        m.data = w.data;
+        m.scales = w.scales;
+        m.format = w.format;
+        m.rows = rows;
+        m.cols = cols;
+        return m;
     };
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
@@ -842,15 +853,15 @@ PrefillModel prefill_model(const og_engine *e) {
         p.post_attention_layernorm = w.post_attention_layernorm;
         p.q_norm = w.q_norm;
         p.k_norm = w.k_norm;
-        p.qkv = bf16(w.qkv);
-        p.o_proj = bf16(w.o_proj);
+        p.qkv = matrix(w.qkv, d.qkv_rows, d.H);
+        p.o_proj = matrix(w.o_proj, d.H, d.q_size);
         if (w.is_moe) {
             p.router = w.router;
             p.expert_gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales, w.expert_gate_up.format};
             p.expert_down = {w.expert_down.data, w.expert_down.scales, w.expert_down.format};
         } else {
-            p.gate_up = bf16(w.gate_up);
-            p.down = bf16(w.down);
+            p.gate_up = matrix(w.gate_up, 2 * d.I, d.H);
+            p.down = matrix(w.down, d.H, d.I);
         }
         p.kv = e->kv.pages(l);
     }
@@ -1142,11 +1153,6 @@ OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_token
                          id, seq->length, n_tokens, e->d.max_seq);
     og_status status = precheck(e);
     if (status != OG_OK) return status;
-    if (e->cfg.weights_dense != OG_WEIGHTS_BF16)
-        return set_error(OG_E_UNSUPPORTED,
-                         "og_prefill: the batched prefill multiplies bf16 weights only "
-                         "(og_config.weights_dense=%d); feed the prompt token by token (og_step)",
-                         e->cfg.weights_dense);
     status = use_device(e);
     if (status != OG_OK) return status;
     status = e->kv.reserve(id, n_tokens, e->stream);  // OG_E_POOL_EXHAUSTED changes nothing

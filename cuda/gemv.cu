@@ -239,6 +239,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 //   split its k-blocks (warp w: kb = w, w + 8, ..., U k-blocks in flight), and the 8 partial
 //   sums per row are added in warp order (deterministic: graph replays are bit-identical).
 constexpr int kQuantTaskRows = 16;    // the mma's M
+constexpr int kQuantWarps = 8;        // per block: a 16-row task's columns split 8 ways
+// A fifth mode beside GemvMode's four, for the MoE experts (moe.cu): gate/up + SwiGLU of the
+// top_k selected experts over the shared normed x, act[j, i] = silu(gate_e[i] . x) *
+// (up_e[i] . x), e = selected[j]; the weights hold 2I rows per expert (gate, then up).
+constexpr int kQuantMoeGateUp = 4;
 constexpr int kQuantKBlocks = 4;      // k-blocks per warp in flight: 2 x 4 x 16 bytes per lane
 
 struct QuantGemvParams {
@@ -251,6 +256,8 @@ struct QuantGemvParams {
     int rows, cols, n_chunks, n_kblocks, n_tasks, out_rows, scales_per_row;
     int64_t row_bytes;
     float eps;
+    const int32_t *selected;  // kQuantMoeGateUp: the experts chosen for this token [top_k]
+    int tasks_per_expert;     // kQuantMoeGateUp: ceil(I / 8)
 };
 
 // d += A . B for one m16n8k16 tile (fp16 inputs, fp32 accumulation).
@@ -275,9 +282,106 @@ __device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
     return u;
 }
 
+// The power of two 2^e that puts max |x| = bound in [2^14, 2^15) (fp16's range with room).
+__device__ __forceinline__ int split_exponent(float bound) {
+    if (!(bound > 0.f && bound <= 3.0e38f)) return 0;  // zero, inf or NaN input: no scaling
+    int ex;
+    frexpf(bound, &ex);                                // bound in [2^(ex-1), 2^ex)
+    return min(max(15 - ex, -100), 100);
+}
+
+// Word wi of the staged B: values v[0..V) (already times 2^e) as P hi and P lo half2 pairs,
+// pair k = (v[k], v[k + P]), at x_pairs[wi * P + k] (hi) and [(n_words + wi) * P + k] (lo).
+template <int V>
+__device__ __forceinline__ void store_split_word(const float (&v)[V], int wi, int n_words,
+                                                 uint32_t *x_pairs) {
+    constexpr int P = V / 2;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+        const __half h0 = __float2half_rn(v[k]), h1 = __float2half_rn(v[k + P]);
+        const __half l0 = __float2half_rn(v[k] - __half2float(h0));
+        const __half l1 = __float2half_rn(v[k + P] - __half2float(h1));
+        const __half2 hi = __halves2half2(h0, h1), lo = __halves2half2(l0, l1);
+        memcpy(&x_pairs[wi * P + k], &hi, 4);
+        memcpy(&x_pairs[(n_words + wi) * P + k], &lo, 4);
+    }
+}
+
+// One warp's share of two rows' dot products with the staged B: k-blocks kb = kb_first,
+// kb_first + kb_step, ... below n_kb (U in flight), chunk c = 4 kb + t of rows w_g and w_g8 (q4
+// group scales s_g, s_g8), against B's k-block kb_b0 + kb. Returns each row's sum over this
+// warp's k-blocks (x 2^e; int8 before the row scale), complete in lanes t == 0 of its group.
+template <int FMT, int U>
+__device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
+                                             const uint16_t *s_g, const uint16_t *s_g8,
+                                             int kb_first, int kb_step, int n_kb, int n_chunks,
+                                             const uint32_t *b_base, int kb_b0, bool b_active,
+                                             int t, int src0, int src1, float &sum_g,
+                                             float &sum_g8) {
+    constexpr int P = WordPairs<FMT>::kPairs;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
+    float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+    for (int kb0 = kb_first; kb0 < n_kb; kb0 += kb_step * U) {
+        uint4 a_g[U], a_g8[U];
+        float sc_g[U], sc_g8[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = 4 * (kb0 + u * kb_step) + t;
+            const bool ok = kb0 + u * kb_step < n_kb && c < n_chunks;
+            a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
+            a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
+            sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
+            sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u * kb_step;
+            if (kb >= n_kb) break;  // warp-uniform
+            const uint32_t *b_chunk = b_base + (size_t)(4 * (kb_b0 + kb) + t) * 4 * P;
+            float dq[4] = {0.f, 0.f, 0.f, 0.f};
+            float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                __half2 hg[P], hg8[P];
+                word_pairs(word_of(a_g[u], j), hg);
+                word_pairs(word_of(a_g8[u], j), hg8);
+#pragma unroll
+                for (int m = 0; m < P / 2; ++m) {
+                    const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
+                    mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
+                              half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
+                              b_active ? b.x : 0u, b_active ? b.y : 0u);
+                }
+            }
+            if (FMT == OG_WEIGHTS_Q4) {
+                const float s0 = __shfl_sync(kFullMask, sc_g[u], src0);
+                const float s1 = __shfl_sync(kFullMask, sc_g[u], src1);
+                const float s0_8 = __shfl_sync(kFullMask, sc_g8[u], src0);
+                const float s1_8 = __shfl_sync(kFullMask, sc_g8[u], src1);
+                acc_g = fmaf(s0, dq[0], acc_g);
+                acc_g = fmaf(s1, dq[1], acc_g);
+                acc_g8 = fmaf(s0_8, dq[2], acc_g8);
+                acc_g8 = fmaf(s1_8, dq[3], acc_g8);
+            }
+        }
+    }
+    // A row's 8 columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
+    sum_g = FMT == OG_WEIGHTS_Q4 ? acc_g : d[0] + d[1];
+    sum_g8 = FMT == OG_WEIGHTS_Q4 ? acc_g8 : d[2] + d[3];
+    sum_g += __shfl_xor_sync(kFullMask, sum_g, 1);
+    sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
+    sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 1);
+    sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
+}
+
 // Row of the matrix behind row slot r (0..15) of task `task`, clamped into the matrix.
 template <int MODE>
 __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task, int r) {
+    if (MODE == kQuantMoeGateUp) {
+        const int j = task / p.tasks_per_expert;
+        const int i = min(8 * (task - j * p.tasks_per_expert) + (r & 7), p.out_rows - 1);
+        return __ldg(p.selected + j) * 2 * p.out_rows + (r < 8 ? i : p.out_rows + i);
+    }
     if (MODE == kGemvNormSwiglu) {
         const int i = min(8 * task + (r & 7), p.out_rows - 1);
         return r < 8 ? i : p.out_rows + i;
@@ -298,8 +402,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int g = lane >> 2, t = lane & 3;
     int task = blockIdx.x;
 
-    // Weights do not depend on earlier kernels: pull the block's first rows into L2.
-    if (task < p.n_tasks && tid < kQuantTaskRows) {
+    // Weights do not depend on earlier kernels: pull the block's first rows into L2 (not the
+    // experts': which rows depends on the top-k kernel's output).
+    if (MODE != kQuantMoeGateUp && task < p.n_tasks && tid < kQuantTaskRows) {
         const int row = quant_task_row<MODE>(p, task, tid);
         if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
             prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
@@ -330,12 +435,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     }
     const float inv_rms = norm ? 1.0f / sqrtf(total / (float)p.cols + p.eps) : 1.f;
     if (norm) bound *= inv_rms;
-    int e = 0;
-    if (bound > 0.f && bound <= 3.0e38f) {
-        int ex;
-        frexpf(bound, &ex);                 // bound in [2^(ex-1), 2^ex)
-        e = min(max(15 - ex, -100), 100);   // bound * 2^e in [2^14, 2^15)
-    }
+    const int e = split_exponent(bound);
     const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
     const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
     const int n_words = p.n_kblocks * 16;
@@ -354,15 +454,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             }
             v[k] = x * up;
         }
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-            const __half h0 = __float2half_rn(v[k]), h1 = __float2half_rn(v[k + P]);
-            const __half l0 = __float2half_rn(v[k] - __half2float(h0));
-            const __half l1 = __float2half_rn(v[k + P] - __half2float(h1));
-            const __half2 hi = __halves2half2(h0, h1), lo = __halves2half2(l0, l1);
-            memcpy(&x_pairs[wi * P + k], &hi, 4);
-            memcpy(&x_pairs[(n_words + wi) * P + k], &lo, 4);
-        }
+        store_split_word(v, wi, n_words, x_pairs);
     }
     __syncthreads();
 
@@ -379,59 +471,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
         const uint4 *w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes);
         const uint16_t *s_g = static_cast<const uint16_t *>(p.scales) + (size_t)row_g * p.scales_per_row;
         const uint16_t *s_g8 = static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the whole row's sums
-        float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
-        for (int kb0 = warp; kb0 < p.n_kblocks; kb0 += WARPS * U) {
-            uint4 a_g[U], a_g8[U];
-            float sc_g[U], sc_g8[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = 4 * (kb0 + u * WARPS) + t;
-                const bool ok = kb0 + u * WARPS < p.n_kblocks && c < p.n_chunks;
-                a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
-                a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
-                sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
-                sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int kb = kb0 + u * WARPS;
-                if (kb >= p.n_kblocks) break;  // warp-uniform
-                const uint32_t *b_chunk = b_base + (size_t)(4 * kb + t) * 4 * P;
-                float dq[4] = {0.f, 0.f, 0.f, 0.f};
-                float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    __half2 hg[P], hg8[P];
-                    word_pairs(word_of(a_g[u], j), hg);
-                    word_pairs(word_of(a_g8[u], j), hg8);
-#pragma unroll
-                    for (int m = 0; m < P / 2; ++m) {
-                        const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
-                        mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
-                                  half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
-                                  b_active ? b.x : 0u, b_active ? b.y : 0u);
-                    }
-                }
-                if (FMT == OG_WEIGHTS_Q4) {
-                    const float s0 = __shfl_sync(kFullMask, sc_g[u], src0);
-                    const float s1 = __shfl_sync(kFullMask, sc_g[u], src1);
-                    const float s0_8 = __shfl_sync(kFullMask, sc_g8[u], src0);
-                    const float s1_8 = __shfl_sync(kFullMask, sc_g8[u], src1);
-                    acc_g = fmaf(s0, dq[0], acc_g);
-                    acc_g = fmaf(s1, dq[1], acc_g);
-                    acc_g8 = fmaf(s0_8, dq[2], acc_g8);
-                    acc_g8 = fmaf(s1_8, dq[3], acc_g8);
-                }
-            }
-        }
-        // The row's 8 columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
-        float sum_g = FMT == OG_WEIGHTS_Q4 ? acc_g : d[0] + d[1];
-        float sum_g8 = FMT == OG_WEIGHTS_Q4 ? acc_g8 : d[2] + d[3];
-        sum_g += __shfl_xor_sync(kFullMask, sum_g, 1);
-        sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
-        sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 1);
-        sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
+        float sum_g, sum_g8;
+        mma_rows_dot<FMT, U>(w_g, w_g8, s_g, s_g8, warp, WARPS, p.n_kblocks, p.n_chunks, b_base, 0,
+                             b_active, t, src0, src1, sum_g, sum_g8);
         if (t == 0) {
             partial[warp][g] = sum_g;
             partial[warp][g + 8] = sum_g8;
@@ -447,11 +489,12 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
                     s *= static_cast<const float *>(p.scales)[quant_task_row<MODE>(p, task, r)];
                 return s;
             };
-            if (MODE == kGemvNormSwiglu) {
-                const int out = 8 * task + tid;
-                if (tid < 8 && out < p.out_rows) {
+            if (MODE == kGemvNormSwiglu || MODE == kQuantMoeGateUp) {
+                const int j = MODE == kQuantMoeGateUp ? task / p.tasks_per_expert : 0;
+                const int i = 8 * (task - j * p.tasks_per_expert) + tid;
+                if (tid < 8 && i < p.out_rows) {
                     const float gate = row_sum(tid), up_ = row_sum(tid + 8);
-                    p.y[out] = gate / (1.0f + expf(-gate)) * up_;
+                    p.y[(size_t)j * p.out_rows + i] = gate / (1.0f + expf(-gate)) * up_;
                 }
             } else {
                 const int out = kQuantTaskRows * task + tid;
@@ -466,8 +509,110 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     }
 }
 
-// The quantized kernel always runs 8 warps per block (a 16-row task's columns split 8 ways).
-constexpr int kQuantWarps = 8;
+// ---- MoE down for int8 / q4 experts -------------------------------------------------------
+// x[r] += sum over j in selection order of w_j * (down_e[r] . act_j), e = selected[j]: the
+// same tensor-core dot products, with B = the top_k act vectors side by side (each expert's
+// columns padded to whole k-blocks, so a k-block never spans two experts) and the warps
+// assigned to experts (warp w: experts w, w + 8, ...), so each expert's dot product of a row
+// is one warp's sum; the per-expert sums are then weighted and added in selection order, as
+// the bf16 kernel and the reference do.
+struct QuantMoeDownParams {
+    const uint8_t *weight;      // [E * H rows, row_bytes(I)]
+    const void *scales;         // [E * H, scales_per_row(I)]
+    const float *act;           // [top_k, I]
+    const int32_t *selected;    // [top_k]
+    const float *sel_weights;   // [top_k]
+    float *x;                   // [H], += the weighted sum
+    int top_k, hidden, inter, n_chunks, n_kblocks, scales_per_row;  // n_*: per expert row
+    int64_t row_bytes;
+};
+constexpr int kMoeMaxTopK = 32;
+
+template <int FMT>
+__global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel(const QuantMoeDownParams p) {
+    constexpr int kThreads = kQuantWarps * kWarpSize;
+    constexpr int V = WordPairs<FMT>::kValues;
+    extern __shared__ uint32_t x_pairs[];  // [2 (hi, lo)][n_words][P], n_words = top_k * 16 n_kblocks
+    __shared__ float scratch[kQuantWarps];
+    __shared__ float partial[kMoeMaxTopK][kQuantTaskRows];
+    __shared__ int32_t expert_of[kMoeMaxTopK];
+    __shared__ float weight_of[kMoeMaxTopK];
+
+    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    const int g = lane >> 2, t = lane & 3;
+    pdl_wait();  // selected, sel_weights and act come from earlier kernels
+    pdl_launch_dependents();
+    if (tid < p.top_k) {
+        expert_of[tid] = p.selected[tid];
+        weight_of[tid] = p.sel_weights[tid];
+    }
+
+    // ---- act -> 2^e -> hi/lo pairs; expert j's columns start at k-block j * n_kblocks
+    const int n_act = p.top_k * p.inter;
+    float bound = 0.f;
+    for (int i = tid; i < n_act; i += kThreads) bound = fmaxf(bound, fabsf(p.act[i]));
+    bound = warp_max(bound);
+    if (lane == 0) scratch[warp] = bound;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kQuantWarps; ++w) bound = fmaxf(bound, scratch[w]);
+    const int e = split_exponent(bound);
+    const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
+    const int words_per_expert = p.n_kblocks * 16;
+    const int n_words = p.top_k * words_per_expert;
+    for (int wi = tid; wi < n_words; wi += kThreads) {
+        const int j = wi / words_per_expert;
+        const int col0 = (wi - j * words_per_expert) * V;
+        float v[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            v[k] = col0 + k < p.inter ? p.act[(size_t)j * p.inter + col0 + k] * up : 0.f;
+        store_split_word(v, wi, n_words, x_pairs);
+    }
+    __syncthreads();
+
+    constexpr int P = WordPairs<FMT>::kPairs;
+    const bool b_active = (g & 3) == t;
+    const uint32_t *b_base = x_pairs + (size_t)(g >> 2) * n_words * P;
+    const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
+    const int n_tasks = ceil_div(p.hidden, kQuantTaskRows);
+    for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+        const int r_g = min(kQuantTaskRows * task + g, p.hidden - 1);
+        const int r_g8 = min(kQuantTaskRows * task + g + 8, p.hidden - 1);
+        for (int j = warp; j < p.top_k; j += kQuantWarps) {
+            const size_t row_g = (size_t)expert_of[j] * p.hidden + r_g;
+            const size_t row_g8 = (size_t)expert_of[j] * p.hidden + r_g8;
+            float sum_g, sum_g8;
+            mma_rows_dot<FMT, kQuantKBlocks>(
+                reinterpret_cast<const uint4 *>(p.weight + row_g * p.row_bytes),
+                reinterpret_cast<const uint4 *>(p.weight + row_g8 * p.row_bytes),
+                static_cast<const uint16_t *>(p.scales) + row_g * p.scales_per_row,
+                static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, 0, 1,
+                p.n_kblocks, p.n_chunks, b_base, j * p.n_kblocks, b_active, t, src0, src1, sum_g,
+                sum_g8);
+            if (t == 0) {
+                sum_g *= down;
+                sum_g8 *= down;
+                if (FMT == OG_WEIGHTS_INT8) {
+                    sum_g *= static_cast<const float *>(p.scales)[row_g];
+                    sum_g8 *= static_cast<const float *>(p.scales)[row_g8];
+                }
+                partial[j][g] = sum_g;
+                partial[j][g + 8] = sum_g8;
+            }
+        }
+        __syncthreads();
+        const int out = kQuantTaskRows * task + tid;
+        if (tid < kQuantTaskRows && out < p.hidden) {
+            // Explicit roundings, w_j * s_j then + y, in selection order (as the bf16 kernel).
+            float y = 0.f;
+            for (int j = 0; j < p.top_k; ++j) y = __fadd_rn(y, __fmul_rn(weight_of[j], partial[j][tid]));
+            p.x[out] = __fadd_rn(p.x[out], y);
+        }
+        __syncthreads();  // partial is reused by the next task
+    }
+}
+
 
 template <int FMT>
 const void *quant_kernel_for(GemvMode mode, int warps) {
@@ -637,6 +782,8 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.scales_per_row = (int)weight_scales_per_row(args.format, args.cols);
         q.row_bytes = weight_row_bytes(args.format, args.cols);
         q.eps = args.eps;
+        q.selected = nullptr;
+        q.tasks_per_expert = 0;
         const dim3 grid(plan.grid);
         if (args.format == OG_WEIGHTS_INT8)
             return launch_quant<OG_WEIGHTS_INT8>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
@@ -661,6 +808,89 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         case 8: return launch_warps<8>(mode, plan.unroll, grid, plan.smem_bytes, stream, pdl, p);
     }
     return cudaErrorInvalidConfiguration;
+}
+
+namespace {
+template <int FMT>
+cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
+                                      cudaStream_t stream, bool pdl) {
+    const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps>;
+    // The opt-in (a driver call per launch) only for inputs that need it: under 32 KB of
+    // staged input plus the kernel's ~0.6 KB of static arrays stay below the 48 KB default.
+    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
+}
+}  // namespace
+
+cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void *scales,
+                                     const float *x_normed, const int32_t *selected, int top_k,
+                                     int hidden, int inter, float *act, cudaStream_t stream,
+                                     bool pdl) {
+    if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || weights == nullptr ||
+        scales == nullptr || x_normed == nullptr || selected == nullptr || act == nullptr ||
+        top_k < 1 || hidden < 1 || inter < 1 || (int64_t)top_k * ceil_div(inter, 8) > INT32_MAX)
+        return cudaErrorInvalidValue;
+    QuantGemvParams q = {};
+    q.weight = static_cast<const uint8_t *>(weights);
+    q.scales = scales;
+    q.x = x_normed;
+    q.y = act;
+    q.rows = 2 * inter;  // per expert
+    q.cols = hidden;
+    q.n_chunks = ceil_div(hidden, weight_values_per_chunk(format));
+    q.n_kblocks = ceil_div(q.n_chunks, 4);
+    q.tasks_per_expert = ceil_div(inter, 8);
+    q.n_tasks = top_k * q.tasks_per_expert;
+    q.out_rows = inter;
+    q.scales_per_row = (int)weight_scales_per_row(format, hidden);
+    q.row_bytes = weight_row_bytes(format, hidden);
+    q.selected = selected;
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    // Two blocks per SM fit (registers); more would only queue, and the grid strides anyway.
+    const int grid = q.n_tasks < 2 * sm_count ? q.n_tasks : 2 * sm_count;
+    const size_t smem = gemv_input_smem_bytes(hidden, format);
+    if (format == OG_WEIGHTS_INT8)
+        return launch_moe_gate_up_format<OG_WEIGHTS_INT8>(q, grid, smem, stream, pdl);
+    return launch_moe_gate_up_format<OG_WEIGHTS_Q4>(q, grid, smem, stream, pdl);
+}
+
+cudaError_t launch_moe_down_quant(int format, const void *weights, const void *scales,
+                                  const float *act, const int32_t *selected,
+                                  const float *sel_weights, int top_k, int hidden, int inter,
+                                  float *x, cudaStream_t stream, bool pdl) {
+    if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || weights == nullptr ||
+        scales == nullptr || act == nullptr || selected == nullptr || sel_weights == nullptr ||
+        x == nullptr || top_k < 1 || top_k > kMoeMaxTopK || hidden < 1 || inter < 1)
+        return cudaErrorInvalidValue;
+    QuantMoeDownParams q = {};
+    q.weight = static_cast<const uint8_t *>(weights);
+    q.scales = scales;
+    q.act = act;
+    q.selected = selected;
+    q.sel_weights = sel_weights;
+    q.x = x;
+    q.top_k = top_k;
+    q.hidden = hidden;
+    q.inter = inter;
+    q.n_chunks = ceil_div(inter, weight_values_per_chunk(format));
+    q.n_kblocks = ceil_div(q.n_chunks, 4);
+    q.scales_per_row = (int)weight_scales_per_row(format, inter);
+    q.row_bytes = weight_row_bytes(format, inter);
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    const int tasks = ceil_div(hidden, kQuantTaskRows);
+    const int grid = tasks < 2 * sm_count ? tasks : 2 * sm_count;
+    // hi + lo fp16 per column of every expert's k-block-padded row
+    const size_t smem = (size_t)top_k * q.n_kblocks * 4 * weight_values_per_chunk(format) * 4;
+    const void *kernel = format == OG_WEIGHTS_INT8 ? (const void *)moe_down_quant_kernel<OG_WEIGHTS_INT8>
+                                                   : (const void *)moe_down_quant_kernel<OG_WEIGHTS_Q4>;
+    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
+    if (format == OG_WEIGHTS_INT8)
+        return launch_kernel(moe_down_quant_kernel<OG_WEIGHTS_INT8>, dim3(grid),
+                             dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
+    return launch_kernel(moe_down_quant_kernel<OG_WEIGHTS_Q4>, dim3(grid),
+                         dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
 }
 
 }  // namespace og

@@ -70,6 +70,19 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan,
 size_t gemv_input_smem_bytes(int cols, int format);
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl);
+// The MoE experts' gate/up + SwiGLU for int8 / q4 experts (moe.cu), on the quantized GEMV's
+// tensor-core kernel: act[j, i] = silu(gate_e[i] . x) * (up_e[i] . x), e = selected[j], for
+// j < top_k, i < inter; weights/scales in the layout of moe.cuh (2 * inter rows per expert).
+cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void *scales,
+                                     const float *x_normed, const int32_t *selected, int top_k,
+                                     int hidden, int inter, float *act, cudaStream_t stream,
+                                     bool pdl);
+// ... and down: x[r] += sum over j in selection order of sel_weights[j] * (down_e[r] . act[j]),
+// e = selected[j] (top_k <= 32), with explicit roundings w_j * s_j then + y as moe.cuh states.
+cudaError_t launch_moe_down_quant(int format, const void *weights, const void *scales,
+                                  const float *act, const int32_t *selected,
+                                  const float *sel_weights, int top_k, int hidden, int inter,
+                                  float *x, cudaStream_t stream, bool pdl);
 
 // ---- the paged KV cache (laid out by kv_pool.h) --------------------------------------
 // The cache is a pool of fixed-size blocks. A block is packed: it holds, for every layer,

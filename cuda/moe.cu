@@ -36,6 +36,7 @@
 //     direct launch.
 // Expert ids are trusted: the launchers do not know E, and launch_moe_topk only produces
 // ids in [0, E).
+#include "kernels.cuh"
 #include "moe.cuh"
 #include "moe_testing.h"
 #include "quant.cuh"
@@ -369,163 +370,6 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     }
 }
 
-// ---- quantized experts (int8 / q4) ------------------------------------------------------------
-// The dense quantized GEMV's building blocks (quant.cuh): the input staged once per block in
-// shared memory, swizzled per 16-byte chunk; a warp handles four rows so that every staged
-// value read feeds four rows; kQuantUnroll 16-byte chunks of each row in flight per lane.
-constexpr int kQuantRows = 4;
-constexpr int kQuantUnroll = 4;  // as gemv.cu: 8 KB in flight per warp
-// down has few tasks (hidden / 4 warps: 512 at the 30B-A3B shape, ~4 per SM), so each lane keeps
-// more chunks in flight: 4 x 4 rows x 16 bytes.
-constexpr int kDownQuantUnroll = 4;
-
-// Task t = (selected expert j, output pair i0 = 2p): gate rows i0, i1 and up rows I+i0, I+i1 of
-// expert selected[j], i1 = min(i0 + 1, I - 1); act[j, i0 (+1)] = silu(gate) * up.
-template <int FMT>
-__global__ void __launch_bounds__(kThreads)
-moe_gate_up_quant_kernel(const uint8_t *__restrict__ weights, const void *__restrict__ scales,
-                         const float *__restrict__ x, const int32_t *__restrict__ selected,
-                         int top_k, int hidden, int inter, float *__restrict__ act) {
-    constexpr int F = og::QuantFormat<FMT>::kValuesPerChunk / 4;
-    constexpr int R = kQuantRows;
-    extern __shared__ float4 smem[];  // [n_chunks * F] swizzled x
-    const int lane = threadIdx.x & 31;
-    const int n_chunks = (hidden + 4 * F - 1) / (4 * F);
-    const int64_t row_bytes = (int64_t)n_chunks * 16;
-    const int64_t scale_row_bytes = og::weight_scales_per_row(FMT, hidden) * og::weight_scale_bytes(FMT);
-    const int pairs = (inter + 1) / 2;
-    const int n_tasks = top_k * pairs;
-
-    og::pdl_wait();
-    og::pdl_launch_dependents();
-    og::stage_vector<FMT, kThreads>(smem, x, hidden, n_chunks * F, threadIdx.x);
-    __syncthreads();
-
-    for (int task = blockIdx.x * kWarps + (threadIdx.x >> 5); task < n_tasks;
-         task += gridDim.x * kWarps) {
-        const int j = task / pairs;
-        const int i0 = 2 * (task - j * pairs);
-        const int n_out = min(2, inter - i0);
-        const int64_t gate = (int64_t)__ldg(selected + j) * 2 * inter + i0;  // expert's row i0
-        const int64_t rows[R] = {gate, gate + n_out - 1, gate + inter, gate + inter + n_out - 1};
-        const uint8_t *row_ptr[R];
-        const void *scale_ptr[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            row_ptr[r] = weights + rows[r] * row_bytes;
-            scale_ptr[r] = static_cast<const char *>(scales) + rows[r] * scale_row_bytes;
-        }
-        float y[R];
-        og::rows_dot<FMT, R, kQuantUnroll>(row_ptr, scale_ptr, n_chunks, smem, lane, y);
-        if (lane == 0) {
-#pragma unroll
-            for (int k = 0; k < 2; ++k)
-                if (k < n_out) act[(size_t)j * inter + i0 + k] = y[k] / (1.0f + expf(-y[k])) * y[2 + k];
-        }
-    }
-}
-
-// Task t = rows r0..r0+3 of the output (clamped to hidden): for each row, one dot product over
-// the concatenation of the top_k experts' rows against the concatenated act vectors, chunk
-// C = j * n_chunks + c (expert j, chunk c of its row) scaled by selected_weights[j] times the
-// row scale (int8) or the chunk's group scale (q4); x[r] += the sum.
-template <int FMT>
-__global__ void __launch_bounds__(kThreads)
-moe_down_quant_kernel(const uint8_t *__restrict__ weights, const void *__restrict__ scales,
-                      const float *__restrict__ act, const int32_t *__restrict__ selected,
-                      const float *__restrict__ sel_weights, int top_k, int hidden, int inter,
-                      float *__restrict__ x) {
-    constexpr int F = og::QuantFormat<FMT>::kValuesPerChunk / 4;
-    constexpr int R = kQuantRows;
-    constexpr int U = kDownQuantUnroll;
-    extern __shared__ float4 smem[];  // [top_k * n_chunks * F] swizzled act, experts concatenated
-    __shared__ int32_t expert_of[kMaxTopK];
-    __shared__ float weight_of[kMaxTopK];
-    const int lane = threadIdx.x & 31;
-    const int n_chunks = (inter + 4 * F - 1) / (4 * F);  // per expert row
-    const int total_chunks = top_k * n_chunks;
-    const int64_t row_bytes = (int64_t)n_chunks * 16;
-    const int scales_per_row = (int)og::weight_scales_per_row(FMT, inter);
-    const int n_tasks = (hidden + R - 1) / R;
-
-    og::pdl_wait();
-    og::pdl_launch_dependents();
-    if (threadIdx.x < top_k) {
-        expert_of[threadIdx.x] = selected[threadIdx.x];
-        weight_of[threadIdx.x] = sel_weights[threadIdx.x];
-    }
-    for (int i = threadIdx.x; i < total_chunks * F; i += kThreads) {
-        const int j = i / (n_chunks * F);
-        const int k0 = 4 * (i - j * n_chunks * F);  // first element within expert j's vector
-        const float *src = act + (size_t)j * inter;
-        float4 v;
-        v.x = k0 + 0 < inter ? src[k0 + 0] : 0.f;  // pad: finite zeros against the pad weights
-        v.y = k0 + 1 < inter ? src[k0 + 1] : 0.f;
-        v.z = k0 + 2 < inter ? src[k0 + 2] : 0.f;
-        v.w = k0 + 3 < inter ? src[k0 + 3] : 0.f;
-        smem[og::swizzled_float4<FMT>(i)] = v;
-    }
-    __syncthreads();
-
-    const int key = og::swizzle_key<FMT>(lane);  // = the key of every chunk C this lane reads
-    for (int task = blockIdx.x * kWarps + (threadIdx.x >> 5); task < n_tasks;
-         task += gridDim.x * kWarps) {
-        const int r0 = R * task;
-        const int n_out = min(R, hidden - r0);
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = 0.f;
-        for (int base = lane; base < total_chunks; base += 32 * U) {
-            uint4 v[U][R];
-            float factor[U][R];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int chunk = base + 32 * u;
-                const bool live = chunk < total_chunks;
-                const int j = live ? chunk / n_chunks : 0;
-                const int c = chunk - j * n_chunks;
-                const int64_t expert_row = (int64_t)expert_of[j] * hidden;
-                const float wj = weight_of[j];
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int64_t row = expert_row + r0 + min(r, n_out - 1);
-                    if (live) {
-                        v[u][r] = og::load_weight_chunk(
-                            reinterpret_cast<const uint4 *>(weights + row * row_bytes) + c);
-                        const float s = FMT == OG_WEIGHTS_Q4
-                            ? og::load_bf16_scale(static_cast<const uint16_t *>(scales) +
-                                                  row * scales_per_row + c)
-                            : __ldg(static_cast<const float *>(scales) + row);
-                        factor[u][r] = wj * s;
-                    } else {
-                        v[u][r] = make_uint4(0u, 0u, 0u, 0u);
-                        factor[u][r] = 0.f;
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int chunk = base + 32 * u;
-                if (chunk < total_chunks) {
-                    float g[R];
-#pragma unroll
-                    for (int r = 0; r < R; ++r) g[r] = 0.f;
-                    og::chunk_dots<FMT, R>(v[u], smem + chunk * F, key, g);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[r] = fmaf(factor[u][r], g[r], acc[r]);
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = og::warp_sum(acc[r]);
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (r < n_out) x[r0 + r] = __fadd_rn(x[r0 + r], acc[r]);
-        }
-    }
-}
-
 // ---- launch helpers ---------------------------------------------------------------------------
 
 struct OccupancyEntry {
@@ -633,41 +477,6 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
 
 namespace {
 
-template <int FMT>
-cudaError_t launch_gate_up_quant(const MoeExperts &w, const float *x_normed,
-                                 const int32_t *selected, int top_k, int hidden, int inter,
-                                 float *act, cudaStream_t stream, bool pdl) {
-    const int n_chunks = (hidden + og::QuantFormat<FMT>::kValuesPerChunk - 1) /
-                         og::QuantFormat<FMT>::kValuesPerChunk;
-    const size_t smem = (size_t)n_chunks * og::QuantFormat<FMT>::kValuesPerChunk * sizeof(float);
-    const auto kernel = &moe_gate_up_quant_kernel<FMT>;
-    int grid = 0;
-    cudaError_t err = persistent_grid(reinterpret_cast<const void *>(kernel), smem,
-                                      (long long)top_k * ((inter + 1) / 2), &grid);
-    if (err != cudaSuccess) return err;
-    return og::launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, pdl,
-                             static_cast<const uint8_t *>(w.data), w.scales, x_normed, selected,
-                             top_k, hidden, inter, act);
-}
-
-template <int FMT>
-cudaError_t launch_down_quant(const MoeExperts &w, const float *act, const int32_t *selected,
-                              const float *sel_weights, int top_k, int hidden, int inter,
-                              float *x, cudaStream_t stream, bool pdl) {
-    const int n_chunks = (inter + og::QuantFormat<FMT>::kValuesPerChunk - 1) /
-                         og::QuantFormat<FMT>::kValuesPerChunk;
-    const size_t smem =
-        (size_t)top_k * n_chunks * og::QuantFormat<FMT>::kValuesPerChunk * sizeof(float);
-    const auto kernel = &moe_down_quant_kernel<FMT>;
-    int grid = 0;
-    cudaError_t err = persistent_grid(reinterpret_cast<const void *>(kernel), smem,
-                                      (hidden + kQuantRows - 1) / kQuantRows, &grid);
-    if (err != cudaSuccess) return err;
-    return og::launch_kernel(kernel, dim3(grid), dim3(kThreads), smem, stream, pdl,
-                             static_cast<const uint8_t *>(w.data), w.scales, act, selected,
-                             sel_weights, top_k, hidden, inter, x);
-}
-
 bool valid_quant_args(const MoeExperts &w, int top_k, int hidden, int inter) {
     return w.data != nullptr && w.scales != nullptr && aligned16(w.data) && top_k >= 1 &&
            top_k <= kMaxTopK && hidden >= 1 && inter >= 1 &&
@@ -685,13 +494,10 @@ cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_
                                          act, stream, pdl);
     if (!x_normed || !selected_experts || !act || !valid_quant_args(gate_up, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    if (gate_up.format == OG_WEIGHTS_INT8)
-        return launch_gate_up_quant<OG_WEIGHTS_INT8>(gate_up, x_normed, selected_experts, top_k,
-                                                     hidden, moe_inter, act, stream, pdl);
-    if (gate_up.format == OG_WEIGHTS_Q4)
-        return launch_gate_up_quant<OG_WEIGHTS_Q4>(gate_up, x_normed, selected_experts, top_k,
-                                                   hidden, moe_inter, act, stream, pdl);
-    return cudaErrorInvalidValue;
+    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu)
+    return og::launch_moe_gate_up_quant(gate_up.format, gate_up.data, gate_up.scales, x_normed,
+                                        selected_experts, top_k, hidden, moe_inter, act, stream,
+                                        pdl);
 }
 
 cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const float *act,
@@ -706,13 +512,9 @@ cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const floa
     if (!act || !selected_experts || !selected_weights || !x ||
         !valid_quant_args(down, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    if (down.format == OG_WEIGHTS_INT8)
-        return launch_down_quant<OG_WEIGHTS_INT8>(down, act, selected_experts, selected_weights,
-                                                  top_k, hidden, moe_inter, x, stream, pdl);
-    if (down.format == OG_WEIGHTS_Q4)
-        return launch_down_quant<OG_WEIGHTS_Q4>(down, act, selected_experts, selected_weights,
-                                                top_k, hidden, moe_inter, x, stream, pdl);
-    return cudaErrorInvalidValue;
+    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu), experts summed in order
+    return og::launch_moe_down_quant(down.format, down.data, down.scales, act, selected_experts,
+                                     selected_weights, top_k, hidden, moe_inter, x, stream, pdl);
 }
 
 // ---- test entry points (moe_testing.h) -----------------------------------------------------

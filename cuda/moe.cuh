@@ -59,10 +59,11 @@ struct MoeExperts {
 // With pdl, every MoE kernel is launched with programmatic dependent launch: it waits on its
 // predecessor (griddepcontrol.wait) before reading anything an earlier kernel wrote, so its
 // launch overlaps the predecessor's tail.
-// The two launchers above for any weight format. bf16 runs the kernels above; int8 / q4 run dequantizing kernels that compute the same sums
-// up to fp32 rounding order:
-//   gate_up: a warp computes two outputs (gate rows i, i+1 and up rows I+i, I+i+1 of one
-//            selected expert), sharing each staged x value among four rows;
+// The two launchers above for any weight format. bf16 runs the kernels above; int8 / q4 run
+// dequantizing kernels that compute the same sums up to rounding order:
+//   gate_up: the dense quantized GEMV's tensor-core kernel (gemv.cu) over the selected
+//            experts' rows: 16-row tasks (gate rows i..i+7 and up rows I+i..I+i+7 of one
+//            selected expert), x as fp16 hi + lo, fp32 accumulation;
 //   down:    a warp computes four rows r..r+3, walking the concatenation of the top_k experts'
 //            rows as one long dot product against the concatenated act vectors, each 16-byte
 //            chunk's partial sum scaled by selected_weights[j] * (row scale or group scale);

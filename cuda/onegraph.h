@@ -271,12 +271,12 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
  * K/V written into the paged cache exactly as the decode body writes them; then the last
  * token's logits. Later steps (og_begin_step / og_enqueue, graph or not) continue from the
  * cache unchanged. Numerics: as the body, except that the GEMMs' fp32 activation inputs are
- * multiplied as hi + lo, two bf16 values (within 2^-16 relative; fp32 accumulation); see
+ * multiplied as hi + lo, two bf16 values (within 2^-16 relative; fp32 accumulation), and
+ * quantized dense weights are dequantized per matrix into bf16 hi + lo the same way; see
  * cuda/prefill.cuh for the bound. Any chunk size gives bit-identical results.
  * Everything is checked before any state changes: tokens (OG_E_TOKEN_OUT_OF_RANGE), room
- * (OG_E_CONTEXT_FULL past max_seq_len), the precheck (OG_E_MISSING_WEIGHT), the weight format
- * (OG_E_UNSUPPORTED unless weights_dense is OG_WEIGHTS_BF16: feed such prompts token by token),
- * the KV blocks of all n_tokens rows (OG_E_POOL_EXHAUSTED); OG_E_BAD_STATE when no sequence is
+ * (OG_E_CONTEXT_FULL past max_seq_len), the precheck (OG_E_MISSING_WEIGHT), the KV blocks of
+ * all n_tokens rows (OG_E_POOL_EXHAUSTED); OG_E_BAD_STATE when no sequence is
  * selected. A step begun and not ended is cancelled. The sequence length advances by n_tokens
  * only after every layer of every pass has written. The logits [vocab_size] of the last token
  * are in the pinned og_logits() buffer, and copied to `logits` too when it is not NULL.

@@ -13,6 +13,8 @@
 //                       bits equal what the decode body writes from the same qkv values
 //   prefill_attention   causal attention of the chunk's queries over cache rows [0, p0 + r]
 //   swiglu_rows         act[r, i] = split(silu(gate) * up), silu(g) = g / (1 + exp(-g))
+//   dequant_split       a quantized weight matrix -> split(q * scale) [rows, padded_cols] bf16
+//                       hi + lo (pad columns 0), for the GEMMs of quantized dense weights
 //
 // prefill_attention: grid (query tiles of BQ rows, n_heads), 256 threads as 16 x 16. A block
 // walks the keys [0, p0 + its last row] in tiles of BK rows aligned to position 0, reading each
@@ -26,6 +28,7 @@
 #include <math.h>
 
 #include "prefill.cuh"
+#include "quant.cuh"
 #include "rope_kv.cuh"
 
 namespace og {
@@ -394,6 +397,66 @@ int row_grid(int64_t elements) {
     return (int)(blocks < 4096 ? blocks : 4096);
 }
 
+// w[r, c] = q[r, c] * scale as bf16 hi + lo, c < ld (0 past cols). int8: the row's fp32 scale;
+// q4: the bf16 scale of the column's group of 32; q4 byte c / 2 holds column c in its low
+// nibble when c is even, high when odd, as a 4-bit two's complement code.
+template <int FMT>
+__global__ void __launch_bounds__(kRowThreads)
+dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols, int ld,
+                     int64_t row_bytes, int scales_per_row, __nv_bfloat16 *hi, __nv_bfloat16 *lo) {
+    const int64_t total = (int64_t)rows * ld;
+    for (int64_t i = (int64_t)blockIdx.x * kRowThreads + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * kRowThreads) {
+        const int r = (int)(i / ld), c = (int)(i - (int64_t)r * ld);
+        float w = 0.f;
+        if (c < cols) {
+            const uint8_t *row = data + (size_t)r * row_bytes;
+            if (FMT == OG_WEIGHTS_INT8) {
+                w = (float)(int8_t)row[c] * static_cast<const float *>(scales)[r];
+            } else {
+                const int nibble = c % 2 == 0 ? (row[c / 2] & 15) : (row[c / 2] >> 4);
+                const float scale = bf16_bits_to_float(
+                    static_cast<const uint16_t *>(scales)[(size_t)r * scales_per_row + c / kQ4Group]);
+                w = (float)((nibble ^ 8) - 8) * scale;
+            }
+        }
+        store_split(w, hi + i, lo + i);
+    }
+}
+
+// y (= or +=) a . w for a dense weight matrix in any format: bf16 as is; int8 / q4 dequantized
+// into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo.
+cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScratch &s,
+                         cudaStream_t stream) {
+    if (w.format == OG_WEIGHTS_BF16) {
+        args.w = static_cast<const __nv_bfloat16 *>(w.data);
+        return launch_gemm_bf16(args, stream);
+    }
+    if (s.w_hi == nullptr || s.w_lo == nullptr || w.scales == nullptr) return cudaErrorInvalidValue;
+    const int ld = padded_cols(w.cols);
+    const int64_t row_bytes = weight_row_bytes(w.format, w.cols);
+    const int spr = (int)weight_scales_per_row(w.format, w.cols);
+    const dim3 grid(row_grid((int64_t)w.rows * ld)), block(kRowThreads);
+    const uint8_t *data = static_cast<const uint8_t *>(w.data);
+    if (w.format == OG_WEIGHTS_INT8)
+        OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_INT8>, grid, block, 0, stream,
+                                        false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,
+                                        s.w_hi, s.w_lo));
+    else if (w.format == OG_WEIGHTS_Q4)
+        OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_Q4>, grid, block, 0, stream,
+                                        false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,
+                                        s.w_hi, s.w_lo));
+    else
+        return cudaErrorInvalidValue;
+    args.w = s.w_hi;
+    args.ldw = ld;
+    OG_CUDA_RETURN_IF(launch_gemm_bf16(args, stream));
+    args.a_lo = nullptr;
+    args.w = s.w_lo;
+    args.accumulate = true;
+    return launch_gemm_bf16(args, stream);
+}
+
 }  // namespace
 
 cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_row, int n, int p0,
@@ -413,9 +476,9 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream, false,
                                         (const float *)s.x, w.input_layernorm, m.eps, H, s.narrow,
                                         s.narrow_lo, ldH));
-        OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.qkv, ldH, s.wide,
-                                                    qkv_rows, n, qkv_rows, ldH, false},
-                                           stream));
+        OG_CUDA_RETURN_IF(gemm_weights(GemmArgs{s.narrow, s.narrow_lo, ldH, nullptr, ldH, s.wide,
+                                                qkv_rows, n, qkv_rows, ldH, false},
+                                       w.qkv, s, stream));
         RopeRowsParams rope = {};
         rope.qkv = s.wide;
         rope.qkv_ld = qkv_rows;
@@ -447,8 +510,9 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         attn.hd = m.hd;
         attn.sqrt_hd = (float)sqrt((double)m.hd);  // as decode attention
         OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
-        OG_CUDA_RETURN_IF(launch_gemm_bf16(
-            GemmArgs{s.narrow, s.narrow_lo, ldQ, w.o_proj, ldQ, s.x, H, n, H, ldQ, true}, stream));
+        OG_CUDA_RETURN_IF(gemm_weights(
+            GemmArgs{s.narrow, s.narrow_lo, ldQ, nullptr, ldQ, s.x, H, n, H, ldQ, true}, w.o_proj, s,
+            stream));
 
         // ---- FFN block ----
         if (w.is_moe) {
@@ -472,14 +536,15 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
             OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream,
                                             false, (const float *)s.x, w.post_attention_layernorm,
                                             m.eps, H, s.narrow, s.narrow_lo, ldH));
-            OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.gate_up, ldH,
-                                                        s.wide, 2 * I, n, 2 * I, ldH, false},
-                                               stream));
+            OG_CUDA_RETURN_IF(gemm_weights(GemmArgs{s.narrow, s.narrow_lo, ldH, nullptr, ldH,
+                                                    s.wide, 2 * I, n, 2 * I, ldH, false},
+                                           w.gate_up, s, stream));
             OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n * ldI)),
                                             row_block, 0, stream, false, (const float *)s.wide, I, n,
                                             s.narrow, s.narrow_lo, ldI));
-            OG_CUDA_RETURN_IF(launch_gemm_bf16(
-                GemmArgs{s.narrow, s.narrow_lo, ldI, w.down, ldI, s.x, H, n, H, ldI, true}, stream));
+            OG_CUDA_RETURN_IF(gemm_weights(
+                GemmArgs{s.narrow, s.narrow_lo, ldI, nullptr, ldI, s.x, H, n, H, ldI, true}, w.down,
+                s, stream));
         }
     }
     return cudaSuccess;

@@ -34,6 +34,11 @@
 // element can round the other way: rel. L2 of a K/V row ~sqrt(delta * u) for a relative move
 // delta and the element rounding u (2^-8 for bf16), ~1e-4 for delta ~2^-18 (~3e-3 when the
 // activations were rounded to bf16 alone).
+// Quantized dense weights (int8 / q4): before each GEMM the matrix is dequantized (w = q *
+// scale in fp32: exact for q4, one rounding for int8) and split like the activations into
+// bf16 w_hi + w_lo (exact for q4, whose w has at most 12 significant bits; within 2^-16 for
+// int8), in a scratch matrix of the largest dense shape; y = (a_hi + a_lo) . w_hi + a_hi . w_lo,
+// two GEMMs (the a_lo . w_lo term, below 2^-16 of each product, is left out).
 // Every row's arithmetic is independent of the chunking (GEMM k-order fixed, attention key
 // tiles aligned to absolute position 0), so any chunk size gives bit-identical results.
 #pragma once
@@ -67,15 +72,23 @@ struct GemmArgs {
 cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream);
 
 // ---- prefill.cu ---------------------------------------------------------------------
+// A dense weight matrix [rows, cols] as the decode body holds it (quant.cuh layouts).
+struct PrefillMatrix {
+    const void *data = nullptr;
+    const void *scales = nullptr;     // NULL for bf16
+    int format = OG_WEIGHTS_BF16;
+    int rows = 0, cols = 0;
+};
+
 struct PrefillLayer {
     bool is_moe = false;
     const float *input_layernorm = nullptr;           // [H]
     const float *post_attention_layernorm = nullptr;  // [H]
     const float *q_norm = nullptr, *k_norm = nullptr; // [hd] or NULL
-    const __nv_bfloat16 *qkv = nullptr;               // [qkv_rows, ldH]
-    const __nv_bfloat16 *o_proj = nullptr;            // [H, ldQ]
-    const __nv_bfloat16 *gate_up = nullptr;           // dense: [2I, ldH]
-    const __nv_bfloat16 *down = nullptr;              // dense: [H, ldI]
+    PrefillMatrix qkv;                                // [qkv_rows, H]
+    PrefillMatrix o_proj;                             // [H, q_size]
+    PrefillMatrix gate_up;                            // dense: [2I, H]
+    PrefillMatrix down;                               // dense: [H, I]
     const __nv_bfloat16 *router = nullptr;            // MoE: [E, ldH]
     MoeExperts expert_gate_up = {}, expert_down = {}; // MoE
     KvPages kv;                                       // the layer's pages
@@ -89,9 +102,20 @@ struct PrefillScratch {
     float *wide = nullptr;             // [chunk, prefill_wide_cols]  qkv, then gate|up
     __nv_bfloat16 *narrow = nullptr;   // [chunk, prefill_narrow_cols] GEMM inputs: hi = bf16(x)
     __nv_bfloat16 *narrow_lo = nullptr;// [chunk, prefill_narrow_cols] and lo = bf16(x - hi)
+    __nv_bfloat16 *w_hi = nullptr;     // quantized dense weights only: [prefill_weight_elems]
+    __nv_bfloat16 *w_lo = nullptr;     // one dequantized matrix as bf16 hi + lo, rows padded
 };
 inline int prefill_wide_cols(int qkv_rows, int intermediate) {
     return qkv_rows > 2 * intermediate ? qkv_rows : 2 * intermediate;
+}
+// Elements of the largest dense matrix [rows, padded_cols(cols)] of a layer.
+inline size_t prefill_weight_elems(int hidden, int q_size, int qkv_rows, int intermediate) {
+    const size_t m[] = {(size_t)qkv_rows * padded_cols(hidden), (size_t)hidden * padded_cols(q_size),
+                        (size_t)2 * intermediate * padded_cols(hidden),
+                        (size_t)hidden * padded_cols(intermediate > 0 ? intermediate : 1)};
+    size_t most = 0;
+    for (size_t v : m) most = v > most ? v : most;
+    return most;
 }
 inline int prefill_narrow_cols(int hidden, int q_size, int intermediate) {
     const int a = padded_cols(hidden), b = padded_cols(q_size), c = padded_cols(intermediate > 0 ? intermediate : 1);

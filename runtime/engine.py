@@ -25,9 +25,9 @@ element. It is off by default: it reads every weight once more on the host.
 Prompts: Engine.prefill (and generate) feed a prompt with the library's batched prefill
 (og_prefill: every layer over a chunk of prompt rows at once, GEMMs on the tensor cores, K/V
 written into the same paged cache the decode steps read) by default; prefill="token" (per
-engine, or per call) feeds it token by token through the decode step instead. Formats the
-batched pass does not multiply (quantized dense weights) fall back to token by token, with one
-log line. The CPU path always feeds the reference token by token.
+engine, or per call) feeds it token by token through the decode step instead. Should the
+library refuse the batched pass for a model (OG_E_UNSUPPORTED), prompts fall back to token by
+token, with one log line. The CPU path always feeds the reference token by token.
 
 Sequences: an engine holds several sequences (sequence 0 is created with it and selected);
 steps decode the selected one. On the GPU their KV rows live in one paged block pool

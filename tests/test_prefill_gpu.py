@@ -4,7 +4,6 @@ continuations against the numpy reference after prompts of 1 to 2,048 tokens, ch
 second turns bit-identical to one pass, and refusals that change nothing. Skipped without a
 usable GPU and library."""
 import ctypes
-import logging
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from gpu_support import rel_l2, require_gpu
 from runtime import capi
 from runtime.engine import Engine, EngineError, GpuSession
 from runtime.kvpool import PoolLayout
+from runtime.quant import WeightScheme, quantize_stream
 from runtime.reference import ReferenceDecoder
 from runtime.synth import iter_tensors, preset_config
 
@@ -334,21 +334,34 @@ def test_missing_weight_refuses_then_the_engine_continues_on_the_cpu():
     np.testing.assert_array_equal(logits, ref.prefill(prompt))
 
 
-@pytest.mark.parametrize("weights", ["int8", "q4"])
-def test_quantized_dense_weights_fall_back_to_token_by_token(weights, caplog):
-    config, tensors = _model("tiny-dense")
-    prompt = _prompt(config, 17)
-    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu", weights=weights) as engine, \
-            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu", weights=weights,
-                                prefill="token") as token:
-        with caplog.at_level(logging.WARNING, logger="onegraph"):
-            got = engine.prefill(prompt)
-        assert any("batched prefill unavailable" in r.getMessage() for r in caplog.records)
-        assert np.array_equal(got, token.prefill(prompt))
-        assert engine.stats()["prefill_tokens"] == 0 and engine.position == len(prompt)
-        with pytest.raises(capi.LibraryError) as err:
-            engine._gpu.prefill([1])
-        assert err.value.status == capi.OG_E_UNSUPPORTED
+QUANT_PREFILL = [("tiny-dense", "int8"), ("tiny-dense", "q4"), ("tiny-llama", "int8"), ("tiny-moe", "q4")]
+
+
+@pytest.mark.parametrize("preset,weights", QUANT_PREFILL)
+def test_quantized_weights_take_the_batched_prefill(preset, weights):
+    """Quantized dense weights go through the batched pass (each matrix dequantized into bf16
+    hi + lo, prefill.cuh): the bf16 weights' bound against the token-by-token path (the
+    dequantized weights move by at most 2^-16 relative, like the activations), and greedy
+    continuations against the reference on the same quantized weights."""
+    config, tensors = _model(preset)
+    prompt, n, max_seq = _prompt(config, 150), 32, 200
+    logits = {}
+    for mode in ("batched", "token"):
+        with Engine.from_tensors(config, tensors, kv="bf16", max_seq_len=max_seq, device="gpu",
+                                 weights=weights, prefill=mode) as engine:
+            logits[mode] = engine.prefill(prompt)
+            assert engine.stats()["prefill_tokens"] == (len(prompt) if mode == "batched" else 0)
+    err = rel_l2(logits["batched"], logits["token"])
+    assert err < TOKEN_LOGITS_BOUND, f"last prompt token's logits: rel L2 {err:.3g}"
+    scheme = WeightScheme.make(weights, "all", False)
+    ref = ReferenceDecoder(config, dict(quantize_stream(config, tensors.items(), scheme)), kv_dtype="int8",
+                           max_seq_len=max_seq)
+    want, margins, _ = _reference_greedy(ref, prompt, n)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, device="gpu",
+                             weights=weights) as engine:
+        got = engine.generate(prompt, n, stop_token_ids=())
+        assert engine.stats()["prefill_tokens"] == len(prompt)
+    _assert_greedy_agrees(got, want, margins)
 
 
 def test_engine_refusals_before_the_library():
