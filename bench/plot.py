@@ -59,6 +59,7 @@ def _bars(ax, results: list[dict]) -> None:
     labelled = set()
     for i, model in enumerate(models):
         rs = present[model]  # this model's bars side by side, centred on its tick
+        last_floor_label = None  # equal floors side by side get one number, not a run of them
         for k, r in enumerate(rs):
             name = _series_name(r)
             x = i - len(rs) * width / 2 + (k + 0.5) * width
@@ -71,7 +72,9 @@ def _bars(ax, results: list[dict]) -> None:
                 ax.hlines(floor, x - width / 2, x + width / 2, colors="black", linewidth=2,
                           label="bandwidth floor (each bar's own)" if "floor" not in labelled else None)
                 labelled.add("floor")
-                ax.annotate(f"{floor:.0f}", (x, floor), ha="center", va="bottom", fontsize=6)
+                if last_floor_label is None or abs(floor - last_floor_label) > 0.005 * floor:
+                    ax.annotate(f"{floor:.0f}", (x, floor), ha="center", va="bottom", fontsize=6)
+                    last_floor_label = floor
     layers = {r["model"]: r["layers"] for r in results}
     ax.set_xticks(range(len(models)), [f"{m}\n{layers[m]} layers" for m in models])
     # Linear from zero: bar heights compare as ratios (a log axis made 1.08x look like 2x).

@@ -252,6 +252,9 @@ def test_plot_draws_every_result_with_its_own_floor():
     assert heights == sorted(r["tokens_per_s"] for r in results)
     floors = sorted(seg[0][1] for c in ax.collections for seg in c.get_segments())
     assert floors == [300.0, 300.0, 550.0, 550.0, 990.0, 990.0]
+    # Equal floors side by side are numbered once (a run of equal numbers overprinted itself).
+    floor_numbers = sorted(t.get_text() for t in ax.texts if t.get_fontsize() == 6)
+    assert floor_numbers == ["300", "550", "990"]
     plt.close(fig)
 
 
