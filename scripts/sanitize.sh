@@ -80,7 +80,7 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     paged-kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py -k "kernel or paged_attention or paged_kv_write" ;;
     quant)   # racecheck: the quantized kernels' own tests (every fused GEMV variant, MoE gate/up and
              # down, int8 and q4): shared-memory hazards are per kernel, and racecheck over the
-             # engine decodes ran past 260 s on an H200 with 6 of 14 tests done.
+             # engine decodes ran past 260 s on an H200 with 6 of its 7 tests done.
              if [ "$2" = racecheck ]; then
                printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "gemv or moe_down or moe_gate_up"
              else
