@@ -35,8 +35,10 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
 - Time to first token (--ttft 128,512,2048,8192): for each prompt length, the prompt fed by the
   batched prefill (og_prefill: every layer over a chunk of rows at once) and token by token
   (the decode graph once per token), each from reset until the first token id is on the host;
-  the median over --repeats runs after one warm-up per mode (token by token: one run beyond
-  512 tokens); peers (--peers) with their own one-forward prefill on the same prompt.
+  the median over max(--repeats, 3) runs after one warm-up per mode (token by token: --repeats
+  runs up to 512 tokens, one beyond); peers (--peers) with their own one-forward prefill on the
+  same prompt, also over max(--repeats, 3) runs. A prefill is one call, so a single slow one
+  (host hiccup, allocator growth) moved a median of two by half its excess.
 
 Output: the context table, the TTFT table, then one summary table last; --json writes the document whose
 fields are listed in DOC_FIELDS, RESULT_FIELDS and SWEEP_FIELDS below (`onegraph bench
@@ -445,6 +447,7 @@ def context_record(target: Target, kv: str, mode: str, context: int, step_ms: li
 # ---- time to first token: batched prefill vs token by token vs peers ----------------------------
 
 TTFT_MODES = ("batched", "token")
+TTFT_MIN_REPEATS = 3  # prefills are short: an odd count of at least 3 makes the median robust
 
 
 def ttft_record(target: Target, runtime: str, kv: str, prompt: int, times_ms: list[float] | None,
@@ -474,7 +477,8 @@ def bench_ttft(target: Target, s: Settings) -> list[dict]:
             by_mode = {}
             for mode in TTFT_MODES:
                 times = []
-                for _ in range(s.repeats if mode == "batched" or length <= 512 else 1):
+                repeats = max(s.repeats, TTFT_MIN_REPEATS) if mode == "batched" else s.repeats
+                for _ in range(repeats if mode == "batched" or length <= 512 else 1):
                     engine.reset()
                     t0 = time.perf_counter()
                     int(np.argmax(engine.prefill(prompt, mode=mode)))
@@ -496,7 +500,8 @@ def ttft_peer(peer: str, target: Target, s: Settings, length: int) -> dict:
     except ImportError as e:
         return ttft_record(target, peer, "bf16", length, None, "skipped", f"bench/peers.py is not importable: {e}")
     out = peers.run_peer(peer, target.config, target.source, prompt=make_prompt(target.config, length, s.seed),
-                         n=1, repeats=s.repeats, device="cuda" if s.device == "gpu" else "cpu")
+                         n=1, repeats=max(s.repeats, TTFT_MIN_REPEATS),
+                         device="cuda" if s.device == "gpu" else "cpu")
     if out["status"] != "ok":
         return ttft_record(target, peer, "bf16", length, None, out["status"], out["reason"])
     return ttft_record(target, peer, "bf16", length, [r["ttft_ms"] for r in out["runs"]])

@@ -390,6 +390,21 @@ def test_peers_skip_cleanly(monkeypatch):
     assert set(r) == set(bench.RESULT_FIELDS)
 
 
+def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
+    peers = bench.import_bench_module("peers")
+    asked = []
+
+    def fake_run_peer(peer, config, source, *, prompt, n, repeats, device):
+        asked.append((len(prompt), n, repeats))
+        return {"status": "ok", "runs": [{"ttft_ms": ms} for ms in (5.0, 90.0, 6.0)[:repeats]]}
+
+    monkeypatch.setattr(peers, "run_peer", fake_run_peer)
+    target = bench.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
+    r = bench.ttft_peer("hf-eager", target, bench.Settings(repeats=1), 7)
+    assert asked == [(7, 1, 3)]
+    assert r["ttft_ms"] == 6.0 and r["ttft_ms_runs"] == [5.0, 90.0, 6.0]  # one slow run is ignored
+
+
 def test_peers_need_cuda_when_asked():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -197,4 +197,8 @@ def test_bench_ttft_records_on_the_cpu(tmp_path, capsys):
     got = {(r["runtime"], r["prompt"]) for r in doc["ttft"]}
     assert got == {(f"onegraph-cpu-{m}", p) for m in ("batched", "token") for p in (5, 9)}
     assert all(r["ttft_ms"] > 0 for r in doc["ttft"])
+    # A batched TTFT is a median of at least 3 runs even with --repeats 1; token by token keeps
+    # --repeats (its runs are long).
+    runs = {r["runtime"].rsplit("-", 1)[1]: len(r["ttft_ms_runs"]) for r in doc["ttft"]}
+    assert runs == {"batched": bench.TTFT_MIN_REPEATS, "token": 1}
     assert "time to first token" in capsys.readouterr().out
