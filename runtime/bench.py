@@ -477,8 +477,11 @@ def bench_ttft(target: Target, s: Settings) -> list[dict]:
             by_mode = {}
             for mode in TTFT_MODES:
                 times = []
-                repeats = max(s.repeats, TTFT_MIN_REPEATS) if mode == "batched" else s.repeats
-                for _ in range(repeats if mode == "batched" or length <= 512 else 1):
+                if mode == "batched":
+                    runs = max(s.repeats, TTFT_MIN_REPEATS)
+                else:  # seconds per run beyond 512 tokens
+                    runs = s.repeats if length <= 512 else 1
+                for _ in range(runs):
                     engine.reset()
                     t0 = time.perf_counter()
                     int(np.argmax(engine.prefill(prompt, mode=mode)))
