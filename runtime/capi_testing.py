@@ -10,6 +10,7 @@ buffer, so an element a kernel fails to write shows up.
 from __future__ import annotations
 
 import ctypes
+import functools
 from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_uint16, c_uint64, c_void_p
 
 import numpy as np
@@ -19,15 +20,27 @@ from runtime import capi
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = capi.OG_KV_F32, capi.OG_KV_BF16, capi.OG_KV_INT8
 KV_NUMPY_DTYPES = {OG_KV_F32: np.float32, OG_KV_BF16: np.uint16, OG_KV_INT8: np.int8}
 
-_bound: ctypes.CDLL | None = None
+_bound: dict = {}  # binder -> the library with that binder's functions declared
+
+
+def _declare(lib: ctypes.CDLL, name: str, *argtypes) -> None:
+    """Declare the og_status function `name`: int32 result, these argument types."""
+    f = getattr(lib, name)
+    f.restype = c_int32
+    f.argtypes = list(argtypes)
+
+
+def _bound_library(binder) -> ctypes.CDLL:
+    """The library with `binder`'s declarations made (once; raises capi.LibraryUnavailable)."""
+    if binder not in _bound:
+        lib = capi.load_library()
+        binder(lib)
+        _bound[binder] = lib
+    return _bound[binder]
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    def fn(name, *argtypes):
-        f = getattr(lib, name)
-        f.restype = c_int32
-        f.argtypes = list(argtypes)
-
+    fn = functools.partial(_declare, lib)
     P_f32, P_u16, P_i32 = POINTER(c_float), POINTER(c_uint16), POINTER(c_int32)
 
     # og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
@@ -137,12 +150,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 def load() -> ctypes.CDLL:
     """The library with the og_test_* functions bound (raises capi.LibraryUnavailable)."""
-    global _bound
-    if _bound is None:
-        lib = capi.load_library()
-        _bind(lib)
-        _bound = lib
-    return _bound
+    return _bound_library(_bind)
 
 
 def _check(status: int, call: str) -> None:
@@ -357,16 +365,9 @@ OG_TEST_CAPTURE_FAULT_NONE, OG_TEST_CAPTURE_FAULT_MALLOC, OG_TEST_CAPTURE_FAULT_
 CAPTURE_FAULTS = {"none": OG_TEST_CAPTURE_FAULT_NONE, "malloc": OG_TEST_CAPTURE_FAULT_MALLOC,
                   "sync": OG_TEST_CAPTURE_FAULT_SYNC}
 
-_reliability_bound: ctypes.CDLL | None = None
-
-
 def _bind_reliability(lib: ctypes.CDLL) -> None:
     from ctypes import c_char_p, c_int64, c_uint64
-
-    def fn(name, *argtypes):
-        f = getattr(lib, name)
-        f.restype = c_int32
-        f.argtypes = list(argtypes)
+    fn = functools.partial(_declare, lib)
 
     # og_status og_test_fail_allocation_at(int32_t n);
     fn("og_test_fail_allocation_at", c_int32)
@@ -385,12 +386,7 @@ def _bind_reliability(lib: ctypes.CDLL) -> None:
 
 def reliability() -> ctypes.CDLL:
     """The library with the reliability hooks bound (raises capi.LibraryUnavailable)."""
-    global _reliability_bound
-    if _reliability_bound is None:
-        lib = capi.load_library()
-        _bind_reliability(lib)
-        _reliability_bound = lib
-    return _reliability_bound
+    return _bound_library(_bind_reliability)
 
 
 def fail_allocation_at(n: int) -> None:
