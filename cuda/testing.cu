@@ -501,6 +501,25 @@ struct PagedRowDevice {
     size_t qkv_len = 0, pool_bytes = 0, table_bytes = 0;
 };
 
+// The fields the QK-norm/RoPE/KV-write kernel's and the fused attention's arguments share,
+// pointing at the uploaded inputs.
+extern "C++" template <class Args>
+void set_paged_row_args(Args &a, const PagedRowInputs &in, const PagedRowDevice &d) {
+    a.kv = d.kv;
+    a.qkv = d.qkv.as<float>();
+    a.q_norm = d.q_norm.as<float>();
+    a.k_norm = d.k_norm.as<float>();
+    a.eps = in.eps;
+    a.inv_freq = d.inv_freq.as<float>();
+    a.table_update = d.tables.as<int32_t>();
+    a.step = d.step.as<og_step_record>();
+    a.n_heads = in.n_heads;
+    a.n_kv_heads = in.n_kv_heads;
+    a.head_dim = in.head_dim;
+    a.max_seq_len = in.max_seq_len;
+    a.kv_dtype = in.kv_dtype;
+}
+
 og_status upload_paged_row(const char *fn, const PagedRowInputs &in, PagedRowDevice &d) {
     if (in.qkv == nullptr || in.inv_freq == nullptr || in.pool == nullptr ||
         in.block_tables == nullptr || in.n_heads <= 0 || in.n_kv_heads <= 0 ||
@@ -556,19 +575,7 @@ OG_API og_status og_test_qk_norm_rope_kv_paged(
     PagedRowDevice d;
     OG_TRY(upload_paged_row("og_test_qk_norm_rope_kv_paged", in, d));
     RopeKvArgs a = {};
-    a.kv = d.kv;
-    a.qkv = d.qkv.as<float>();
-    a.q_norm = d.q_norm.as<float>();
-    a.k_norm = d.k_norm.as<float>();
-    a.eps = eps;
-    a.inv_freq = d.inv_freq.as<float>();
-    a.step = d.step.as<og_step_record>();
-    a.n_heads = n_heads;
-    a.n_kv_heads = n_kv_heads;
-    a.head_dim = head_dim;
-    a.max_seq_len = max_seq_len;
-    a.kv_dtype = kv_dtype;
-    a.table_update = d.tables.as<int32_t>();
+    set_paged_row_args(a, in, d);
     OG_TRY(finish_launch(launch_qk_norm_rope_kv(a, 0, false), "launch_qk_norm_rope_kv"));
     OG_TRY(copy_back(qkv, d.qkv, d.qkv_len * 4));
     return copy_back_paged(in, d);
@@ -591,19 +598,7 @@ OG_API og_status og_test_attention_fused(
     PagedRowDevice d;
     OG_TRY(upload_paged_row(fn, in, d));
     AttentionArgs a = {};
-    a.kv = d.kv;
-    a.qkv = d.qkv.as<float>();
-    a.q_norm = d.q_norm.as<float>();
-    a.k_norm = d.k_norm.as<float>();
-    a.eps = eps;
-    a.inv_freq = d.inv_freq.as<float>();
-    a.table_update = d.tables.as<int32_t>();
-    a.step = d.step.as<og_step_record>();
-    a.n_heads = n_heads;
-    a.n_kv_heads = n_kv_heads;
-    a.head_dim = head_dim;
-    a.max_seq_len = max_seq_len;
-    a.kv_dtype = kv_dtype;
+    set_paged_row_args(a, in, d);
     OG_TRY(run_fused(fn, a, split_len, qkv, out));  // q over the first n_heads * hd of qkv
     return copy_back_paged(in, d);
 }
