@@ -28,8 +28,9 @@
 // typical (rel. L2), the size of what the fp32 summation order alone moves. QK-norm, RoPE and
 // the K/V encoding run rope_kv.cuh's device functions (the decode body's own code: a warp per
 // head, the same sums and roundings), so equal qkv values give equal K/V bits; RMSNorm,
-// softmax and the residual stream stay fp32, and the attention reads K/V back dequantized
-// exactly as decode attention does (fp32 query . dequantized K, / sqrt(hd)). Where a row's
+// softmax and the residual stream stay fp32. The attention runs on the tensor cores too: the
+// query and the softmax weights split hi + lo like the GEMM inputs, K/V codes exact in bf16
+// (fp32 K/V split), the scales applied per key as decode attention applies them. Where a row's
 // fp32 values still differ from the decode body's (by the bound above), a bf16 or int8 K/V
 // element can round the other way: rel. L2 of a K/V row ~sqrt(delta * u) for a relative move
 // delta and the element rounding u (2^-8 for bf16), ~1e-4 for delta ~2^-18 (~3e-3 when the
@@ -70,6 +71,20 @@ struct GemmArgs {
     bool accumulate;              // y += instead of y =
 };
 cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream);
+
+// c += a (16 x 16, row) * b (16 x 8, col), bf16 inputs, fp32 accumulators (the GEMM and the
+// prefill attention). Lane (g, t) = (lane / 4, lane % 4) holds a: rows g, g + 8 x columns
+// 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]); b: rows (k) 2t, 2t + 1 (b0) and
+// 2t + 8, 2t + 9 (b1) of column g; c: rows g (c[0], c[1]) and g + 8 (c[2], c[3]) x columns
+// 2t, 2t + 1. Each 32-bit register holds two bf16, the lower index in the low half.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // ---- prefill.cu ---------------------------------------------------------------------
 // A dense weight matrix [rows, cols] as the decode body holds it (quant.cuh layouts).
