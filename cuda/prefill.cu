@@ -156,7 +156,7 @@ struct PrefillAttnParams {
     KvPages kv;
     const int32_t *table_row;
     int n, p0, n_heads, n_kv_heads, hd;
-    float sqrt_hd;
+    float inv_sqrt_hd;           // (float)(1 / sqrt(hd)), as decode attention's
 };
 
 constexpr int kAttnWarps = 4;
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
     const int pos_g = min(p.p0 + row0 + warp_row + g, last_pos);
     const int pos_g8 = min(p.p0 + row0 + warp_row + g + 8, last_pos);
     const int warp_last_pos = min(p.p0 + row0 + warp_row + 15, last_pos);
-    const float inv_sqrt_hd = 1.f / p.sqrt_hd;
+    const float inv_sqrt_hd = p.inv_sqrt_hd;
     float m_g = -INFINITY, m_g8 = -INFINITY, l_g = 0.f, l_g8 = 0.f;
     float o[kOutTiles][4];
 #pragma unroll
@@ -599,7 +599,7 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         attn.n_heads = m.n_heads;
         attn.n_kv_heads = m.n_kv;
         attn.hd = m.hd;
-        attn.sqrt_hd = (float)sqrt((double)m.hd);  // as decode attention
+        attn.inv_sqrt_hd = (float)(1.0 / sqrt((double)m.hd));  // as decode attention
         OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
         OG_CUDA_RETURN_IF(gemm_weights(
             GemmArgs{s.narrow, s.narrow_lo, ldQ, nullptr, ldQ, s.x, H, n, H, ldQ, true}, w.o_proj, s,
