@@ -29,6 +29,11 @@
 // is multiplied by both a_hi and a_lo, into two sets of fp32 accumulators, each in the fixed
 // k order above; the output is y = sum_hi + sum_lo (then added to y when accumulating). The
 // weights are read from memory once; the tensor-core work is 2x.
+//
+// Grouped form (GemmArgs::groups > 1, the MoE experts of a prefill chunk): grid z = the group
+// (an expert); its block rows gather the a rows its list names and scatter the output rows
+// likewise, against its own weight matrix; the group's row count is read on the device, and
+// blocks past it return at once. Per output element the arithmetic is that of the plain form.
 #include "onegraph_testing.h"
 #include "prefill.cuh"
 #include "reliability.cuh"
@@ -83,23 +88,32 @@ struct GemmTiles {
     __nv_bfloat16 w[kGemmStages][kGemmBN][kGemmSmemLd];
 };
 
+// One block's view of its group: its rows, weight matrix and row lists.
+struct GemmGroup {
+    int rows;
+    const __nv_bfloat16 *w;
+    const int32_t *a_rows;  // NULL: a row m is row m
+    const int32_t *y_rows;  // NULL: output row m is y row m
+};
+
 // Stage k tile `kt` of the operands: 64 rows x 4 chunks each, two chunks per thread each.
 template <bool SPLIT>
 __device__ __forceinline__ void load_tiles(GemmTiles<SPLIT> &s, int stage, int kt,
-                                           const GemmArgs &p, int m0, int n0) {
+                                           const GemmArgs &p, const GemmGroup &grp, int m0, int n0) {
     const int k0 = kt * kGemmBK;
 #pragma unroll
     for (int i = threadIdx.x; i < kGemmBM * (kGemmBK / 8); i += kGemmThreads) {
         const int row = i / (kGemmBK / 8);
         const int col = k0 + (i % (kGemmBK / 8)) * 8;
         const int m = m0 + row, n = n0 + row;
-        const bool a_ok = m < p.rows && col < p.depth;
+        const bool a_ok = m < grp.rows && col < p.depth;
         const bool w_ok = n < p.cols && col < p.depth;
-        cp_async_16(&s.a[0][stage][row][col - k0], a_ok ? p.a + (size_t)m * p.lda + col : p.a, a_ok);
+        const size_t a_row = !a_ok ? 0 : grp.a_rows ? (size_t)(grp.a_rows[m] / p.a_row_div) : (size_t)m;
+        cp_async_16(&s.a[0][stage][row][col - k0], a_ok ? p.a + a_row * p.lda + col : p.a, a_ok);
         if constexpr (SPLIT)
-            cp_async_16(&s.a[1][stage][row][col - k0],
-                        a_ok ? p.a_lo + (size_t)m * p.lda + col : p.a_lo, a_ok);
-        cp_async_16(&s.w[stage][row][col - k0], w_ok ? p.w + (size_t)n * p.ldw + col : p.w, w_ok);
+            cp_async_16(&s.a[1][stage][row][col - k0], a_ok ? p.a_lo + a_row * p.lda + col : p.a_lo,
+                        a_ok);
+        cp_async_16(&s.w[stage][row][col - k0], w_ok ? grp.w + (size_t)n * p.ldw + col : grp.w, w_ok);
     }
 }
 
@@ -109,6 +123,12 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
     const int m0 = blockIdx.y * kGemmBM, n0 = blockIdx.x * kGemmBN;
+    const int group = blockIdx.z;
+    const GemmGroup grp = {p.group_rows ? min(p.group_rows[group], p.rows) : p.rows,
+                           p.w + group * p.w_group_stride,
+                           p.a_rows ? p.a_rows + (size_t)group * p.index_stride : nullptr,
+                           p.y_rows ? p.y_rows + (size_t)group * p.index_stride : nullptr};
+    if (m0 >= grp.rows) return;  // a group with fewer rows than the grid's bound
     const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
     const int k_tiles = ceil_div(p.depth, kGemmBK);
 
@@ -122,7 +142,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
 
 #pragma unroll
     for (int stage = 0; stage < kGemmStages - 1; ++stage) {
-        if (stage < k_tiles) load_tiles(s, stage, stage, p, m0, n0);
+        if (stage < k_tiles) load_tiles(s, stage, stage, p, grp, m0, n0);
         cp_async_commit();
     }
     // ldmatrix row addresses: A x4 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
@@ -133,7 +153,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
         cp_async_wait<kGemmStages - 2>();
         __syncthreads();  // tile kt is in; every warp is done with the stage refilled below
         const int next = kt + kGemmStages - 1;
-        if (next < k_tiles) load_tiles(s, next % kGemmStages, next, p, m0, n0);
+        if (next < k_tiles) load_tiles(s, next % kGemmStages, next, p, grp, m0, n0);
         cp_async_commit();
         const int stage = kt % kGemmStages;
 #pragma unroll
@@ -169,8 +189,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int m = m0 + warp_m + mi * 16 + g + half * 8;
-            if (m >= p.rows) continue;
-            float *y_row = p.y + (size_t)m * p.ldy;
+            if (m >= grp.rows) continue;
+            float *y_row = p.y + (size_t)(grp.y_rows ? grp.y_rows[m] : m) * p.ldy;
 #pragma unroll
             for (int ni = 0; ni < 4; ++ni) {
 #pragma unroll
@@ -198,7 +218,11 @@ cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
         (reinterpret_cast<uintptr_t>(args.a_lo) & 15) != 0 ||
         (reinterpret_cast<uintptr_t>(args.w) & 15) != 0)
         return cudaErrorInvalidValue;
-    const dim3 grid(ceil_div(args.cols, kGemmBN), ceil_div(args.rows, kGemmBM));
+    if (args.groups < 1 || args.groups > 65535 || args.a_row_div < 1 ||
+        (args.groups > 1 && args.group_rows == nullptr) ||
+        (args.groups > 1 && (args.a_rows || args.y_rows) && args.index_stride < args.rows))
+        return cudaErrorInvalidValue;
+    const dim3 grid(ceil_div(args.cols, kGemmBN), ceil_div(args.rows, kGemmBM), args.groups);
     if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
     const dim3 block(kGemmThreads);
     if (args.a_lo != nullptr) {
