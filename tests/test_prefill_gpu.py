@@ -125,6 +125,33 @@ def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
     assert np.all(np.abs(got - exact) <= bound + 2.0 ** -16 * (np.abs(a32) @ np.abs(w64).T))
 
 
+@pytest.mark.parametrize("groups,cols,depth,stride,div", [(5, 70, 40, 13, 3), (128, 64, 96, 9, 8),
+                                                          (3, 8, 8, 1, 1), (7, 130, 1000, 70, 2)])
+def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div):
+    """The MoE experts' GEMM: group z multiplies the a rows its list names (entry / div) by its
+    own matrix into the y rows its list names; groups may be empty; other y rows are untouched."""
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(groups * 100 + cols + depth)
+    a_total, y_total = 3 * stride + 2, groups * stride + 5
+    a = ct.bf16_bits(rng.standard_normal((a_total, depth)))
+    w = ct.bf16_bits(rng.standard_normal((groups, cols, depth)) * 0.1)
+    counts = rng.integers(0, stride + 1, groups)
+    counts[0] = 0  # an empty group
+    targets = rng.permutation(y_total)[:groups * stride].reshape(groups, stride)  # distinct rows
+    sources = rng.integers(0, a_total * div, (groups, stride))
+    y0 = np.full((y_total, cols), -7.0, np.float32)
+    got = ct.gemm_grouped(a, w, counts, sources, div, targets, y0)
+    a64, w64 = ct.bf16_to_f32(a).astype(np.float64), ct.bf16_to_f32(w).astype(np.float64)
+    want = y0.astype(np.float64)
+    bound = np.zeros_like(want)
+    for z in range(groups):
+        for m in range(counts[z]):
+            row = a64[sources[z, m] // div]
+            want[targets[z, m]] = w64[z] @ row
+            bound[targets[z, m]] = (depth + 2) * 2.0 ** -23 * (np.abs(w64[z]) @ np.abs(row)) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), "a grouped row is off, or an unnamed row was written"
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
 def test_gemm_is_deterministic_and_row_independent(split):
     from runtime import capi_testing as ct
