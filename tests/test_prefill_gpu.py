@@ -165,6 +165,28 @@ def test_gemm_is_deterministic_and_row_independent(split):
     assert np.array_equal(full[37:101], part)  # a row's result ignores the tiling
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
+def test_large_and_small_gemm_tiles_give_the_same_bits(split):
+    """700 x 3,100 outputs make >= 132 blocks of 128 x 128, so the large tile runs (on an H200;
+    a GPU with more multiprocessors may pick the small one); 17 rows alone make few blocks, so
+    the small tile runs. Both sum each element in the same k order: the same bits, and both
+    right against numpy."""
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(6)
+    a, lo = ct.bf16_split(rng.standard_normal((700, 72)))
+    lo = lo if split else None
+    w = ct.bf16_bits(rng.standard_normal((3100, 72)) * 0.1)
+    full = ct.gemm(a, w, a_lo_bits=lo)
+    part = ct.gemm(a[300:317], w, a_lo_bits=None if lo is None else lo[300:317])
+    assert np.array_equal(full[300:317], part)
+    hi64 = ct.bf16_to_f32(a).astype(np.float64)
+    lo64 = np.zeros_like(hi64) if lo is None else ct.bf16_to_f32(lo).astype(np.float64)
+    w64 = ct.bf16_to_f32(w).astype(np.float64)
+    # as test_split_gemm_matches_numpy: ~depth ulps of sum |a w| per sum, a few roundings more
+    bound = (72 + 3) * 2.0 ** -23 * ((np.abs(hi64) + np.abs(lo64)) @ np.abs(w64).T) + 1e-30
+    assert np.all(np.abs(full - (hi64 + lo64) @ w64.T) <= bound)
+
+
 # ---- K/V and greedy agreement ---------------------------------------------------------------------
 
 KV_MODELS = [("tiny-dense", None, {}), ("tiny-llama", None, {}), ("tiny-moe", None, {}),
