@@ -505,6 +505,17 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         e->prefill.w_hi = a.take<__nv_bfloat16>(w);
         e->prefill.w_lo = a.take<__nv_bfloat16>(w);
     }
+    if (d.any_moe && e->cfg.weights_experts == OG_WEIGHTS_BF16) {  // the MoE layers' grouped pass
+        const size_t entries = (size_t)chunk * d.top_k;
+        e->prefill.moe_logits = a.take<float>((size_t)chunk * d.E);
+        e->prefill.moe_selected = a.take<int32_t>(entries);
+        e->prefill.moe_weights = a.take<float>(entries);
+        e->prefill.moe_entries = a.take<int32_t>((size_t)d.E * chunk);
+        e->prefill.moe_counts = a.take<int32_t>(d.E);
+        e->prefill.moe_out = a.take<float>(entries * std::max(2 * d.Im, d.H));
+        e->prefill.moe_act = a.take<__nv_bfloat16>(entries * d.ldIm);
+        e->prefill.moe_act_lo = a.take<__nv_bfloat16>(entries * d.ldIm);
+    }
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 

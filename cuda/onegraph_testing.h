@@ -101,6 +101,17 @@ OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo, const uin
                               int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
                               float *y);
 
+/* Its grouped form (the MoE experts of a prefill chunk): for group z < groups and m <
+ * counts[z], y[y_rows[z * stride + m], n] = sum_k a[a_rows[z * stride + m] / a_row_div, k] *
+ * w[z, n, k]. a [a_total, depth] bf16, w [groups, cols, depth] bf16, y [y_total, cols] fp32
+ * (in/out: rows no group names keep the caller's values); counts[z] <= stride; every index in
+ * range (checked on the host first). */
+OG_API og_status og_test_gemm_grouped(const uint16_t *a, int32_t a_total, const uint16_t *w,
+                                      int32_t groups, int32_t cols, int32_t depth,
+                                      const int32_t *counts, const int32_t *a_rows,
+                                      int32_t a_row_div, const int32_t *y_rows, int32_t stride,
+                                      int32_t y_total, float *y);
+
 /* ---- reliability hooks (cuda/reliability.cu; test-only, process-wide) ----------------
  * They let tests inject faults and look for damage; a program never needs them. */
 

@@ -16,6 +16,9 @@
 //   swiglu_rows         act[r, i] = split(silu(gate) * up), silu(g) = g / (1 + exp(-g))
 //   dequant_split       a quantized weight matrix -> split(q * scale) [rows, padded_cols] bf16
 //                       hi + lo (pad columns 0), for the GEMMs of quantized dense weights
+//   moe_group_entries   per expert, the chunk's (row, slot) selections of it, in ascending order:
+//                       the row lists of the experts' grouped GEMMs (gemm.cu)
+//   moe_combine_rows    x[r] += the weighted sum of row r's expert outputs, selection order
 //
 // prefill_attention: grid (query tiles of 64 rows, n_heads), 4 warps of 16 query rows each, on
 // the tensor cores (mma.sync m16n8k16, bf16 inputs, fp32 accumulators), flash-style. A block
@@ -95,6 +98,53 @@ __global__ void __launch_bounds__(kRowThreads)
             v = gate / (1.0f + expf(-gate)) * up;
         }
         store_split(v, out + idx, out_lo + idx);
+    }
+}
+
+// ---- MoE over a chunk: entries grouped by expert ---------------------------------------------
+// Block e lists the entries (row * top_k + slot) whose selected expert is e, in ascending order:
+// entries[e * stride + i] for i < counts[e]. A row selects an expert at most once, so a list
+// holds at most n_rows <= stride entries.
+__global__ void __launch_bounds__(kRowThreads)
+    moe_group_entries_kernel(const int32_t *selected, int n_entries, int stride, int32_t *entries,
+                             int32_t *counts) {
+    __shared__ int warp_totals[kRowThreads / kWarpSize];
+    const int expert = blockIdx.x, lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    int32_t *list = entries + (size_t)expert * stride;
+    int base = 0;
+    for (int start = 0; start < n_entries; start += kRowThreads) {
+        const int i = start + threadIdx.x;
+        const bool mine = i < n_entries && selected[i] == expert;
+        const unsigned ballot = __ballot_sync(kFullMask, mine);
+        if (lane == 0) warp_totals[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base + __popc(ballot & ((1u << lane) - 1u)), total = 0;
+        for (int w = 0; w < kRowThreads / kWarpSize; ++w) {
+            if (w < warp) before += warp_totals[w];
+            total += warp_totals[w];
+        }
+        if (mine) list[before] = i;
+        base += total;
+        __syncthreads();  // warp_totals is rewritten next round
+    }
+    if (threadIdx.x == 0) counts[expert] = base;
+}
+
+// x[r, c] += sum over slots j (selection order) of weights[r, j] * expert_out[r * top_k + j, c],
+// with the decode body's roundings (moe.cu): y = 0; y = y + w_j * d_j; x = x + y.
+__global__ void __launch_bounds__(kRowThreads)
+    moe_combine_rows_kernel(const float *expert_out, const float *weights, int top_k, int hidden,
+                            int n_rows, float *x) {
+    const int64_t total = (int64_t)n_rows * hidden;
+    for (int64_t idx = (int64_t)blockIdx.x * kRowThreads + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * kRowThreads) {
+        const int row = (int)(idx / hidden), c = (int)(idx % hidden);
+        float y = 0.f;
+        for (int j = 0; j < top_k; ++j) {
+            const int entry = row * top_k + j;
+            y = __fadd_rn(y, __fmul_rn(weights[entry], expert_out[(size_t)entry * hidden + c]));
+        }
+        x[idx] = __fadd_rn(x[idx], y);
     }
 }
 
@@ -550,6 +600,55 @@ cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScr
 
 }  // namespace
 
+// The MoE FFN of a bf16-experts layer over the chunk's n rows (prefill.cuh): router GEMM,
+// top-k per row, entries grouped by expert, grouped GEMMs for gate|up and down, the weighted
+// sum in selection order added to x.
+static cudaError_t enqueue_moe_rows(const PrefillModel &m, const PrefillLayer &w, int n,
+                                    cudaStream_t stream) {
+    const PrefillScratch &s = m.scratch;
+    const int H = m.H, ldH = padded_cols(H), Im = m.Im, ldIm = padded_cols(Im);
+    const int n_entries = n * m.top_k;
+    const dim3 row_block(kRowThreads);
+    OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, dim3(n), row_block, 0, stream, false,
+                                    (const float *)s.x, w.post_attention_layernorm, m.eps, H,
+                                    s.narrow, s.narrow_lo, ldH));
+    OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.router, ldH,
+                                                s.moe_logits, m.E, n, m.E, ldH, false},
+                                       stream));
+    OG_CUDA_RETURN_IF(launch_moe_topk_rows(s.moe_logits, n, m.E, m.top_k, m.norm_topk_prob,
+                                           s.moe_selected, s.moe_weights, stream, false));
+    OG_CUDA_RETURN_IF(launch_kernel(moe_group_entries_kernel, dim3(m.E), row_block, 0, stream, false,
+                                    (const int32_t *)s.moe_selected, n_entries, n, s.moe_entries,
+                                    s.moe_counts));
+    // gate|up: expert e's entries gather their rows of the normed input (entry / top_k).
+    GemmArgs gate_up = {s.narrow, s.narrow_lo, ldH,
+                        static_cast<const __nv_bfloat16 *>(w.expert_gate_up.data), ldH,
+                        s.moe_out, 2 * Im, n, 2 * Im, ldH, false};
+    gate_up.a_rows = gate_up.y_rows = s.moe_entries;
+    gate_up.a_row_div = m.top_k;
+    gate_up.group_rows = s.moe_counts;
+    gate_up.groups = m.E;
+    gate_up.w_group_stride = (int64_t)2 * Im * ldH;
+    gate_up.index_stride = n;
+    OG_CUDA_RETURN_IF(launch_gemm_bf16(gate_up, stream));
+    OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n_entries * ldIm)),
+                                    row_block, 0, stream, false, (const float *)s.moe_out, Im,
+                                    n_entries, s.moe_act, s.moe_act_lo, ldIm));
+    // down: an entry's row of act, into the entry's row of moe_out.
+    GemmArgs down = {s.moe_act, s.moe_act_lo, ldIm,
+                     static_cast<const __nv_bfloat16 *>(w.expert_down.data), ldIm, s.moe_out, H, n,
+                     H, ldIm, false};
+    down.a_rows = down.y_rows = s.moe_entries;
+    down.group_rows = s.moe_counts;
+    down.groups = m.E;
+    down.w_group_stride = (int64_t)H * ldIm;
+    down.index_stride = n;
+    OG_CUDA_RETURN_IF(launch_gemm_bf16(down, stream));
+    return launch_kernel(moe_combine_rows_kernel, dim3(row_grid((int64_t)n * H)), row_block, 0,
+                         stream, false, (const float *)s.moe_out, (const float *)s.moe_weights,
+                         m.top_k, H, n, s.x);
+}
+
 cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_row, int n, int p0,
                                   cudaStream_t stream) {
     const PrefillScratch &s = m.scratch;
@@ -606,7 +705,10 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
             stream));
 
         // ---- FFN block ----
-        if (w.is_moe) {
+        if (w.is_moe && s.moe_out != nullptr && w.expert_gate_up.format == OG_WEIGHTS_BF16 &&
+            w.expert_down.format == OG_WEIGHTS_BF16) {
+            OG_CUDA_RETURN_IF(enqueue_moe_rows(m, w, n, stream));
+        } else if (w.is_moe) {
             // One row at a time through the decode body's MoE kernels (router GEMV with the
             // norm fused, top-k, experts) — the same arithmetic as a decode step's FFN.
             for (int r = 0; r < n; ++r) {

@@ -11,8 +11,12 @@
 //               x       += attn2 . W_o^T                           (GEMM, residual)
 //               dense:   normed2 = split(rmsnorm(x)); gate_up = normed2 . W_gu^T (GEMM);
 //                        act2 = split(silu(gate) * up); x += act2 . W_down^T (GEMM, residual)
-//               MoE:     per row, the decode body's kernels (router GEMV with the norm fused,
-//                        top-k, experts gate/up + SwiGLU, experts down + weighted residual)
+//               MoE:     normed2 = split(rmsnorm(x)); logits = normed2 . W_router^T (GEMM);
+//                        top-k per row (the decode body's kernel); each expert's entries
+//                        (rows that chose it) gathered into one grouped GEMM for gate|up,
+//                        split(SwiGLU), one for down; x[row] += the weighted sum of the row's
+//                        experts in selection order (the decode body's roundings). Quantized
+//                        experts: per row, the decode body's MoE kernels.
 // The caller then runs the decode body's final RMSNorm + lm_head GEMV on row n - 1 of x.
 //
 // Numerics (vs the decode body, which keeps every activation fp32): the GEMM inputs — the
@@ -69,6 +73,17 @@ struct GemmArgs {
     int ldy;
     int rows, cols, depth;
     bool accumulate;              // y += instead of y =
+    // Gathered / scattered rows and groups (the MoE experts, prefill.cu). Group z = blockIdx.z
+    // multiplies rows a_rows[z * index_stride + m] / a_row_div of a (a_lo) by the matrix at
+    // w + z * w_group_stride into rows y_rows[z * index_stride + m] of y, for m < group_rows[z]
+    // (device counts; `rows` bounds them). Unset: one group, a row m -> y row m.
+    const int32_t *a_rows = nullptr;
+    int a_row_div = 1;
+    const int32_t *y_rows = nullptr;
+    const int32_t *group_rows = nullptr;
+    int groups = 1;
+    int64_t w_group_stride = 0;
+    int index_stride = 0;
 };
 cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream);
 
@@ -119,6 +134,16 @@ struct PrefillScratch {
     __nv_bfloat16 *narrow_lo = nullptr;// [chunk, prefill_narrow_cols] and lo = bf16(x - hi)
     __nv_bfloat16 *w_hi = nullptr;     // quantized dense weights only: [prefill_weight_elems]
     __nv_bfloat16 *w_lo = nullptr;     // one dequantized matrix as bf16 hi + lo, rows padded
+    // MoE layers with bf16 experts (NULL otherwise: such layers go row by row). An entry is
+    // one (row, slot) selection, entry = row * top_k + slot.
+    float *moe_logits = nullptr;       // [chunk, E]           router logits
+    int32_t *moe_selected = nullptr;   // [chunk, top_k]       experts, selection order
+    float *moe_weights = nullptr;      // [chunk, top_k]       their weights
+    int32_t *moe_entries = nullptr;    // [E, chunk]           expert e's entries, ascending
+    int32_t *moe_counts = nullptr;     // [E]                  how many
+    float *moe_out = nullptr;          // [chunk * top_k, max(2 Im, H)]  gate|up, then down
+    __nv_bfloat16 *moe_act = nullptr;  // [chunk * top_k, ldIm] split(SwiGLU), hi
+    __nv_bfloat16 *moe_act_lo = nullptr;  //                   and lo
 };
 inline int prefill_wide_cols(int qkv_rows, int intermediate) {
     return qkv_rows > 2 * intermediate ? qkv_rows : 2 * intermediate;
