@@ -153,6 +153,18 @@ OG_API og_status og_check_guards(og_engine *e);
  * (the message lists the guarded ones). */
 OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
 
+/* Test only (diagnostics): leave the kernels of the given kinds out of every body enqueued from
+ * now on (og_enqueue, og_run; a graph captured earlier keeps what it holds), so that a benchmark
+ * can time a step without them: a kind's cost inside the graph is the difference. The logits
+ * are then meaningless. kinds: a mask of OG_TEST_OMIT_*; 0 restores the whole body. */
+#define OG_TEST_OMIT_QKV       1  /* RMSNorm + QKV projection */
+#define OG_TEST_OMIT_ATTENTION 2  /* QK-norm + RoPE + KV write + attention */
+#define OG_TEST_OMIT_O_PROJ    4  /* output projection + residual */
+#define OG_TEST_OMIT_FFN_IN    8  /* dense: RMSNorm + gate/up + SwiGLU; MoE: router, top-k, experts' gate/up */
+#define OG_TEST_OMIT_FFN_OUT  16  /* dense: down + residual; MoE: experts' down + weighted residual */
+#define OG_TEST_OMIT_LM_HEAD  32  /* final RMSNorm + lm_head */
+OG_API og_status og_test_set_omit(og_engine *e, int32_t kinds);
+
 /* ---- the paged KV cache ---------------------------------------------------------------
  * A test pool is [n_blocks, block_stride] bytes; every block holds one layer's K page
  * [n_kv, page_size, hd] at byte k_offset, its V page at v_offset and, for OG_KV_INT8, scale

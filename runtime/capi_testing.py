@@ -407,6 +407,8 @@ def _bind_reliability(lib: ctypes.CDLL) -> None:
     fn("og_check_guards", capi.Handle)
     # og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
     fn("og_test_corrupt_guard", capi.Handle, c_char_p, c_int32)
+    # og_status og_test_set_omit(og_engine *e, int32_t kinds);
+    fn("og_test_set_omit", capi.Handle, c_int32)
 
 
 def reliability() -> ctypes.CDLL:
@@ -450,6 +452,20 @@ def check_guards(handle) -> None:
 def corrupt_guard(handle, buffer: str, after: bool) -> None:
     """Flip one byte of the guard band before (after=False) or after (after=True) `buffer`."""
     _check(reliability().og_test_corrupt_guard(handle, buffer.encode(), int(after)), "og_test_corrupt_guard")
+
+
+# og_test_set_omit's kinds (onegraph_testing.h)
+OMIT_KINDS = {"qkv": 1, "attention": 2, "o_proj": 4, "ffn_in": 8, "ffn_out": 16, "lm_head": 32}
+
+
+def set_omit(handle, kinds) -> None:
+    """Leave these kernel kinds (names of OMIT_KINDS) out of bodies enqueued from now on."""
+    mask = 0
+    for kind in kinds:
+        if kind not in OMIT_KINDS:
+            raise ValueError(f"unknown kernel kind {kind!r}; expected one of {sorted(OMIT_KINDS)}")
+        mask |= OMIT_KINDS[kind]
+    _check(reliability().og_test_set_omit(handle, mask), "og_test_set_omit")
 
 
 # ---- the paged KV cache --------------------------------------------------------------------

@@ -10,8 +10,8 @@
 # compile on that machine), 8b 155 s, 30b and 30b-12l under 150 s together: more than one 10-minute GPU
 # call is safest, so run them in two or three calls and merge the returned part documents anywhere.
 # Peers: both on 0.6b; eager on 8B; on the 30B-A3B shape eager runs on a 12-layer cut of the same
-# weights (our engine measured on the same 12 layers in that part), since the full shape (61 GB)
-# twice does not fit beside our engine and eager MoE decode is slow.
+# weights (our engine measured on the same 12 layers in that part, TTFT too), since the full shape
+# (61 GB) twice does not fit beside our engine and eager MoE decode is slow.
 # Environment: SUITE_TIMEOUT (seconds per part, default 420).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,8 @@ run_part() {
     8b) bench 8b --preset qwen3-8b --kv int8 --kv bf16 --peers hf-eager --contexts 128,4096,32768 \
           --ttft 128,512,2048,8192 --repeats 2 ;;
     30b) bench 30b --preset qwen3-30b-a3b --kv int8 --kv bf16 --contexts 128,4096,32768 --repeats 2 ;;
-    30b-12l) bench 30b-12l --preset qwen3-30b-a3b:12 --kv int8 --peers hf-eager --repeats 2 ;;
+    30b-12l) bench 30b-12l --preset qwen3-30b-a3b:12 --kv int8 --peers hf-eager --ttft 128,2048 \
+               --repeats 2 ;;
     *) echo "bench_suite: unknown part '$1' (0.6b 8b 30b 30b-12l merge)" >&2; exit 2 ;;
   esac
 }
