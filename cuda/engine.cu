@@ -195,6 +195,7 @@ struct og_engine {
     float *selected_weights = nullptr;   // (top_k)
     float *moe_act = nullptr;            // (top_k, Im)
     PrefillScratch prefill;              // og_prefill's chunk buffers (prefill.cuh)
+    int32_t test_omit = 0;               // og_test_set_omit: OG_TEST_OMIT_* kinds left out
 
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     AttentionPlan plan_attention;
@@ -505,6 +506,17 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         e->prefill.w_hi = a.take<__nv_bfloat16>(w);
         e->prefill.w_lo = a.take<__nv_bfloat16>(w);
     }
+    if (d.any_moe && e->cfg.weights_experts == OG_WEIGHTS_BF16) {  // the MoE layers' grouped pass
+        const size_t entries = (size_t)chunk * d.top_k;
+        e->prefill.moe_logits = a.take<float>((size_t)chunk * d.E);
+        e->prefill.moe_selected = a.take<int32_t>(entries);
+        e->prefill.moe_weights = a.take<float>(entries);
+        e->prefill.moe_entries = a.take<int32_t>((size_t)d.E * chunk);
+        e->prefill.moe_counts = a.take<int32_t>(d.E);
+        e->prefill.moe_out = a.take<float>(entries * std::max(2 * d.Im, d.H));
+        e->prefill.moe_act = a.take<__nv_bfloat16>(entries * d.ldIm);
+        e->prefill.moe_act_lo = a.take<__nv_bfloat16>(entries * d.ldIm);
+    }
     return (size_t)round_up((int64_t)a.used, kArenaAlign);
 }
 
@@ -750,6 +762,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const Dims &d = e->d;
     const og_config &c = e->cfg;
     const bool pdl = e->pdl;
+    const auto keep = [e](int kind) { return (e->test_omit & kind) == 0; };  // og_test_set_omit
     OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host, sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
     OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->step, e->x, stream, false));
@@ -759,7 +772,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         // ---- attention block: x += o_proj(attention(rope(qkv_proj(rmsnorm(x))))) ----
         GemvArgs qkv_proj = {w.qkv.data, d.qkv_rows, d.H, e->x, w.input_layernorm,
                              c.rms_norm_eps, e->qkv, nullptr, w.qkv.scales, w.qkv.format};
-        OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
+        if (keep(OG_TEST_OMIT_QKV)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
 
         // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
         // stores the row's block into the block table; later layers read it there.
@@ -780,43 +793,48 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         attn.partials = e->attn_partials;
         attn.counters = e->attn_counters;
         attn.out = e->attn_out;
-        OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
+        if (keep(OG_TEST_OMIT_ATTENTION)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
         GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x,
                            nullptr, w.o_proj.scales, w.o_proj.format};
-        OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
+        if (keep(OG_TEST_OMIT_O_PROJ)) OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
 
         // ---- FFN block: x += mlp(rmsnorm(x)) ----
         if (w.is_moe) {
             GemvArgs router = {w.router, d.E, d.H, e->x, w.post_attention_layernorm,
                                c.rms_norm_eps, e->router_logits, e->normed};
-            OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
-            OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
-                                        e->selected_experts, e->selected_weights, stream, pdl));
             const MoeExperts gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales,
                                         w.expert_gate_up.format};
             const MoeExperts down = {w.expert_down.data, w.expert_down.scales,
                                      w.expert_down.format};
-            OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
-                                                  d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
-            OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
-                                                          e->selected_weights, d.top_k, d.H,
-                                                          d.Im, e->x, stream, pdl));
+            if (keep(OG_TEST_OMIT_FFN_IN)) {
+                OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
+                OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
+                                            e->selected_experts, e->selected_weights, stream, pdl));
+                OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
+                                                      d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
+            }
+            if (keep(OG_TEST_OMIT_FFN_OUT))
+                OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
+                                                              e->selected_weights, d.top_k, d.H,
+                                                              d.Im, e->x, stream, pdl));
         } else {
             GemvArgs gate_up = {w.gate_up.data, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
                                 c.rms_norm_eps, e->act, nullptr, w.gate_up.scales,
                                 w.gate_up.format};
-            OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
+            if (keep(OG_TEST_OMIT_FFN_IN))
+                OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
             GemvArgs down = {w.down.data, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr,
                              w.down.scales, w.down.format};
-            OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
+            if (keep(OG_TEST_OMIT_FFN_OUT))
+                OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
         }
     }
 
     // ---- logits = lm_head(rmsnorm(x)) ----
     GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps,
                         e->logits, nullptr, e->lm_head.scales, e->lm_head.format};
-    OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
+    if (keep(OG_TEST_OMIT_LM_HEAD)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
     OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream));
     e->stats.enqueues += 1;
@@ -1258,6 +1276,18 @@ OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t
     const og_status status = use_device(e);
     if (status != OG_OK) return status;
     return e->kv_guards.corrupt(buffer, after, e->stream);
+}
+
+OG_API og_status og_test_set_omit(og_engine *e, int32_t kinds) {
+    OG_CHECK_HANDLE(e);
+    constexpr int32_t all = OG_TEST_OMIT_QKV | OG_TEST_OMIT_ATTENTION | OG_TEST_OMIT_O_PROJ |
+                            OG_TEST_OMIT_FFN_IN | OG_TEST_OMIT_FFN_OUT | OG_TEST_OMIT_LM_HEAD;
+    if ((kinds & ~all) != 0)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_test_set_omit: kinds=%d holds bits outside the OG_TEST_OMIT_* mask %d",
+                         kinds, all);
+    e->test_omit = kinds;
+    return OG_OK;
 }
 
 // ---- sequences and the KV block pool (the work is in kv_pool.cu) -----------------------

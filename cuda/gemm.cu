@@ -15,8 +15,11 @@
 // few and simple (K-major on both sides, K a multiple of 8), and prefill needs tens, not
 // hundreds, of TFLOP/s: a 2,048-token prompt on the Qwen3-0.6B shape is ~1.8 TFLOP of GEMMs.
 //
-// Kernel: block tile 64 x 64 x 32, 128 threads = 4 warps in 2 x 2, each warp 32 x 32 (2 x 4
-// mma.sync.m16n8k16 tiles, bf16 inputs, fp32 accumulators). Tiles are staged in shared memory
+// Kernel: block tile 128 x 128 x 32, 256 threads = 8 warps in 2 x 4, each warp 64 x 32 (4 x 4
+// mma.sync.m16n8k16 tiles, bf16 inputs, fp32 accumulators) when that grid still gives every
+// multiprocessor a block; otherwise 64 x 64 x 32, 4 warps of 32 x 32 (2 x 4 tiles): the large
+// tile reads half the shared memory per mma (10 ldmatrix for 16 mma, against 6 for 8) and
+// loads each weight tile for twice the rows. Tiles are staged in shared memory
 // by cp.async (16-byte chunks, zero-filled outside the matrix), three stages deep; fragments
 // are read with ldmatrix. Shared rows are padded to 40 bf16 (80 bytes), so the 8 row
 // addresses of one ldmatrix phase fall in 8 distinct 16-byte bank groups. Each output element
@@ -25,10 +28,16 @@
 // any chunking of the rows.
 //
 // Split operand (GemmArgs::a_lo not NULL): the a_lo tile is staged with the others (one more
-// 64 x 32 bf16 tile per stage: 45 KiB of shared memory instead of 30) and every weight fragment
+// BM x 32 bf16 tile per stage: 90 KiB of shared memory instead of 60 for the large tile, 45
+// instead of 30 for the small one) and every weight fragment
 // is multiplied by both a_hi and a_lo, into two sets of fp32 accumulators, each in the fixed
 // k order above; the output is y = sum_hi + sum_lo (then added to y when accumulating). The
 // weights are read from memory once; the tensor-core work is 2x.
+//
+// Grouped form (GemmArgs::groups > 1, the MoE experts of a prefill chunk): grid z = the group
+// (an expert); its block rows gather the a rows its list names and scatter the output rows
+// likewise, against its own weight matrix; the group's row count is read on the device, and
+// blocks past it return at once. Per output element the arithmetic is that of the plain form.
 #include "onegraph_testing.h"
 #include "prefill.cuh"
 #include "reliability.cuh"
@@ -36,12 +45,23 @@
 namespace og {
 namespace {
 
-constexpr int kGemmBM = 64;
-constexpr int kGemmBN = 64;
 constexpr int kGemmBK = 32;
 constexpr int kGemmStages = 3;
-constexpr int kGemmThreads = 128;
 constexpr int kGemmSmemLd = kGemmBK + 8;  // bf16 per shared row: 80 bytes
+
+// A block tile of WARPS_M x WARPS_N warps, each owning WM x WN outputs (WM / 16 x WN / 8 mma
+// tiles). Both shapes sum every output element in the same k order (k tiles of 32 in order,
+// two k16 mma inside), so which one runs changes no bit of the result.
+template <int WARPS_M, int WARPS_N, int WM, int WN>
+struct GemmShape {
+    static constexpr int kWarpsN = WARPS_N, kWM = WM, kWN = WN;
+    static constexpr int kBM = WARPS_M * WM, kBN = WARPS_N * WN;
+    static constexpr int kThreads = WARPS_M * WARPS_N * kWarpSize;
+    static constexpr int kMI = WM / 16, kNI = WN / 8;
+};
+using GemmSmall = GemmShape<2, 2, 32, 32>;  // 64 x 64, 4 warps: small or grouped products
+using GemmLarge = GemmShape<2, 4, 64, 32>;  // 128 x 128, 8 warps: half the shared-memory
+                                            // traffic per mma, when the grid still fills the GPU
 
 __device__ __forceinline__ uint32_t smem_address(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -66,63 +86,77 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
                  : "r"(smem_address(p)));
 }
 
-// c += a (16 x 16, row) * b (16 x 8, col), bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// a[0]: the activations (a_hi when split), a[1]: a_lo (split only).
-template <bool SPLIT>
+// a[0]: the activations (a_hi when split), a[1]: a_lo (split only). In dynamic shared memory.
+template <class Shape, bool SPLIT>
 struct GemmTiles {
-    __nv_bfloat16 a[SPLIT ? 2 : 1][kGemmStages][kGemmBM][kGemmSmemLd];
-    __nv_bfloat16 w[kGemmStages][kGemmBN][kGemmSmemLd];
+    __nv_bfloat16 a[SPLIT ? 2 : 1][kGemmStages][Shape::kBM][kGemmSmemLd];
+    __nv_bfloat16 w[kGemmStages][Shape::kBN][kGemmSmemLd];
 };
 
-// Stage k tile `kt` of the operands: 64 rows x 4 chunks each, two chunks per thread each.
-template <bool SPLIT>
-__device__ __forceinline__ void load_tiles(GemmTiles<SPLIT> &s, int stage, int kt,
-                                           const GemmArgs &p, int m0, int n0) {
+// One block's view of its group: its rows, weight matrix and row lists.
+struct GemmGroup {
+    int rows;
+    const __nv_bfloat16 *w;
+    const int32_t *a_rows;  // NULL: a row m is row m
+    const int32_t *y_rows;  // NULL: output row m is y row m
+};
+
+// Stage k tile `kt` of the operands: BM rows of a (and a_lo) and BN rows of w, 4 chunks of 16
+// bytes each.
+template <class Shape, bool SPLIT>
+__device__ __forceinline__ void load_tiles(GemmTiles<Shape, SPLIT> &s, int stage, int kt,
+                                           const GemmArgs &p, const GemmGroup &grp, int m0, int n0) {
     const int k0 = kt * kGemmBK;
 #pragma unroll
-    for (int i = threadIdx.x; i < kGemmBM * (kGemmBK / 8); i += kGemmThreads) {
+    for (int i = threadIdx.x; i < Shape::kBM * (kGemmBK / 8); i += Shape::kThreads) {
         const int row = i / (kGemmBK / 8);
         const int col = k0 + (i % (kGemmBK / 8)) * 8;
-        const int m = m0 + row, n = n0 + row;
-        const bool a_ok = m < p.rows && col < p.depth;
-        const bool w_ok = n < p.cols && col < p.depth;
-        cp_async_16(&s.a[0][stage][row][col - k0], a_ok ? p.a + (size_t)m * p.lda + col : p.a, a_ok);
+        const int m = m0 + row;
+        const bool a_ok = m < grp.rows && col < p.depth;
+        const size_t a_row = !a_ok ? 0 : grp.a_rows ? (size_t)(grp.a_rows[m] / p.a_row_div) : (size_t)m;
+        cp_async_16(&s.a[0][stage][row][col - k0], a_ok ? p.a + a_row * p.lda + col : p.a, a_ok);
         if constexpr (SPLIT)
-            cp_async_16(&s.a[1][stage][row][col - k0],
-                        a_ok ? p.a_lo + (size_t)m * p.lda + col : p.a_lo, a_ok);
-        cp_async_16(&s.w[stage][row][col - k0], w_ok ? p.w + (size_t)n * p.ldw + col : p.w, w_ok);
+            cp_async_16(&s.a[1][stage][row][col - k0], a_ok ? p.a_lo + a_row * p.lda + col : p.a_lo,
+                        a_ok);
+    }
+#pragma unroll
+    for (int i = threadIdx.x; i < Shape::kBN * (kGemmBK / 8); i += Shape::kThreads) {
+        const int row = i / (kGemmBK / 8);
+        const int col = k0 + (i % (kGemmBK / 8)) * 8;
+        const int n = n0 + row;
+        const bool w_ok = n < p.cols && col < p.depth;
+        cp_async_16(&s.w[stage][row][col - k0], w_ok ? grp.w + (size_t)n * p.ldw + col : grp.w, w_ok);
     }
 }
 
-template <bool ACCUMULATE, bool SPLIT>
-__global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs p) {
-    __shared__ __align__(128) GemmTiles<SPLIT> s;
+template <class Shape, bool ACCUMULATE, bool SPLIT>
+__global__ void __launch_bounds__(Shape::kThreads) gemm_bf16_kernel(const GemmArgs p) {
+    extern __shared__ __align__(128) unsigned char gemm_smem[];
+    auto &s = *reinterpret_cast<GemmTiles<Shape, SPLIT> *>(gemm_smem);
+    constexpr int MI = Shape::kMI, NI = Shape::kNI;
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
-    const int m0 = blockIdx.y * kGemmBM, n0 = blockIdx.x * kGemmBN;
-    const int warp_m = (warp / 2) * 32, warp_n = (warp % 2) * 32;
+    const int m0 = blockIdx.y * Shape::kBM, n0 = blockIdx.x * Shape::kBN;
+    const int group = blockIdx.z;
+    const GemmGroup grp = {p.group_rows ? min(p.group_rows[group], p.rows) : p.rows,
+                           p.w + group * p.w_group_stride,
+                           p.a_rows ? p.a_rows + (size_t)group * p.index_stride : nullptr,
+                           p.y_rows ? p.y_rows + (size_t)group * p.index_stride : nullptr};
+    if (m0 >= grp.rows) return;  // a group with fewer rows than the grid's bound
+    const int warp_m = (warp / Shape::kWarpsN) * Shape::kWM, warp_n = (warp % Shape::kWarpsN) * Shape::kWN;
     const int k_tiles = ceil_div(p.depth, kGemmBK);
 
-    float acc[2][4][4], acc_lo[2][4][4];  // acc_lo: the a_lo products (split only)
+    float acc[MI][NI][4], acc_lo[MI][NI][4];  // acc_lo: the a_lo products (split only)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < NI; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = acc_lo[i][j][e] = 0.f;
 
 #pragma unroll
     for (int stage = 0; stage < kGemmStages - 1; ++stage) {
-        if (stage < k_tiles) load_tiles(s, stage, stage, p, m0, n0);
+        if (stage < k_tiles) load_tiles(s, stage, stage, p, grp, m0, n0);
         cp_async_commit();
     }
     // ldmatrix row addresses: A x4 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
@@ -133,25 +167,25 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
         cp_async_wait<kGemmStages - 2>();
         __syncthreads();  // tile kt is in; every warp is done with the stage refilled below
         const int next = kt + kGemmStages - 1;
-        if (next < k_tiles) load_tiles(s, next % kGemmStages, next, p, m0, n0);
+        if (next < k_tiles) load_tiles(s, next % kGemmStages, next, p, grp, m0, n0);
         cp_async_commit();
         const int stage = kt % kGemmStages;
 #pragma unroll
         for (int kk = 0; kk < kGemmBK; kk += 16) {
-            uint32_t a_frag[2][4], lo_frag[2][4], w_frag[2][4];
+            uint32_t a_frag[MI][4], lo_frag[MI][4], w_frag[NI / 2][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < MI; ++mi) {
                 ldmatrix_x4(a_frag[mi], &s.a[0][stage][warp_m + mi * 16 + a_row][kk + a_col]);
                 if constexpr (SPLIT)
                     ldmatrix_x4(lo_frag[mi], &s.a[1][stage][warp_m + mi * 16 + a_row][kk + a_col]);
             }
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj)
+            for (int nj = 0; nj < NI / 2; ++nj)
                 ldmatrix_x4(w_frag[nj], &s.w[stage][warp_n + nj * 16 + w_row][kk + w_col]);
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni) {
+                for (int ni = 0; ni < NI; ++ni) {
                     mma_bf16_16816(acc[mi][ni], a_frag[mi], w_frag[ni / 2][(ni % 2) * 2],
                                    w_frag[ni / 2][(ni % 2) * 2 + 1]);
                     if constexpr (SPLIT)
@@ -165,14 +199,14 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
     // Accumulator (mi, ni): rows g and g + 8, columns 2t and 2t + 1 of its 16 x 8 tile.
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int m = m0 + warp_m + mi * 16 + g + half * 8;
-            if (m >= p.rows) continue;
-            float *y_row = p.y + (size_t)m * p.ldy;
+            if (m >= grp.rows) continue;
+            float *y_row = p.y + (size_t)(grp.y_rows ? grp.y_rows[m] : m) * p.ldy;
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
+            for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int n = n0 + warp_n + ni * 8 + 2 * t + e;
@@ -188,6 +222,25 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_bf16_kernel(const GemmArgs 
     }
 }
 
+template <class Shape, bool ACCUMULATE, bool SPLIT>
+cudaError_t launch_gemm_variant(const GemmArgs &args, cudaStream_t stream) {
+    const auto kernel = gemm_bf16_kernel<Shape, ACCUMULATE, SPLIT>;
+    const size_t smem = sizeof(GemmTiles<Shape, SPLIT>);
+    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    const dim3 grid(ceil_div(args.cols, Shape::kBN), ceil_div(args.rows, Shape::kBM), args.groups);
+    if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
+    return launch_kernel(kernel, grid, dim3(Shape::kThreads), smem, stream, false, args);
+}
+
+template <class Shape>
+cudaError_t launch_gemm_shape(const GemmArgs &args, cudaStream_t stream) {
+    if (args.a_lo != nullptr)
+        return args.accumulate ? launch_gemm_variant<Shape, true, true>(args, stream)
+                               : launch_gemm_variant<Shape, false, true>(args, stream);
+    return args.accumulate ? launch_gemm_variant<Shape, true, false>(args, stream)
+                           : launch_gemm_variant<Shape, false, false>(args, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
@@ -198,29 +251,31 @@ cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream) {
         (reinterpret_cast<uintptr_t>(args.a_lo) & 15) != 0 ||
         (reinterpret_cast<uintptr_t>(args.w) & 15) != 0)
         return cudaErrorInvalidValue;
-    const dim3 grid(ceil_div(args.cols, kGemmBN), ceil_div(args.rows, kGemmBM));
-    if (grid.y > 65535u) return cudaErrorInvalidConfiguration;
-    const dim3 block(kGemmThreads);
-    if (args.a_lo != nullptr) {
-        if (args.accumulate)
-            return launch_kernel(gemm_bf16_kernel<true, true>, grid, block, 0, stream, false, args);
-        return launch_kernel(gemm_bf16_kernel<false, true>, grid, block, 0, stream, false, args);
-    }
-    if (args.accumulate) return launch_kernel(gemm_bf16_kernel<true, false>, grid, block, 0, stream, false, args);
-    return launch_kernel(gemm_bf16_kernel<false, false>, grid, block, 0, stream, false, args);
+    if (args.groups < 1 || args.groups > 65535 || args.a_row_div < 1 ||
+        (args.groups > 1 && args.group_rows == nullptr) ||
+        (args.groups > 1 && (args.a_rows || args.y_rows) && args.index_stride < args.rows))
+        return cudaErrorInvalidValue;
+    // The large tile when its grid still gives every multiprocessor a block; grouped products
+    // (a few rows per expert) and small ones take the small tile.
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    const int64_t large_blocks = (int64_t)ceil_div(args.cols, GemmLarge::kBN) * ceil_div(args.rows, GemmLarge::kBM);
+    if (args.groups == 1 && large_blocks >= sm_count) return launch_gemm_shape<GemmLarge>(args, stream);
+    return launch_gemm_shape<GemmSmall>(args, stream);
 }
 
 }  // namespace og
 
 // ---- test entry point (onegraph_testing.h) ------------------------------------------------
 namespace {
-struct DeviceBuffers {  // released on every path out of og_test_gemm
-    void *a = nullptr, *a_lo = nullptr, *w = nullptr, *y = nullptr;
+struct DeviceBuffers {  // released on every path out of og_test_gemm(_grouped)
+    void *a = nullptr, *a_lo = nullptr, *w = nullptr, *y = nullptr, *index = nullptr;
     ~DeviceBuffers() {
         og::device_free(a);
         og::device_free(a_lo);
         og::device_free(w);
         og::device_free(y);
+        og::device_free(index);
     }
 };
 }  // namespace
@@ -262,6 +317,72 @@ extern "C" OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo
                            static_cast<const __nv_bfloat16 *>(d.a_lo), ld,
                            static_cast<const __nv_bfloat16 *>(d.w), ld, static_cast<float *>(d.y),
                            cols, rows, cols, ld, accumulate != 0};
+    OG_CUDA_TRY(launch_gemm_bf16(args, 0));
+    OG_CUDA_TRY(cudaDeviceSynchronize());
+    OG_CUDA_TRY(cudaMemcpy(y, d.y, y_bytes, cudaMemcpyDeviceToHost));
+    return OG_OK;
+}
+
+extern "C" OG_API og_status og_test_gemm_grouped(const uint16_t *a, int32_t a_total, const uint16_t *w,
+                                                 int32_t groups, int32_t cols, int32_t depth,
+                                                 const int32_t *counts, const int32_t *a_rows,
+                                                 int32_t a_row_div, const int32_t *y_rows,
+                                                 int32_t stride, int32_t y_total, float *y) {
+    using namespace og;
+    if (a == nullptr || w == nullptr || y == nullptr || counts == nullptr || a_rows == nullptr ||
+        y_rows == nullptr || a_total <= 0 || a_total > (1 << 20) || groups <= 0 || groups > 4096 ||
+        cols <= 0 || cols > (1 << 16) || depth <= 0 || depth > (1 << 16) || a_row_div <= 0 ||
+        stride <= 0 || stride > (1 << 20) || y_total <= 0 || y_total > (1 << 20))
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_test_gemm_grouped: NULL array or bad size (a_total=%d groups=%d cols=%d "
+                         "depth=%d a_row_div=%d stride=%d y_total=%d)",
+                         a_total, groups, cols, depth, a_row_div, stride, y_total);
+    for (int z = 0; z < groups; ++z) {
+        if (counts[z] < 0 || counts[z] > stride)
+            return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemm_grouped: counts[%d]=%d is outside [0, %d]",
+                             z, counts[z], stride);
+        for (int m = 0; m < counts[z]; ++m) {
+            const int64_t i = (int64_t)z * stride + m;
+            if (a_rows[i] < 0 || a_rows[i] / a_row_div >= a_total || y_rows[i] < 0 || y_rows[i] >= y_total)
+                return set_error(OG_E_INVALID_ARGUMENT,
+                                 "og_test_gemm_grouped: entry %lld names a row %d (a) / %d (y) outside "
+                                 "[0, %d) / [0, %d)", (long long)i, a_rows[i] / a_row_div, y_rows[i],
+                                 a_total, y_total);
+        }
+    }
+    og_status status = require_device();
+    if (status != OG_OK) return status;
+    const int ld = padded_cols(depth);
+    const size_t a_bytes = (size_t)a_total * ld * 2, w_bytes = (size_t)groups * cols * ld * 2;
+    const size_t y_bytes = (size_t)y_total * cols * sizeof(float);
+    const size_t list_elems = (size_t)groups * stride;
+    DeviceBuffers d;
+    OG_CUDA_TRY(device_alloc(&d.a, a_bytes));
+    OG_CUDA_TRY(device_alloc(&d.w, w_bytes));
+    OG_CUDA_TRY(device_alloc(&d.y, y_bytes));
+    OG_CUDA_TRY(device_alloc(&d.index, (groups + 2 * list_elems) * sizeof(int32_t)));
+    OG_CUDA_TRY(cudaMemset(d.a, 0, a_bytes));  // pad columns are zeros, as in the library
+    OG_CUDA_TRY(cudaMemset(d.w, 0, w_bytes));
+    OG_CUDA_TRY(cudaMemcpy2D(d.a, (size_t)ld * 2, a, (size_t)depth * 2, (size_t)depth * 2, a_total,
+                             cudaMemcpyHostToDevice));
+    OG_CUDA_TRY(cudaMemcpy2D(d.w, (size_t)ld * 2, w, (size_t)depth * 2, (size_t)depth * 2,
+                             (size_t)groups * cols, cudaMemcpyHostToDevice));
+    OG_CUDA_TRY(cudaMemcpy(d.y, y, y_bytes, cudaMemcpyHostToDevice));
+    int32_t *d_counts = static_cast<int32_t *>(d.index), *d_a_rows = d_counts + groups,
+            *d_y_rows = d_a_rows + list_elems;
+    OG_CUDA_TRY(cudaMemcpy(d_counts, counts, groups * sizeof(int32_t), cudaMemcpyHostToDevice));
+    OG_CUDA_TRY(cudaMemcpy(d_a_rows, a_rows, list_elems * sizeof(int32_t), cudaMemcpyHostToDevice));
+    OG_CUDA_TRY(cudaMemcpy(d_y_rows, y_rows, list_elems * sizeof(int32_t), cudaMemcpyHostToDevice));
+    GemmArgs args = {static_cast<const __nv_bfloat16 *>(d.a), nullptr, ld,
+                     static_cast<const __nv_bfloat16 *>(d.w), ld, static_cast<float *>(d.y), cols,
+                     stride, cols, ld, false};
+    args.a_rows = d_a_rows;
+    args.a_row_div = a_row_div;
+    args.y_rows = d_y_rows;
+    args.group_rows = d_counts;
+    args.groups = groups;
+    args.w_group_stride = (int64_t)cols * ld;
+    args.index_stride = stride;
     OG_CUDA_TRY(launch_gemm_bf16(args, 0));
     OG_CUDA_TRY(cudaDeviceSynchronize());
     OG_CUDA_TRY(cudaMemcpy(y, d.y, y_bytes, cudaMemcpyDeviceToHost));

@@ -307,32 +307,50 @@ __device__ __forceinline__ void store_split_word(const float (&v)[V], int wi, in
     }
 }
 
+// U k-blocks of two rows in registers: chunk c = 4 kb + t of rows g and g + 8 (and their q4
+// group scales) for kb = kb0, kb0 + kb_step, ... (zeros past n_kb or the row's chunks).
+template <int FMT, int U>
+struct KBlockRegs {
+    uint4 a_g[U], a_g8[U];
+    float sc_g[U], sc_g8[U];
+};
+template <int FMT, int U>
+__device__ __forceinline__ void load_kblocks(KBlockRegs<FMT, U> &r, const uint4 *w_g,
+                                             const uint4 *w_g8, const uint16_t *s_g,
+                                             const uint16_t *s_g8, int kb0, int kb_step, int n_kb,
+                                             int n_chunks, int t) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = 4 * (kb0 + u * kb_step) + t;
+        const bool ok = kb0 + u * kb_step < n_kb && c < n_chunks;
+        r.a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
+        r.a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
+        r.sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
+        r.sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
+    }
+}
+
 // One warp's share of two rows' dot products with the staged B: k-blocks kb = kb_first,
 // kb_first + kb_step, ... below n_kb (U in flight), chunk c = 4 kb + t of rows w_g and w_g8 (q4
-// group scales s_g, s_g8), against B's k-block kb_b0 + kb. Returns each row's sum over this
-// warp's k-blocks (x 2^e; int8 before the row scale), complete in lanes t == 0 of its group.
+// group scales s_g, s_g8), against B's k-block kb_b0 + kb. With use_first, the first U
+// k-blocks are already in `first` (load_kblocks at kb_first, issued before the kernel waited on
+// its predecessor). Returns each row's sum over this warp's k-blocks (x 2^e; int8 before the
+// row scale), complete in lanes t == 0 of its group.
 template <int FMT, int U>
 __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
                                              const uint16_t *s_g, const uint16_t *s_g8,
                                              int kb_first, int kb_step, int n_kb, int n_chunks,
                                              const uint32_t *b_base, int kb_b0, bool b_active,
                                              int t, int src0, int src1, float &sum_g,
-                                             float &sum_g8) {
+                                             float &sum_g8, const KBlockRegs<FMT, U> &first,
+                                             bool use_first) {
     constexpr int P = WordPairs<FMT>::kPairs;
     float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
     float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+    KBlockRegs<FMT, U> r;
+    if (use_first) r = first;
     for (int kb0 = kb_first; kb0 < n_kb; kb0 += kb_step * U) {
-        uint4 a_g[U], a_g8[U];
-        float sc_g[U], sc_g8[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = 4 * (kb0 + u * kb_step) + t;
-            const bool ok = kb0 + u * kb_step < n_kb && c < n_chunks;
-            a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
-            a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
-            sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
-            sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
-        }
+        if (!use_first || kb0 != kb_first) load_kblocks(r, w_g, w_g8, s_g, s_g8, kb0, kb_step, n_kb, n_chunks, t);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * kb_step;
@@ -343,8 +361,8 @@ __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 __half2 hg[P], hg8[P];
-                word_pairs(word_of(a_g[u], j), hg);
-                word_pairs(word_of(a_g8[u], j), hg8);
+                word_pairs(word_of(r.a_g[u], j), hg);
+                word_pairs(word_of(r.a_g8[u], j), hg8);
 #pragma unroll
                 for (int m = 0; m < P / 2; ++m) {
                     const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
@@ -354,10 +372,10 @@ __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8
                 }
             }
             if (FMT == OG_WEIGHTS_Q4) {
-                const float s0 = __shfl_sync(kFullMask, sc_g[u], src0);
-                const float s1 = __shfl_sync(kFullMask, sc_g[u], src1);
-                const float s0_8 = __shfl_sync(kFullMask, sc_g8[u], src0);
-                const float s1_8 = __shfl_sync(kFullMask, sc_g8[u], src1);
+                const float s0 = __shfl_sync(kFullMask, r.sc_g[u], src0);
+                const float s1 = __shfl_sync(kFullMask, r.sc_g[u], src1);
+                const float s0_8 = __shfl_sync(kFullMask, r.sc_g8[u], src0);
+                const float s1_8 = __shfl_sync(kFullMask, r.sc_g8[u], src1);
                 acc_g = fmaf(s0, dq[0], acc_g);
                 acc_g = fmaf(s1, dq[1], acc_g);
                 acc_g8 = fmaf(s0_8, dq[2], acc_g8);
@@ -402,12 +420,24 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int g = lane >> 2, t = lane & 3;
     int task = blockIdx.x;
 
-    // Weights do not depend on earlier kernels: pull the block's first rows into L2 (not the
-    // experts': which rows depends on the top-k kernel's output).
-    if (MODE != kQuantMoeGateUp && task < p.n_tasks && tid < kQuantTaskRows) {
-        const int row = quant_task_row<MODE>(p, task, tid);
-        if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
-            prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
+    // Weights do not depend on earlier kernels (the experts' do: which rows is the top-k
+    // kernel's output): each warp takes its first U k-blocks of the block's first task into
+    // registers and pulls the rest of those rows into L2, all before waiting on the previous
+    // kernel, so they arrive while it finishes and while x is staged below.
+    const bool preload = MODE != kQuantMoeGateUp && task < p.n_tasks;
+    KBlockRegs<FMT, U> first;
+    if (preload) {
+        const int row_g = quant_task_row<MODE>(p, task, g), row_g8 = quant_task_row<MODE>(p, task, g + 8);
+        load_kblocks(first, reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes),
+                     reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes),
+                     static_cast<const uint16_t *>(p.scales) + (size_t)row_g * p.scales_per_row,
+                     static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row,
+                     warp, WARPS, p.n_kblocks, p.n_chunks, t);
+        if (tid < kQuantTaskRows) {
+            const int row = quant_task_row<MODE>(p, task, tid);
+            if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
+                prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
+        }
     }
     pdl_wait();
     pdl_launch_dependents();
@@ -464,7 +494,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
 
-    for (; task < p.n_tasks; task += gridDim.x) {
+    // The block's first task apart: it may use the preloaded k-blocks, after which they are
+    // dead (one loop over all tasks would keep their registers live throughout).
+    auto run_task = [&](int task, bool use_first) {
         const int row_g = quant_task_row<MODE>(p, task, g);
         const int row_g8 = quant_task_row<MODE>(p, task, g + 8);
         const uint4 *w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes);
@@ -473,7 +505,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
         const uint16_t *s_g8 = static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row;
         float sum_g, sum_g8;
         mma_rows_dot<FMT, U>(w_g, w_g8, s_g, s_g8, warp, WARPS, p.n_kblocks, p.n_chunks, b_base, 0,
-                             b_active, t, src0, src1, sum_g, sum_g8);
+                             b_active, t, src0, src1, sum_g, sum_g8, first, use_first);
         if (t == 0) {
             partial[warp][g] = sum_g;
             partial[warp][g + 8] = sum_g8;
@@ -506,7 +538,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             }
         }
         __syncthreads();  // partial is reused by the next task
-    }
+    };
+    if (task < p.n_tasks) run_task(task, preload);
+    for (task += gridDim.x; task < p.n_tasks; task += gridDim.x) run_task(task, false);
 }
 
 // ---- MoE down for int8 / q4 experts -------------------------------------------------------
@@ -589,7 +623,7 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
                 static_cast<const uint16_t *>(p.scales) + row_g * p.scales_per_row,
                 static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, 0, 1,
                 p.n_kblocks, p.n_chunks, b_base, j * p.n_kblocks, b_active, t, src0, src1, sum_g,
-                sum_g8);
+                sum_g8, KBlockRegs<FMT, kQuantKBlocks>{}, false);
             if (t == 0) {
                 sum_g *= down;
                 sum_g8 *= down;

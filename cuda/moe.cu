@@ -110,6 +110,9 @@ __global__ void __launch_bounds__(32)
 moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, int norm,
                 int32_t *__restrict__ selected, float *__restrict__ weights) {
     const int lane = threadIdx.x;
+    logits += (size_t)blockIdx.x * num_experts;  // block b: row b of a batch (prefill)
+    selected += (size_t)blockIdx.x * top_k;
+    weights += (size_t)blockIdx.x * top_k;
     og::pdl_wait();  // the router GEMV's logits
     og::pdl_launch_dependents();
     float p[VPL];
@@ -422,7 +425,15 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top_k,
                             int norm_topk_prob, int32_t *selected_experts,
                             float *selected_weights, cudaStream_t stream, bool pdl) {
+    return launch_moe_topk_rows(router_logits, 1, num_experts, top_k, norm_topk_prob,
+                                selected_experts, selected_weights, stream, pdl);
+}
+
+cudaError_t launch_moe_topk_rows(const float *router_logits, int n_rows, int num_experts,
+                                 int top_k, int norm_topk_prob, int32_t *selected_experts,
+                                 float *selected_weights, cudaStream_t stream, bool pdl) {
     if (!router_logits || !selected_experts || !selected_weights) return cudaErrorInvalidValue;
+    if (n_rows < 1 || n_rows > INT_MAX / 2) return cudaErrorInvalidValue;
     if (num_experts < 1 || num_experts > kMaxExperts) return cudaErrorInvalidValue;
     if (top_k < 1 || top_k > kMaxTopK || top_k > num_experts) return cudaErrorInvalidValue;
     const int norm = norm_topk_prob ? 1 : 0;
@@ -431,7 +442,7 @@ cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top
                         : num_experts <= 128 ? &moe_topk_kernel<4>
                         : num_experts <= 256 ? &moe_topk_kernel<8>
                                              : &moe_topk_kernel<16>;
-    return og::launch_kernel(kernel, dim3(1), dim3(32), 0, stream, pdl, router_logits,
+    return og::launch_kernel(kernel, dim3(n_rows), dim3(32), 0, stream, pdl, router_logits,
                              num_experts, top_k, norm, selected_experts, selected_weights);
 }
 

@@ -29,6 +29,11 @@
 cudaError_t launch_moe_topk(const float *router_logits, int num_experts, int top_k,
                             int norm_topk_prob, int32_t *selected_experts,
                             float *selected_weights, cudaStream_t stream, bool pdl = false);
+// The same for n_rows rows at once (prefill): logits [n_rows, E] -> selected and weights
+// [n_rows, top_k], one block per row.
+cudaError_t launch_moe_topk_rows(const float *router_logits, int n_rows, int num_experts,
+                                 int top_k, int norm_topk_prob, int32_t *selected_experts,
+                                 float *selected_weights, cudaStream_t stream, bool pdl = false);
 
 // act[j, i] = silu(gate_e[i] . x) * (up_e[i] . x),  e = selected_experts[j],
 // for j < top_k, i < moe_inter; fp32 accumulation.

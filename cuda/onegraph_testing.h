@@ -101,6 +101,17 @@ OG_API og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo, const uin
                               int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
                               float *y);
 
+/* Its grouped form (the MoE experts of a prefill chunk): for group z < groups and m <
+ * counts[z], y[y_rows[z * stride + m], n] = sum_k a[a_rows[z * stride + m] / a_row_div, k] *
+ * w[z, n, k]. a [a_total, depth] bf16, w [groups, cols, depth] bf16, y [y_total, cols] fp32
+ * (in/out: rows no group names keep the caller's values); counts[z] <= stride; every index in
+ * range (checked on the host first). */
+OG_API og_status og_test_gemm_grouped(const uint16_t *a, int32_t a_total, const uint16_t *w,
+                                      int32_t groups, int32_t cols, int32_t depth,
+                                      const int32_t *counts, const int32_t *a_rows,
+                                      int32_t a_row_div, const int32_t *y_rows, int32_t stride,
+                                      int32_t y_total, float *y);
+
 /* ---- reliability hooks (cuda/reliability.cu; test-only, process-wide) ----------------
  * They let tests inject faults and look for damage; a program never needs them. */
 
@@ -141,6 +152,18 @@ OG_API og_status og_check_guards(og_engine *e);
  * the first byte after it (after = 1). OG_E_INVALID_ARGUMENT for an unknown buffer name
  * (the message lists the guarded ones). */
 OG_API og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
+
+/* Test only (diagnostics): leave the kernels of the given kinds out of every body enqueued from
+ * now on (og_enqueue, og_run; a graph captured earlier keeps what it holds), so that a benchmark
+ * can time a step without them: a kind's cost inside the graph is the difference. The logits
+ * are then meaningless. kinds: a mask of OG_TEST_OMIT_*; 0 restores the whole body. */
+#define OG_TEST_OMIT_QKV       1  /* RMSNorm + QKV projection */
+#define OG_TEST_OMIT_ATTENTION 2  /* QK-norm + RoPE + KV write + attention */
+#define OG_TEST_OMIT_O_PROJ    4  /* output projection + residual */
+#define OG_TEST_OMIT_FFN_IN    8  /* dense: RMSNorm + gate/up + SwiGLU; MoE: router, top-k, experts' gate/up */
+#define OG_TEST_OMIT_FFN_OUT  16  /* dense: down + residual; MoE: experts' down + weighted residual */
+#define OG_TEST_OMIT_LM_HEAD  32  /* final RMSNorm + lm_head */
+OG_API og_status og_test_set_omit(og_engine *e, int32_t kinds);
 
 /* ---- the paged KV cache ---------------------------------------------------------------
  * A test pool is [n_blocks, block_stride] bytes; every block holds one layer's K page

@@ -11,8 +11,12 @@
 //               x       += attn2 . W_o^T                           (GEMM, residual)
 //               dense:   normed2 = split(rmsnorm(x)); gate_up = normed2 . W_gu^T (GEMM);
 //                        act2 = split(silu(gate) * up); x += act2 . W_down^T (GEMM, residual)
-//               MoE:     per row, the decode body's kernels (router GEMV with the norm fused,
-//                        top-k, experts gate/up + SwiGLU, experts down + weighted residual)
+//               MoE:     normed2 = split(rmsnorm(x)); logits = normed2 . W_router^T (GEMM);
+//                        top-k per row (the decode body's kernel); each expert's entries
+//                        (rows that chose it) gathered into one grouped GEMM for gate|up,
+//                        split(SwiGLU), one for down; x[row] += the weighted sum of the row's
+//                        experts in selection order (the decode body's roundings). Quantized
+//                        experts: per row, the decode body's MoE kernels.
 // The caller then runs the decode body's final RMSNorm + lm_head GEMV on row n - 1 of x.
 //
 // Numerics (vs the decode body, which keeps every activation fp32): the GEMM inputs — the
@@ -28,8 +32,9 @@
 // typical (rel. L2), the size of what the fp32 summation order alone moves. QK-norm, RoPE and
 // the K/V encoding run rope_kv.cuh's device functions (the decode body's own code: a warp per
 // head, the same sums and roundings), so equal qkv values give equal K/V bits; RMSNorm,
-// softmax and the residual stream stay fp32, and the attention reads K/V back dequantized
-// exactly as decode attention does (fp32 query . dequantized K, / sqrt(hd)). Where a row's
+// softmax and the residual stream stay fp32. The attention runs on the tensor cores too: the
+// query and the softmax weights split hi + lo like the GEMM inputs, K/V codes exact in bf16
+// (fp32 K/V split), the scales applied per key as decode attention applies them. Where a row's
 // fp32 values still differ from the decode body's (by the bound above), a bf16 or int8 K/V
 // element can round the other way: rel. L2 of a K/V row ~sqrt(delta * u) for a relative move
 // delta and the element rounding u (2^-8 for bf16), ~1e-4 for delta ~2^-18 (~3e-3 when the
@@ -68,8 +73,33 @@ struct GemmArgs {
     int ldy;
     int rows, cols, depth;
     bool accumulate;              // y += instead of y =
+    // Gathered / scattered rows and groups (the MoE experts, prefill.cu). Group z = blockIdx.z
+    // multiplies rows a_rows[z * index_stride + m] / a_row_div of a (a_lo) by the matrix at
+    // w + z * w_group_stride into rows y_rows[z * index_stride + m] of y, for m < group_rows[z]
+    // (device counts; `rows` bounds them). Unset: one group, a row m -> y row m.
+    const int32_t *a_rows = nullptr;
+    int a_row_div = 1;
+    const int32_t *y_rows = nullptr;
+    const int32_t *group_rows = nullptr;
+    int groups = 1;
+    int64_t w_group_stride = 0;
+    int index_stride = 0;
 };
 cudaError_t launch_gemm_bf16(const GemmArgs &args, cudaStream_t stream);
+
+// c += a (16 x 16, row) * b (16 x 8, col), bf16 inputs, fp32 accumulators (the GEMM and the
+// prefill attention). Lane (g, t) = (lane / 4, lane % 4) holds a: rows g, g + 8 x columns
+// 2t, 2t + 1 (a[0], a[1]) and 2t + 8, 2t + 9 (a[2], a[3]); b: rows (k) 2t, 2t + 1 (b0) and
+// 2t + 8, 2t + 9 (b1) of column g; c: rows g (c[0], c[1]) and g + 8 (c[2], c[3]) x columns
+// 2t, 2t + 1. Each 32-bit register holds two bf16, the lower index in the low half.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // ---- prefill.cu ---------------------------------------------------------------------
 // A dense weight matrix [rows, cols] as the decode body holds it (quant.cuh layouts).
@@ -104,6 +134,16 @@ struct PrefillScratch {
     __nv_bfloat16 *narrow_lo = nullptr;// [chunk, prefill_narrow_cols] and lo = bf16(x - hi)
     __nv_bfloat16 *w_hi = nullptr;     // quantized dense weights only: [prefill_weight_elems]
     __nv_bfloat16 *w_lo = nullptr;     // one dequantized matrix as bf16 hi + lo, rows padded
+    // MoE layers with bf16 experts (NULL otherwise: such layers go row by row). An entry is
+    // one (row, slot) selection, entry = row * top_k + slot.
+    float *moe_logits = nullptr;       // [chunk, E]           router logits
+    int32_t *moe_selected = nullptr;   // [chunk, top_k]       experts, selection order
+    float *moe_weights = nullptr;      // [chunk, top_k]       their weights
+    int32_t *moe_entries = nullptr;    // [E, chunk]           expert e's entries, ascending
+    int32_t *moe_counts = nullptr;     // [E]                  how many
+    float *moe_out = nullptr;          // [chunk * top_k, max(2 Im, H)]  gate|up, then down
+    __nv_bfloat16 *moe_act = nullptr;  // [chunk * top_k, ldIm] split(SwiGLU), hi
+    __nv_bfloat16 *moe_act_lo = nullptr;  //                   and lo
 };
 inline int prefill_wide_cols(int qkv_rows, int intermediate) {
     return qkv_rows > 2 * intermediate ? qkv_rows : 2 * intermediate;

@@ -70,6 +70,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                        int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
     #                        float *y);
     fn("og_test_gemm", P_u16, P_u16, P_u16, c_int32, c_int32, c_int32, c_int32, P_f32)
+    # og_status og_test_gemm_grouped(const uint16_t *a, int32_t a_total, const uint16_t *w,
+    #     int32_t groups, int32_t cols, int32_t depth, const int32_t *counts, const int32_t *a_rows,
+    #     int32_t a_row_div, const int32_t *y_rows, int32_t stride, int32_t y_total, float *y);
+    fn("og_test_gemm_grouped", P_u16, c_int32, P_u16, c_int32, c_int32, c_int32, P_i32, P_i32,
+       c_int32, P_i32, c_int32, c_int32, P_f32)
     # og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,
     #                                 float *inv_freq);
     fn("og_test_rope_inv_freq", c_int32, c_double, c_double, P_f32)
@@ -230,6 +235,27 @@ def gemm(a_bits: np.ndarray, w_bits: np.ndarray, y: np.ndarray | None = None,
     return out
 
 
+def gemm_grouped(a_bits: np.ndarray, w_bits: np.ndarray, counts, a_rows: np.ndarray, a_row_div: int,
+                 y_rows: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The grouped GEMM (MoE experts): a [a_total, depth] bf16 bits, w [groups, cols, depth] bf16
+    bits, counts [groups], a_rows / y_rows [groups, stride] (entries past a group's count are not
+    read), y [y_total, cols] fp32 (rows no group names come back as given)."""
+    a_bits, w_bits = _array(a_bits, np.uint16), _array(w_bits, np.uint16)
+    counts = _array(counts, np.int32)
+    a_rows, y_rows = _array(a_rows, np.int32), _array(y_rows, np.int32)
+    (a_total, depth), (groups, cols, depth_w) = a_bits.shape, w_bits.shape
+    if depth != depth_w or counts.shape != (groups,) or a_rows.shape != y_rows.shape or \
+            a_rows.shape[0] != groups:
+        raise ValueError(f"gemm_grouped: shapes a {a_bits.shape}, w {w_bits.shape}, counts {counts.shape}, "
+                         f"a_rows {a_rows.shape}, y_rows {y_rows.shape} do not agree")
+    out = _array(y, np.float32).copy()
+    _check(load().og_test_gemm_grouped(_p(a_bits, c_uint16), a_total, _p(w_bits, c_uint16), groups, cols,
+                                       depth, _p(counts, c_int32), _p(a_rows, c_int32), a_row_div,
+                                       _p(y_rows, c_int32), a_rows.shape[1], out.shape[0], _p(out, c_float)),
+           "og_test_gemm_grouped")
+    return out
+
+
 def bf16_split(values) -> tuple[np.ndarray, np.ndarray]:
     """float32 -> (hi, lo) bf16 bit patterns with hi = bf16(x), lo = bf16(x - hi), both round
     to nearest even: the split form og_prefill gives its GEMMs (cuda/prefill.cuh)."""
@@ -382,6 +408,8 @@ def _bind_reliability(lib: ctypes.CDLL) -> None:
     fn("og_check_guards", capi.Handle)
     # og_status og_test_corrupt_guard(og_engine *e, const char *buffer, int32_t after);
     fn("og_test_corrupt_guard", capi.Handle, c_char_p, c_int32)
+    # og_status og_test_set_omit(og_engine *e, int32_t kinds);
+    fn("og_test_set_omit", capi.Handle, c_int32)
 
 
 def reliability() -> ctypes.CDLL:
@@ -420,6 +448,20 @@ def check_guards(handle) -> None:
 def corrupt_guard(handle, buffer: str, after: bool) -> None:
     """Flip one byte of the guard band before (after=False) or after (after=True) `buffer`."""
     _check(reliability().og_test_corrupt_guard(handle, buffer.encode(), int(after)), "og_test_corrupt_guard")
+
+
+# og_test_set_omit's kinds (onegraph_testing.h)
+OMIT_KINDS = {"qkv": 1, "attention": 2, "o_proj": 4, "ffn_in": 8, "ffn_out": 16, "lm_head": 32}
+
+
+def set_omit(handle, kinds) -> None:
+    """Leave these kernel kinds (names of OMIT_KINDS) out of bodies enqueued from now on."""
+    mask = 0
+    for kind in kinds:
+        if kind not in OMIT_KINDS:
+            raise ValueError(f"unknown kernel kind {kind!r}; expected one of {sorted(OMIT_KINDS)}")
+        mask |= OMIT_KINDS[kind]
+    _check(reliability().og_test_set_omit(handle, mask), "og_test_set_omit")
 
 
 # ---- the paged KV cache --------------------------------------------------------------------

@@ -125,6 +125,33 @@ def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
     assert np.all(np.abs(got - exact) <= bound + 2.0 ** -16 * (np.abs(a32) @ np.abs(w64).T))
 
 
+@pytest.mark.parametrize("groups,cols,depth,stride,div", [(5, 70, 40, 13, 3), (128, 64, 96, 9, 8),
+                                                          (3, 8, 8, 1, 1), (7, 130, 1000, 70, 2)])
+def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div):
+    """The MoE experts' GEMM: group z multiplies the a rows its list names (entry / div) by its
+    own matrix into the y rows its list names; groups may be empty; other y rows are untouched."""
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(groups * 100 + cols + depth)
+    a_total, y_total = 3 * stride + 2, groups * stride + 5
+    a = ct.bf16_bits(rng.standard_normal((a_total, depth)))
+    w = ct.bf16_bits(rng.standard_normal((groups, cols, depth)) * 0.1)
+    counts = rng.integers(0, stride + 1, groups)
+    counts[0] = 0  # an empty group
+    targets = rng.permutation(y_total)[:groups * stride].reshape(groups, stride)  # distinct rows
+    sources = rng.integers(0, a_total * div, (groups, stride))
+    y0 = np.full((y_total, cols), -7.0, np.float32)
+    got = ct.gemm_grouped(a, w, counts, sources, div, targets, y0)
+    a64, w64 = ct.bf16_to_f32(a).astype(np.float64), ct.bf16_to_f32(w).astype(np.float64)
+    want = y0.astype(np.float64)
+    bound = np.zeros_like(want)
+    for z in range(groups):
+        for m in range(counts[z]):
+            row = a64[sources[z, m] // div]
+            want[targets[z, m]] = w64[z] @ row
+            bound[targets[z, m]] = (depth + 2) * 2.0 ** -23 * (np.abs(w64[z]) @ np.abs(row)) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), "a grouped row is off, or an unnamed row was written"
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
 def test_gemm_is_deterministic_and_row_independent(split):
     from runtime import capi_testing as ct
@@ -136,6 +163,28 @@ def test_gemm_is_deterministic_and_row_independent(split):
     assert np.array_equal(full, ct.gemm(a, w, a_lo_bits=lo))
     part = ct.gemm(a[37:101], w, a_lo_bits=None if lo is None else lo[37:101])
     assert np.array_equal(full[37:101], part)  # a row's result ignores the tiling
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
+def test_large_and_small_gemm_tiles_give_the_same_bits(split):
+    """700 x 3,100 outputs make >= 132 blocks of 128 x 128, so the large tile runs (on an H200;
+    a GPU with more multiprocessors may pick the small one); 17 rows alone make few blocks, so
+    the small tile runs. Both sum each element in the same k order: the same bits, and both
+    right against numpy."""
+    from runtime import capi_testing as ct
+    rng = np.random.default_rng(6)
+    a, lo = ct.bf16_split(rng.standard_normal((700, 72)))
+    lo = lo if split else None
+    w = ct.bf16_bits(rng.standard_normal((3100, 72)) * 0.1)
+    full = ct.gemm(a, w, a_lo_bits=lo)
+    part = ct.gemm(a[300:317], w, a_lo_bits=None if lo is None else lo[300:317])
+    assert np.array_equal(full[300:317], part)
+    hi64 = ct.bf16_to_f32(a).astype(np.float64)
+    lo64 = np.zeros_like(hi64) if lo is None else ct.bf16_to_f32(lo).astype(np.float64)
+    w64 = ct.bf16_to_f32(w).astype(np.float64)
+    # as test_split_gemm_matches_numpy: ~depth ulps of sum |a w| per sum, a few roundings more
+    bound = (72 + 3) * 2.0 ** -23 * ((np.abs(hi64) + np.abs(lo64)) @ np.abs(w64).T) + 1e-30
+    assert np.all(np.abs(full - (hi64 + lo64) @ w64.T) <= bound)
 
 
 # ---- K/V and greedy agreement ---------------------------------------------------------------------

@@ -147,6 +147,51 @@ def test_freed_handle_and_double_free_are_refused_by_every_function(hooks):
         assert "not a live engine handle" in capi.last_error(), name
 
 
+# ---- og_test_set_omit (the graph ablation's hook) ----------------------------------------------
+def test_each_omitted_kernel_kind_changes_the_step_and_zero_restores_it(hooks):
+    """scripts/graph_ablation.py times steps without a kind of kernel; here each kind must
+    really be left out (a step without it differs from the whole body's), and the empty mask
+    must give back the whole body bit for bit. Before each omitted step, a whole step on another
+    token refreshes every buffer, so no stale buffer can happen to hold the right values."""
+    config, tensors = synthetic("tiny-dense")
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=16)
+
+    def step(token: int, kinds=()) -> np.ndarray:
+        hooks.set_omit(session.handle, kinds)
+        session.reset()
+        session.begin(token)
+        session.run_nongraph()
+        return session.end()
+
+    try:
+        whole = step(9)
+        for kind in hooks.OMIT_KINDS:
+            step(5)
+            assert not np.array_equal(step(9, [kind]), whole), kind
+        assert np.array_equal(step(9), whole)
+        with pytest.raises(capi.LibraryError, match="OG_TEST_OMIT"):
+            hooks._check(hooks.reliability().og_test_set_omit(session.handle, 64), "og_test_set_omit")
+        with pytest.raises(ValueError, match="unknown kernel kind"):
+            hooks.set_omit(session.handle, ["softmax"])
+    finally:
+        hooks.set_omit(session.handle, [])
+        session.close()
+
+
+def test_graph_ablation_script_measures_every_kind(hooks):
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "graph_ablation.py")
+    spec = importlib.util.spec_from_file_location("graph_ablation", path)
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    doc = ablation.measure(ablation.argparse.Namespace(
+        preset="tiny-dense", kv="int8", weights="bf16", quantize="all", quantize_lm_head=False,
+        context=8, steps=3, repeats=1))
+    assert [r["kind"] for r in doc["kinds"]] == list(ablation.KINDS)
+    assert doc["whole_ms"] > 0 and all(r["ms_without"] > 0 for r in doc["kinds"])
+    assert "the rest" in ablation.table(doc)
+
+
 # ---- set_weight -----------------------------------------------------------------------------
 def _raw_set_weight(session, name, dtype, shape, array):
     dims = (ctypes.c_int64 * len(shape))(*shape)

@@ -1,0 +1,116 @@
+"""What each kind of kernel costs inside the captured decode graph, found by leaving it out.
+
+    python3 scripts/graph_ablation.py --preset qwen3-8b --weights q4 --quantize-lm-head --kv int8
+    python3 scripts/graph_ablation.py --preset qwen3-30b-a3b:8 --kv int8 --json ablation.json
+
+Isolated kernel times (Nsight Compute, scripts/profile_kernels.py) miss what the graph does
+to them: programmatic dependent launch overlaps a kernel's start with its predecessor's tail,
+and caches are warm. Here the graph is captured again without one kind of kernel
+(og_test_set_omit: qkv, attention, o_proj, ffn_in, ffn_out, lm_head; the logits are then
+meaningless) and its replays are timed at a pinned context; a kind's in-graph cost is the
+whole step's time minus the time without it. The whole step is timed first and last (their
+difference is the run's noise), each variant over --steps replays (median), the variants in
+turn --repeats times.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KINDS = ("qkv", "attention", "o_proj", "ffn_in", "ffn_out", "lm_head")
+
+
+def median_step_ms(gpu, steps: int) -> float:
+    """One graph step as Engine.step takes it (begin, replay, end with the logits copy), on the
+    session directly: the engine's own history would fill up over thousands of pinned steps."""
+    def step() -> None:
+        gpu.begin(0)
+        gpu.capture().replay()
+        gpu.end()
+
+    step()  # capture (the graph was dropped) and warm up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(args) -> dict:
+    from runtime import bench, capi_testing
+    from runtime.engine import Engine
+    target = bench.preset_target(args.preset, None, 0)
+    quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
+                                                "quantize_lm_head": args.quantize_lm_head}
+    engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8,
+                    graph=True, device="gpu", **quant)
+    with engine:
+        gpu = engine._gpu
+        capi_testing.reliability()
+        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
+        variants = [()] + [(kind,) for kind in KINDS]
+        ms = {v: [] for v in variants}
+        with bench.pinned_position(engine, args.context - 1):
+            for _ in range(args.repeats):
+                for v in variants:
+                    capi_testing.set_omit(gpu.handle, v)
+                    gpu.drop_graph()
+                    ms[v].append(median_step_ms(gpu, args.steps))
+            capi_testing.set_omit(gpu.handle, ())
+            gpu.drop_graph()
+            whole_last = median_step_ms(gpu, args.steps)
+    whole = statistics.median(ms[()])
+    rows = []
+    for kind in KINDS:
+        without = statistics.median(ms[(kind,)])
+        rows.append({"kind": kind, "ms_without": without, "cost_ms": whole - without,
+                     "per_layer_us": (whole - without) * 1e3 / (1 if kind == "lm_head" else
+                                                                target.config.num_hidden_layers)})
+    return {"preset": args.preset, "layers": target.config.num_hidden_layers, "kv": args.kv,
+            "weights": args.weights, "quantize": args.quantize, "quantize_lm_head": args.quantize_lm_head,
+            "context": args.context, "steps": args.steps, "repeats": args.repeats,
+            "whole_ms": whole, "whole_ms_runs": ms[()], "whole_ms_last": whole_last, "kinds": rows}
+
+
+def table(doc: dict) -> str:
+    lines = [f"{doc['preset']} ({doc['layers']} layers), {doc['weights']} weights, {doc['kv']} KV, "
+             f"context {doc['context']}: whole step {doc['whole_ms']:.3f} ms (last {doc['whole_ms_last']:.3f})",
+             f"{'left out':<10} {'step ms':>9} {'cost ms':>9} {'us/layer':>9} {'share':>7}"]
+    for r in doc["kinds"]:
+        lines.append(f"{r['kind']:<10} {r['ms_without']:>9.3f} {r['cost_ms']:>9.3f} "
+                     f"{r['per_layer_us']:>9.2f} {r['cost_ms'] / doc['whole_ms']:>7.1%}")
+    rest = doc["whole_ms"] - sum(r["cost_ms"] for r in doc["kinds"])
+    lines.append(f"{'the rest':<10} {'':>9} {rest:>9.3f} {'':>9} {rest / doc['whole_ms']:>7.1%}  "
+                 "(embedding, copies, overlap between kinds)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-0.6b", help="a preset, or preset:layers")
+    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "int8", "q4"))
+    p.add_argument("--quantize", default="all", choices=("all", "dense", "experts"))
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
+    p.add_argument("--steps", type=int, default=64, help="timed replays per variant")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the variants")
+    p.add_argument("--json", help="write the measurements here")
+    args = p.parse_args(argv)
+    if args.context < 2 or args.steps < 1 or args.repeats < 1:
+        p.error("--context must be >= 2, --steps and --repeats >= 1")
+    doc = measure(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
