@@ -104,6 +104,31 @@ __device__ __forceinline__ void prefetch_l2(const void *ptr, uint32_t bytes) {
 #endif
 }
 
+// ---- cp.async (sm_80+): global -> shared without registers ------------------------------
+__device__ __forceinline__ uint32_t smem_address(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared; src_bytes = 0 fills the destination with zeros (src not read).
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+// 4 bytes global -> shared (src 4-byte aligned), the first src_bytes (0, 2 or 4) of them read,
+// the rest zero-filled.
+__device__ __forceinline__ void cp_async_4(void *dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Launch `kernel` with the PDL attribute when pdl is true; returns the launch status.
 template <typename... KernelArgs, typename... Args>
 inline cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,

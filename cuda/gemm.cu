@@ -63,23 +63,6 @@ using GemmSmall = GemmShape<2, 2, 32, 32>;  // 64 x 64, 4 warps: small or groupe
 using GemmLarge = GemmShape<2, 4, 64, 32>;  // 128 x 128, 8 warps: half the shared-memory
                                             // traffic per mma, when the grid still fills the GPU
 
-__device__ __forceinline__ uint32_t smem_address(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes global -> shared; src_bytes = 0 fills the destination with zeros (src not read).
-__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
-    const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
-                 "l"(src), "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

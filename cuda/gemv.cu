@@ -21,6 +21,8 @@
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
 // registers and pulls the rest of those rows into L2, and norm modes stage the norm weights:
 // after the wait, only x's staging (and its norm) stands before the arithmetic.
+#include <atomic>
+
 #include "kernels.cuh"
 #include "quant.cuh"
 
@@ -330,66 +332,81 @@ __device__ __forceinline__ void load_kblocks(KBlockRegs<FMT, U> &r, const uint4 
     }
 }
 
-// One warp's share of two rows' dot products with the staged B: k-blocks kb = kb_first,
-// kb_first + kb_step, ... below n_kb (U in flight), chunk c = 4 kb + t of rows w_g and w_g8 (q4
-// group scales s_g, s_g8), against B's k-block kb_b0 + kb. With use_first, the first U
-// k-blocks are already in `first` (load_kblocks at kb_first, issued before the kernel waited on
-// its predecessor). Returns each row's sum over this warp's k-blocks (x 2^e; int8 before the
-// row scale), complete in lanes t == 0 of its group.
-template <int FMT, int U>
-__device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
-                                             const uint16_t *s_g, const uint16_t *s_g8,
-                                             int kb_first, int kb_step, int n_kb, int n_chunks,
-                                             const uint32_t *b_base, int kb_b0, bool b_active,
-                                             int t, int src0, int src1, float &sum_g,
-                                             float &sum_g8, const KBlockRegs<FMT, U> &first,
-                                             bool use_first) {
+// One k-block of two rows (chunk c = 4 kb + t of rows g and g + 8 in a_g, a_g8; q4: their group
+// scales sc_g, sc_g8) against B's chunk b_chunk: int8 accumulates the mma into d (the rows'
+// sums), q4 takes a fresh tile per k-block and adds each group's sum times its scale into
+// acc_g / acc_g8 (the D columns this lane holds come from chunk lanes src0, src1).
+template <int FMT>
+__device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, float sc_g,
+                                           float sc_g8, const uint32_t *b_chunk, bool b_active,
+                                           int src0, int src1, float (&d)[4], float &acc_g,
+                                           float &acc_g8) {
     constexpr int P = WordPairs<FMT>::kPairs;
-    float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
-    float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
-    KBlockRegs<FMT, U> r;
-    if (use_first) r = first;
-    for (int kb0 = kb_first; kb0 < n_kb; kb0 += kb_step * U) {
-        if (!use_first || kb0 != kb_first) load_kblocks(r, w_g, w_g8, s_g, s_g8, kb0, kb_step, n_kb, n_chunks, t);
+    float dq[4] = {0.f, 0.f, 0.f, 0.f};
+    float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * kb_step;
-            if (kb >= n_kb) break;  // warp-uniform
-            const uint32_t *b_chunk = b_base + (size_t)(4 * (kb_b0 + kb) + t) * 4 * P;
-            float dq[4] = {0.f, 0.f, 0.f, 0.f};
-            float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
+    for (int j = 0; j < 4; ++j) {
+        __half2 hg[P], hg8[P];
+        word_pairs(word_of(a_g, j), hg);
+        word_pairs(word_of(a_g8, j), hg8);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                __half2 hg[P], hg8[P];
-                word_pairs(word_of(r.a_g[u], j), hg);
-                word_pairs(word_of(r.a_g8[u], j), hg8);
-#pragma unroll
-                for (int m = 0; m < P / 2; ++m) {
-                    const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
-                    mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
-                              half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
-                              b_active ? b.x : 0u, b_active ? b.y : 0u);
-                }
-            }
-            if (FMT == OG_WEIGHTS_Q4) {
-                const float s0 = __shfl_sync(kFullMask, r.sc_g[u], src0);
-                const float s1 = __shfl_sync(kFullMask, r.sc_g[u], src1);
-                const float s0_8 = __shfl_sync(kFullMask, r.sc_g8[u], src0);
-                const float s1_8 = __shfl_sync(kFullMask, r.sc_g8[u], src1);
-                acc_g = fmaf(s0, dq[0], acc_g);
-                acc_g = fmaf(s1, dq[1], acc_g);
-                acc_g8 = fmaf(s0_8, dq[2], acc_g8);
-                acc_g8 = fmaf(s1_8, dq[3], acc_g8);
-            }
+        for (int m = 0; m < P / 2; ++m) {
+            const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
+            mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
+                      half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
+                      b_active ? b.x : 0u, b_active ? b.y : 0u);
         }
     }
-    // A row's 8 columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
+    if (FMT == OG_WEIGHTS_Q4) {
+        const float s0 = __shfl_sync(kFullMask, sc_g, src0);
+        const float s1 = __shfl_sync(kFullMask, sc_g, src1);
+        const float s0_8 = __shfl_sync(kFullMask, sc_g8, src0);
+        const float s1_8 = __shfl_sync(kFullMask, sc_g8, src1);
+        acc_g = fmaf(s0, dq[0], acc_g);
+        acc_g = fmaf(s1, dq[1], acc_g);
+        acc_g8 = fmaf(s0_8, dq[2], acc_g8);
+        acc_g8 = fmaf(s1_8, dq[3], acc_g8);
+    }
+}
+
+// A row's 8 D columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each: the rows'
+// sums over a warp's k-blocks (x 2^e; int8 before the row scale), complete in every lane.
+template <int FMT>
+__device__ __forceinline__ void finish_row_sums(const float (&d)[4], float acc_g, float acc_g8,
+                                                float &sum_g, float &sum_g8) {
     sum_g = FMT == OG_WEIGHTS_Q4 ? acc_g : d[0] + d[1];
     sum_g8 = FMT == OG_WEIGHTS_Q4 ? acc_g8 : d[2] + d[3];
     sum_g += __shfl_xor_sync(kFullMask, sum_g, 1);
     sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
     sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 1);
     sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
+}
+
+// One warp's dot products of two rows with the staged B over all their k-blocks (U in flight),
+// chunk c = 4 kb + t of rows w_g and w_g8 (q4 group scales s_g, s_g8), against B's k-block
+// kb_b0 + kb (the MoE down kernel's loop).
+template <int FMT, int U>
+__device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
+                                             const uint16_t *s_g, const uint16_t *s_g8, int n_kb,
+                                             int n_chunks, const uint32_t *b_base, int kb_b0,
+                                             bool b_active, int t, int src0, int src1,
+                                             float &sum_g, float &sum_g8) {
+    constexpr int P = WordPairs<FMT>::kPairs;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
+    float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+    KBlockRegs<FMT, U> r;
+    for (int kb0 = 0; kb0 < n_kb; kb0 += U) {
+        load_kblocks(r, w_g, w_g8, s_g, s_g8, kb0, 1, n_kb, n_chunks, t);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u;
+            if (kb >= n_kb) break;  // warp-uniform
+            mma_kblock<FMT>(r.a_g[u], r.a_g8[u], r.sc_g[u], r.sc_g8[u],
+                            b_base + (size_t)(4 * (kb_b0 + kb) + t) * 4 * P, b_active, src0, src1,
+                            d, acc_g, acc_g8);
+        }
+    }
+    finish_row_sums<FMT>(d, acc_g, acc_g8, sum_g, sum_g8);
 }
 
 // Row of the matrix behind row slot r (0..15) of task `task`, clamped into the matrix.
@@ -407,40 +424,110 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
     return min(kQuantTaskRows * task + r, p.rows - 1);
 }
 
+// The load ring. A warp's share of a task is often only 4 k-blocks (16 rows x 4096 q4 columns
+// over 8 warps): loaded into registers, waited for, computed and reduced before the next task's
+// loads went out, the loads stood idle through every compute and reduction. Instead the weights
+// stream through shared memory by cp.async, kQuantStages k-blocks per lane, and a warp keeps
+// kQuantStages - 1 of them in flight while it computes one, straight across its tasks. Each lane
+// copies and later reads only its own slots (cp.async.wait_group makes a thread's own copies
+// visible to it), so the ring needs no barrier:
+//   ring_w [kQuantStages][2 (rows g, g + 8)][threads] uint4: chunk c = 4 kb + t of each row
+//   ring_s [kQuantStages][2][threads] uint32 (q4): the 4-byte-aligned word holding that chunk's
+//          bf16 group scale, in its high half when the scale's index is odd; when it is even
+//          only the scale itself is read (low half) and the high half is zero-filled, so no
+//          copy reads past the scale array.
+constexpr int kQuantStages = 6;
+
+// A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
+// L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
+__device__ __forceinline__ void copy_weight_chunk(void *dst, const uint4 *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+                 "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__host__ __device__ constexpr int quant_ring_bytes(int format) {
+    return kQuantStages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0));
+}
+
+// Group scale (bf16 -> fp32) from its ring word; odd = the scale's index in the array is odd.
+__device__ __forceinline__ float ring_scale(uint32_t word, bool odd) {
+    return __uint_as_float(odd ? (word & 0xFFFF0000u) : (word << 16));
+}
+
 template <int FMT, int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
     constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
-    constexpr int U = kQuantKBlocks;
-    extern __shared__ uint32_t x_pairs[];  // [2 (hi, lo)][n_words][P] half2, n_words = 16 n_kblocks
+    constexpr int S = kQuantStages;
+    constexpr bool kQ4 = FMT == OG_WEIGHTS_Q4;
+    // [2 (hi, lo)][n_words][P] half2 (n_words = 16 n_kblocks), then the ring (above)
+    extern __shared__ __align__(16) uint32_t x_pairs[];
     __shared__ float scratch[2 * WARPS];
     __shared__ float partial[WARPS][kQuantTaskRows];
 
     const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
     const int g = lane >> 2, t = lane & 3;
-    int task = blockIdx.x;
+    const int n_words = p.n_kblocks * 16;
+    uint4 *ring_w = reinterpret_cast<uint4 *>(x_pairs + (size_t)2 * n_words * P);
+    uint32_t *ring_s = reinterpret_cast<uint32_t *>(ring_w + S * 2 * kThreads);
+    const uint16_t *scales16 = static_cast<const uint16_t *>(p.scales);
+    // This warp's k-blocks of every task: kb = warp, warp + WARPS, ... (n_mine of them).
+    const int n_mine = warp < p.n_kblocks ? ceil_div(p.n_kblocks - warp, WARPS) : 0;
 
-    // Weights do not depend on earlier kernels (the experts' do: which rows is the top-k
-    // kernel's output): each warp takes its first U k-blocks of the block's first task into
-    // registers and pulls the rest of those rows into L2, all before waiting on the previous
-    // kernel, so they arrive while it finishes and while x is staged below.
-    const bool preload = MODE != kQuantMoeGateUp && task < p.n_tasks;
-    KBlockRegs<FMT, U> first;
-    if (preload) {
-        const int row_g = quant_task_row<MODE>(p, task, g), row_g8 = quant_task_row<MODE>(p, task, g + 8);
-        load_kblocks(first, reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes),
-                     reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes),
-                     static_cast<const uint16_t *>(p.scales) + (size_t)row_g * p.scales_per_row,
-                     static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row,
-                     warp, WARPS, p.n_kblocks, p.n_chunks, t);
-        if (tid < kQuantTaskRows) {
-            const int row = quant_task_row<MODE>(p, task, tid);
-            if (tid == 0 || row != quant_task_row<MODE>(p, task, tid - 1))
+    // The copy side: the next k-block to copy is the copy_i-th of this warp's in task copy_task.
+    int copy_task = blockIdx.x, copy_i = 0, copy_slot = 0;
+    const uint4 *copy_w_g = nullptr, *copy_w_g8 = nullptr;
+    int64_t copy_s_g = 0, copy_s_g8 = 0;  // index of the rows' first scales
+    auto issue = [&]() {
+        if (n_mine > 0 && copy_task < p.n_tasks) {
+            if (copy_i == 0) {
+                const int row_g = quant_task_row<MODE>(p, copy_task, g);
+                const int row_g8 = quant_task_row<MODE>(p, copy_task, g + 8);
+                copy_w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes);
+                copy_w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes);
+                copy_s_g = (int64_t)row_g * p.scales_per_row;
+                copy_s_g8 = (int64_t)row_g8 * p.scales_per_row;
+            }
+            const int c = 4 * (warp + WARPS * copy_i) + t;
+            const bool ok = c < p.n_chunks;
+            uint4 *slot_w = ring_w + copy_slot * 2 * kThreads + tid;
+            copy_weight_chunk(slot_w, ok ? copy_w_g + c : copy_w_g, ok);
+            copy_weight_chunk(slot_w + kThreads, ok ? copy_w_g8 + c : copy_w_g8, ok);
+            if (kQ4) {
+                uint32_t *slot_s = ring_s + copy_slot * 2 * kThreads + tid;
+                const int64_t i_g = copy_s_g + c, i_g8 = copy_s_g8 + c;
+                cp_async_4(slot_s, scales16 + (i_g & ~int64_t(1)), ok ? (i_g & 1 ? 4 : 2) : 0);
+                cp_async_4(slot_s + kThreads, scales16 + (i_g8 & ~int64_t(1)), ok ? (i_g8 & 1 ? 4 : 2) : 0);
+            }
+            copy_slot = copy_slot + 1 == S ? 0 : copy_slot + 1;
+            if (++copy_i == n_mine) {
+                copy_i = 0;
+                copy_task += gridDim.x;
+            }
+        }
+        cp_async_commit();  // one group per call, empty or not: wait_group counts calls
+    };
+
+    // The weights do not depend on earlier kernels (the experts' do: which rows is the top-k
+    // kernel's output): the ring's first S - 1 k-blocks go out, and the rest of the block's first
+    // task's rows is pulled into L2, before waiting on the previous kernel, so they arrive while
+    // it finishes and while x is staged below.
+    if (MODE != kQuantMoeGateUp) {
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s) issue();
+        if (tid < kQuantTaskRows && blockIdx.x < p.n_tasks) {
+            const int row = quant_task_row<MODE>(p, blockIdx.x, tid);
+            if (tid == 0 || row != quant_task_row<MODE>(p, blockIdx.x, tid - 1))
                 prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
         }
     }
     pdl_wait();
     pdl_launch_dependents();
+    if (MODE == kQuantMoeGateUp) {
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s) issue();
+    }
 
     // ---- x (normalized in norm modes) -> the scale 2^e -> hi/lo fp16 pairs in shared memory
     const bool norm = mode_has_norm(MODE);
@@ -468,7 +555,6 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int e = split_exponent(bound);
     const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
     const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
-    const int n_words = p.n_kblocks * 16;
     for (int wi = tid; wi < n_words; wi += kThreads) {
         float v[V];
 #pragma unroll
@@ -494,18 +580,32 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
 
-    // The block's first task apart: it may use the preloaded k-blocks, after which they are
-    // dead (one loop over all tasks would keep their registers live throughout).
-    auto run_task = [&](int task, bool use_first) {
-        const int row_g = quant_task_row<MODE>(p, task, g);
-        const int row_g8 = quant_task_row<MODE>(p, task, g + 8);
-        const uint4 *w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes);
-        const uint4 *w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes);
-        const uint16_t *s_g = static_cast<const uint16_t *>(p.scales) + (size_t)row_g * p.scales_per_row;
-        const uint16_t *s_g8 = static_cast<const uint16_t *>(p.scales) + (size_t)row_g8 * p.scales_per_row;
+    int slot = 0;  // the ring slot of the next k-block to compute
+    for (int task = blockIdx.x; task < p.n_tasks; task += gridDim.x) {
+        // Parity of the rows' scale indices (row * scales_per_row + c, c = 4 kb + t).
+        const int row_g = quant_task_row<MODE>(p, task, g), row_g8 = quant_task_row<MODE>(p, task, g + 8);
+        const bool odd_g = ((row_g & p.scales_per_row) ^ t) & 1;
+        const bool odd_g8 = ((row_g8 & p.scales_per_row) ^ t) & 1;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
+        float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+        for (int i = 0; i < n_mine; ++i) {
+            issue();                    // k-block S - 1 ahead, into the slot computed last
+            cp_async_wait<S - 1>();     // this one has landed
+            const uint4 *slot_w = ring_w + slot * 2 * kThreads + tid;
+            float sc_g = 0.f, sc_g8 = 0.f;
+            if (kQ4) {
+                const uint32_t *slot_s = ring_s + slot * 2 * kThreads + tid;
+                sc_g = ring_scale(slot_s[0], odd_g);
+                sc_g8 = ring_scale(slot_s[kThreads], odd_g8);
+            }
+            const int kb = warp + WARPS * i;
+            mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8,
+                            b_base + (size_t)(4 * kb + t) * 4 * P, b_active, src0, src1, d, acc_g,
+                            acc_g8);
+            slot = slot + 1 == S ? 0 : slot + 1;
+        }
         float sum_g, sum_g8;
-        mma_rows_dot<FMT, U>(w_g, w_g8, s_g, s_g8, warp, WARPS, p.n_kblocks, p.n_chunks, b_base, 0,
-                             b_active, t, src0, src1, sum_g, sum_g8, first, use_first);
+        finish_row_sums<FMT>(d, acc_g, acc_g8, sum_g, sum_g8);
         if (t == 0) {
             partial[warp][g] = sum_g;
             partial[warp][g + 8] = sum_g8;
@@ -538,9 +638,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             }
         }
         __syncthreads();  // partial is reused by the next task
-    };
-    if (task < p.n_tasks) run_task(task, preload);
-    for (task += gridDim.x; task < p.n_tasks; task += gridDim.x) run_task(task, false);
+    }
+    cp_async_wait<0>();  // only empty groups remain; nothing is left in flight at exit
 }
 
 // ---- MoE down for int8 / q4 experts -------------------------------------------------------
@@ -621,9 +720,8 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
                 reinterpret_cast<const uint4 *>(p.weight + row_g * p.row_bytes),
                 reinterpret_cast<const uint4 *>(p.weight + row_g8 * p.row_bytes),
                 static_cast<const uint16_t *>(p.scales) + row_g * p.scales_per_row,
-                static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, 0, 1,
-                p.n_kblocks, p.n_chunks, b_base, j * p.n_kblocks, b_active, t, src0, src1, sum_g,
-                sum_g8, KBlockRegs<FMT, kQuantKBlocks>{}, false);
+                static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, p.n_kblocks,
+                p.n_chunks, b_base, j * p.n_kblocks, b_active, t, src0, src1, sum_g, sum_g8);
             if (t == 0) {
                 sum_g *= down;
                 sum_g8 *= down;
@@ -760,8 +858,9 @@ size_t gemv_smem_bytes(GemvMode mode, int cols, int format) {
 
 size_t gemv_input_smem_bytes(int cols, int format) {
     if (format == OG_WEIGHTS_BF16) return (size_t)round_up(cols, kRowAlignElems) * sizeof(float);
-    // hi + lo fp16 per column, whole k-blocks (4 chunks)
-    return (size_t)round_up(cols, 4 * weight_values_per_chunk(format)) * 2 * sizeof(__half);
+    // hi + lo fp16 per column, whole k-blocks (4 chunks), then the load ring
+    return (size_t)round_up(cols, 4 * weight_values_per_chunk(format)) * 2 * sizeof(__half) +
+           quant_ring_bytes(format);
 }
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
@@ -849,9 +948,15 @@ template <int FMT>
 cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
                                       cudaStream_t stream, bool pdl) {
     const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps>;
-    // The opt-in (a driver call per launch) only for inputs that need it: under 32 KB of
-    // staged input plus the kernel's ~0.6 KB of static arrays stay below the 48 KB default.
-    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    // The staged input and the load ring pass the 48 KB default: opt in once per device (the
+    // attribute is per device), not with a driver call on every launch.
+    static std::atomic<int> opted_in_device{-1};
+    int device = 0;
+    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
+    if (opted_in_device.load() != device) {
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+        opted_in_device.store(device);
+    }
     return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
 }
 }  // namespace
