@@ -292,21 +292,45 @@ __device__ __forceinline__ int split_exponent(float bound) {
     return min(max(15 - ex, -100), 100);
 }
 
-// Word wi of the staged B: values v[0..V) (already times 2^e) as P hi and P lo half2 pairs,
-// pair k = (v[k], v[k + P]), at x_pairs[wi * P + k] (hi) and [(n_words + wi) * P + k] (lo).
+__device__ __forceinline__ bool is_aligned16(const void *p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+// v[col .. col + 3], or zeros past n (with n % 4 == 0 a float4 is wholly inside or past it).
+__device__ __forceinline__ float4 load4_or_zero(const float *v, int col, int n) {
+    return col < n ? *reinterpret_cast<const float4 *>(v + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// The staged B, in 32-bit words. Word wi of the input (columns wi V .. wi V + V - 1) lies in chunk
+// c = wi / 4 = 4 kb + t at word j = wi % 4; its P half2 pairs k = (v[k], v[k + P]) (the order of
+// word_pairs) split into hi and lo halves h. Pairs 2m and 2m + 1 of both halves (one mma's B
+// registers for lane (g, t) with h = g / 4) sit together:
+//   x_pairs[16 ((kb * 4 + j) * (P / 2) + m) + 4 t + 2 h + e]   = half h of pair 2m + e
+// so the B loads of one mma (fixed kb, j, m; lanes differ in t and h) read 64 contiguous bytes:
+// one shared-memory wavefront (a layout by word with hi and lo apart was a 4- to 5-way conflict).
+__host__ __device__ constexpr int b_kblock_words(int pairs) { return 32 * pairs; }
+__device__ __forceinline__ const uint32_t *b_lane_base(const uint32_t *x_pairs, int g, int t) {
+    return x_pairs + 4 * t + 2 * (g >> 2);
+}
+
+// Word wi's values v[0..V) (already times 2^e) into the staged B: per pair couple m one 16-byte
+// store {hi 2m, hi 2m + 1, lo 2m, lo 2m + 1}.
 template <int V>
-__device__ __forceinline__ void store_split_word(const float (&v)[V], int wi, int n_words,
-                                                 uint32_t *x_pairs) {
+__device__ __forceinline__ void store_split_word(const float (&v)[V], int wi, uint32_t *x_pairs) {
     constexpr int P = V / 2;
+    const int kb = wi / 16, t = (wi / 4) % 4, j = wi % 4;
+    uint32_t hi[P], lo[P];
 #pragma unroll
     for (int k = 0; k < P; ++k) {
         const __half h0 = __float2half_rn(v[k]), h1 = __float2half_rn(v[k + P]);
         const __half l0 = __float2half_rn(v[k] - __half2float(h0));
         const __half l1 = __float2half_rn(v[k + P] - __half2float(h1));
-        const __half2 hi = __halves2half2(h0, h1), lo = __halves2half2(l0, l1);
-        memcpy(&x_pairs[wi * P + k], &hi, 4);
-        memcpy(&x_pairs[(n_words + wi) * P + k], &lo, 4);
+        hi[k] = half2_as_u32(__halves2half2(h0, h1));
+        lo[k] = half2_as_u32(__halves2half2(l0, l1));
     }
+#pragma unroll
+    for (int m = 0; m < P / 2; ++m)
+        *reinterpret_cast<uint4 *>(x_pairs + 16 * ((kb * 4 + j) * (P / 2) + m) + 4 * t) =
+            make_uint4(hi[2 * m], hi[2 * m + 1], lo[2 * m], lo[2 * m + 1]);
 }
 
 // U k-blocks of two rows in registers: chunk c = 4 kb + t of rows g and g + 8 (and their q4
@@ -333,12 +357,12 @@ __device__ __forceinline__ void load_kblocks(KBlockRegs<FMT, U> &r, const uint4 
 }
 
 // One k-block of two rows (chunk c = 4 kb + t of rows g and g + 8 in a_g, a_g8; q4: their group
-// scales sc_g, sc_g8) against B's chunk b_chunk: int8 accumulates the mma into d (the rows'
+// scales sc_g, sc_g8) against B's k-block at b_kb (b_lane_base + kb * b_kblock_words): int8 accumulates the mma into d (the rows'
 // sums), q4 takes a fresh tile per k-block and adds each group's sum times its scale into
 // acc_g / acc_g8 (the D columns this lane holds come from chunk lanes src0, src1).
 template <int FMT>
 __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, float sc_g,
-                                           float sc_g8, const uint32_t *b_chunk, bool b_active,
+                                           float sc_g8, const uint32_t *b_kb, bool b_active,
                                            int src0, int src1, float (&d)[4], float &acc_g,
                                            float &acc_g8) {
     constexpr int P = WordPairs<FMT>::kPairs;
@@ -351,7 +375,7 @@ __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, 
         word_pairs(word_of(a_g8, j), hg8);
 #pragma unroll
         for (int m = 0; m < P / 2; ++m) {
-            const uint2 b = *reinterpret_cast<const uint2 *>(b_chunk + j * P + 2 * m);
+            const uint2 b = *reinterpret_cast<const uint2 *>(b_kb + 8 * P * j + 16 * m);
             mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
                       half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
                       b_active ? b.x : 0u, b_active ? b.y : 0u);
@@ -402,7 +426,7 @@ __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8
             const int kb = kb0 + u;
             if (kb >= n_kb) break;  // warp-uniform
             mma_kblock<FMT>(r.a_g[u], r.a_g8[u], r.sc_g[u], r.sc_g8[u],
-                            b_base + (size_t)(4 * (kb_b0 + kb) + t) * 4 * P, b_active, src0, src1,
+                            b_base + (size_t)(kb_b0 + kb) * b_kblock_words(P), b_active, src0, src1,
                             d, acc_g, acc_g8);
         }
     }
@@ -461,7 +485,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
     constexpr int S = kQuantStages;
     constexpr bool kQ4 = FMT == OG_WEIGHTS_Q4;
-    // [2 (hi, lo)][n_words][P] half2 (n_words = 16 n_kblocks), then the ring (above)
+    // the staged B (n_kblocks * b_kblock_words(P) words, layout above), then the ring (above)
     extern __shared__ __align__(16) uint32_t x_pairs[];
     __shared__ float scratch[2 * WARPS];
     __shared__ float partial[WARPS][kQuantTaskRows];
@@ -555,8 +579,32 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int e = split_exponent(bound);
     const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
     const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
+    // A thread's V columns by float4 when whole float4s are in reach: one scalar load per column
+    // strided V floats across the warp cost 32 sectors an instruction (the largest L1 load of the
+    // kernel for 12288 columns).
+    const bool vec = p.cols % 4 == 0 && is_aligned16(p.x) && (!norm || is_aligned16(p.norm_weight)) &&
+                     (!write_normed || is_aligned16(p.normed_out));
     for (int wi = tid; wi < n_words; wi += kThreads) {
         float v[V];
+        if (vec) {
+#pragma unroll
+            for (int q = 0; q < V / 4; ++q) {
+                const int col = wi * V + 4 * q;
+                float4 x4 = load4_or_zero(p.x, col, p.cols);
+                if (norm && col < p.cols) {
+                    const float4 w4 = *reinterpret_cast<const float4 *>(p.norm_weight + col);
+                    x4 = make_float4(x4.x * inv_rms * w4.x, x4.y * inv_rms * w4.y,
+                                     x4.z * inv_rms * w4.z, x4.w * inv_rms * w4.w);
+                    if (write_normed) *reinterpret_cast<float4 *>(p.normed_out + col) = x4;
+                }
+                v[4 * q] = x4.x * up;
+                v[4 * q + 1] = x4.y * up;
+                v[4 * q + 2] = x4.z * up;
+                v[4 * q + 3] = x4.w * up;
+            }
+            store_split_word(v, wi, x_pairs);
+            continue;
+        }
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             const int col = wi * V + k;
@@ -570,13 +618,13 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             }
             v[k] = x * up;
         }
-        store_split_word(v, wi, n_words, x_pairs);
+        store_split_word(v, wi, x_pairs);
     }
     __syncthreads();
 
     // B: lane (g, t) supplies column g; non-zero only where t == g % 4 (hi: g < 4, lo: g >= 4).
     const bool b_active = (g & 3) == t;
-    const uint32_t *b_base = x_pairs + (size_t)(g >> 2) * n_words * P;
+    const uint32_t *b_base = b_lane_base(x_pairs, g, t);
     // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
 
@@ -600,7 +648,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             }
             const int kb = warp + WARPS * i;
             mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8,
-                            b_base + (size_t)(4 * kb + t) * 4 * P, b_active, src0, src1, d, acc_g,
+                            b_base + (size_t)kb * b_kblock_words(P), b_active, src0, src1, d, acc_g,
                             acc_g8);
             slot = slot + 1 == S ? 0 : slot + 1;
         }
@@ -665,7 +713,7 @@ template <int FMT>
 __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel(const QuantMoeDownParams p) {
     constexpr int kThreads = kQuantWarps * kWarpSize;
     constexpr int V = WordPairs<FMT>::kValues;
-    extern __shared__ uint32_t x_pairs[];  // [2 (hi, lo)][n_words][P], n_words = top_k * 16 n_kblocks
+    extern __shared__ uint32_t x_pairs[];  // staged B: expert j at k-blocks j n_kblocks ..
     __shared__ float scratch[kQuantWarps];
     __shared__ float partial[kMoeMaxTopK][kQuantTaskRows];
     __shared__ int32_t expert_of[kMoeMaxTopK];
@@ -693,20 +741,32 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
     const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
     const int words_per_expert = p.n_kblocks * 16;
     const int n_words = p.top_k * words_per_expert;
+    const bool vec = p.inter % 4 == 0 && is_aligned16(p.act);  // float4s, as the dense staging
     for (int wi = tid; wi < n_words; wi += kThreads) {
         const int j = wi / words_per_expert;
         const int col0 = (wi - j * words_per_expert) * V;
+        const float *act_j = p.act + (size_t)j * p.inter;
         float v[V];
+        if (vec) {
 #pragma unroll
-        for (int k = 0; k < V; ++k)
-            v[k] = col0 + k < p.inter ? p.act[(size_t)j * p.inter + col0 + k] * up : 0.f;
-        store_split_word(v, wi, n_words, x_pairs);
+            for (int q = 0; q < V / 4; ++q) {
+                const float4 a4 = load4_or_zero(act_j, col0 + 4 * q, p.inter);
+                v[4 * q] = a4.x * up;
+                v[4 * q + 1] = a4.y * up;
+                v[4 * q + 2] = a4.z * up;
+                v[4 * q + 3] = a4.w * up;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < V; ++k) v[k] = col0 + k < p.inter ? act_j[col0 + k] * up : 0.f;
+        }
+        store_split_word(v, wi, x_pairs);
     }
     __syncthreads();
 
     constexpr int P = WordPairs<FMT>::kPairs;
     const bool b_active = (g & 3) == t;
-    const uint32_t *b_base = x_pairs + (size_t)(g >> 2) * n_words * P;
+    const uint32_t *b_base = b_lane_base(x_pairs, g, t);
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
     const int n_tasks = ceil_div(p.hidden, kQuantTaskRows);
     for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
