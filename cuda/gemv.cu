@@ -232,14 +232,16 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 //       B uses the same one).
 //   B (16 x 8, fp16): x * 2^e split into hi + lo fp16 halves (|x 2^e - hi - lo| <= 2^-22
 //       |x 2^e|; 2^e puts max |x| in [2^14, 2^15), inside fp16's range), staged in shared
-//       memory per word in the A pairs' column order. Column n of B is non-zero only in the
-//       rows of lane t = n % 4, hi for n < 4 and lo for n >= 4: D[:, n] is then the sum over
-//       chunk c = 4 kb + n % 4 alone, so a q4 group (= one chunk) stays separate and takes its
-//       own scale: acc += scale(row, c) * D[row, n]. int8 accumulates D over the whole row
-//       and applies the row scale at the end.
+//       memory in the A pairs' column order (layout at store_split_word). Column n of B is hi
+//       for n < 4 and lo for n >= 4. q4: column n is non-zero only in the rows of lane
+//       t = n % 4, so D[:, n] is the sum over chunk c = 4 kb + n % 4 alone and a q4 group
+//       (= one chunk) stays separate and takes its own scale: acc += scale(row, c) * D[row, n].
+//       int8: every lane's rows are non-zero, D accumulates the whole row's hi and lo sums and
+//       the row scale is applied at the end.
 //   A task is 16 rows (SwiGLU: gate rows i..i+7 and up rows I+i..I+i+7); the block's 8 warps
-//   split its k-blocks (warp w: kb = w, w + 8, ..., U k-blocks in flight), and the 8 partial
-//   sums per row are added in warp order (deterministic: graph replays are bit-identical).
+//   split its k-blocks (warp w: kb = w, w + 8, ...; the dense kernel streams them through its
+//   load ring, the MoE down kernel holds U in registers), and the 8 partial sums per row are
+//   added in warp order (deterministic: graph replays are bit-identical).
 constexpr int kQuantTaskRows = 16;    // the mma's M
 constexpr int kQuantWarps = 8;        // per block: a 16-row task's columns split 8 ways
 // A fifth mode beside GemvMode's four, for the MoE experts (moe.cu): gate/up + SwiGLU of the
@@ -376,9 +378,10 @@ __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, 
 #pragma unroll
         for (int m = 0; m < P / 2; ++m) {
             const uint2 b = *reinterpret_cast<const uint2 *>(b_kb + 8 * P * j + 16 * m);
+            const bool use_b = FMT == OG_WEIGHTS_INT8 || b_active;
             mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
                       half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
-                      b_active ? b.x : 0u, b_active ? b.y : 0u);
+                      use_b ? b.x : 0u, use_b ? b.y : 0u);
         }
     }
     if (FMT == OG_WEIGHTS_Q4) {
@@ -393,16 +396,21 @@ __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, 
     }
 }
 
-// A row's 8 D columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each: the rows'
-// sums over a warp's k-blocks (x 2^e; int8 before the row scale), complete in every lane.
+// The rows' sums over a warp's k-blocks (x 2^e; int8 before the row scale), complete in every
+// lane. q4: a row's 8 D columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
+// int8: every lane's B is active, so each column holds the whole hi (columns 0-3) or lo (4-7)
+// sum: column 0 (lane t = 0) + column 4 (lane t = 2).
 template <int FMT>
 __device__ __forceinline__ void finish_row_sums(const float (&d)[4], float acc_g, float acc_g8,
                                                 float &sum_g, float &sum_g8) {
-    sum_g = FMT == OG_WEIGHTS_Q4 ? acc_g : d[0] + d[1];
-    sum_g8 = FMT == OG_WEIGHTS_Q4 ? acc_g8 : d[2] + d[3];
-    sum_g += __shfl_xor_sync(kFullMask, sum_g, 1);
+    if (FMT == OG_WEIGHTS_INT8) {
+        sum_g = d[0] + __shfl_xor_sync(kFullMask, d[0], 2);
+        sum_g8 = d[2] + __shfl_xor_sync(kFullMask, d[2], 2);
+        return;
+    }
+    sum_g = acc_g + __shfl_xor_sync(kFullMask, acc_g, 1);
     sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
-    sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 1);
+    sum_g8 = acc_g8 + __shfl_xor_sync(kFullMask, acc_g8, 1);
     sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
 }
 
@@ -474,10 +482,9 @@ __host__ __device__ constexpr int quant_ring_bytes(int format) {
     return kQuantStages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0));
 }
 
-// Group scale (bf16 -> fp32) from its ring word; odd = the scale's index in the array is odd.
-__device__ __forceinline__ float ring_scale(uint32_t word, bool odd) {
-    return __uint_as_float(odd ? (word & 0xFFFF0000u) : (word << 16));
-}
+// A q4 scale (bf16) from its ring word into the top half of an fp32: __byte_perm selectors
+// taking the word's bytes 2, 3 (the scale is the high half) or 0, 1, and zeros below.
+constexpr uint32_t kScaleHigh = 0x3244u, kScaleLow = 0x1044u;
 
 template <int FMT, int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
@@ -499,30 +506,40 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     // This warp's k-blocks of every task: kb = warp, warp + WARPS, ... (n_mine of them).
     const int n_mine = warp < p.n_kblocks ? ceil_div(p.n_kblocks - warp, WARPS) : 0;
 
-    // The copy side: the next k-block to copy is the copy_i-th of this warp's in task copy_task.
+    // The copy side: the next k-block to copy is this warp's copy_i-th in task copy_task. The
+    // lane's pointers are set when a task starts (chunk t of k-block 0 of rows g and g + 8; q4:
+    // the 4-byte-aligned word holding that chunk's scale and how many of its bytes to read);
+    // k-block kb is 4 kb chunks and 4 kb scales further (4 kb is even: the alignment holds).
     int copy_task = blockIdx.x, copy_i = 0, copy_slot = 0;
     const uint4 *copy_w_g = nullptr, *copy_w_g8 = nullptr;
-    int64_t copy_s_g = 0, copy_s_g8 = 0;  // index of the rows' first scales
+    const uint16_t *copy_s_g = nullptr, *copy_s_g8 = nullptr;
+    int copy_bytes_g = 0, copy_bytes_g8 = 0;
     auto issue = [&]() {
         if (n_mine > 0 && copy_task < p.n_tasks) {
             if (copy_i == 0) {
                 const int row_g = quant_task_row<MODE>(p, copy_task, g);
                 const int row_g8 = quant_task_row<MODE>(p, copy_task, g + 8);
-                copy_w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes);
-                copy_w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes);
-                copy_s_g = (int64_t)row_g * p.scales_per_row;
-                copy_s_g8 = (int64_t)row_g8 * p.scales_per_row;
+                copy_w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes) + t;
+                copy_w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes) + t;
+                if (kQ4) {
+                    const int64_t i_g = (int64_t)row_g * p.scales_per_row + t;
+                    const int64_t i_g8 = (int64_t)row_g8 * p.scales_per_row + t;
+                    copy_s_g = scales16 + (i_g & ~int64_t(1));
+                    copy_s_g8 = scales16 + (i_g8 & ~int64_t(1));
+                    copy_bytes_g = i_g & 1 ? 4 : 2;
+                    copy_bytes_g8 = i_g8 & 1 ? 4 : 2;
+                }
             }
-            const int c = 4 * (warp + WARPS * copy_i) + t;
-            const bool ok = c < p.n_chunks;
+            const int kb4 = 4 * (warp + WARPS * copy_i);
+            const bool ok = kb4 + t < p.n_chunks;
+            const int off = ok ? kb4 : 0;  // past the row: nothing is read (zero fill)
             uint4 *slot_w = ring_w + copy_slot * 2 * kThreads + tid;
-            copy_weight_chunk(slot_w, ok ? copy_w_g + c : copy_w_g, ok);
-            copy_weight_chunk(slot_w + kThreads, ok ? copy_w_g8 + c : copy_w_g8, ok);
+            copy_weight_chunk(slot_w, copy_w_g + off, ok);
+            copy_weight_chunk(slot_w + kThreads, copy_w_g8 + off, ok);
             if (kQ4) {
                 uint32_t *slot_s = ring_s + copy_slot * 2 * kThreads + tid;
-                const int64_t i_g = copy_s_g + c, i_g8 = copy_s_g8 + c;
-                cp_async_4(slot_s, scales16 + (i_g & ~int64_t(1)), ok ? (i_g & 1 ? 4 : 2) : 0);
-                cp_async_4(slot_s + kThreads, scales16 + (i_g8 & ~int64_t(1)), ok ? (i_g8 & 1 ? 4 : 2) : 0);
+                cp_async_4(slot_s, copy_s_g + off, ok ? copy_bytes_g : 0);
+                cp_async_4(slot_s + kThreads, copy_s_g8 + off, ok ? copy_bytes_g8 : 0);
             }
             copy_slot = copy_slot + 1 == S ? 0 : copy_slot + 1;
             if (++copy_i == n_mine) {
@@ -622,7 +639,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     }
     __syncthreads();
 
-    // B: lane (g, t) supplies column g; non-zero only where t == g % 4 (hi: g < 4, lo: g >= 4).
+    // B: lane (g, t) supplies column g (hi: g < 4, lo: g >= 4); q4: non-zero only where t == g % 4.
     const bool b_active = (g & 3) == t;
     const uint32_t *b_base = b_lane_base(x_pairs, g, t);
     // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
@@ -630,10 +647,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
 
     int slot = 0;  // the ring slot of the next k-block to compute
     for (int task = blockIdx.x; task < p.n_tasks; task += gridDim.x) {
-        // Parity of the rows' scale indices (row * scales_per_row + c, c = 4 kb + t).
+        // q4: where the scale sits in its ring word (high half when its index row * scales_per_row
+        // + 4 kb + t is odd), as the byte_perm selector that moves it into an fp32's top half.
         const int row_g = quant_task_row<MODE>(p, task, g), row_g8 = quant_task_row<MODE>(p, task, g + 8);
-        const bool odd_g = ((row_g & p.scales_per_row) ^ t) & 1;
-        const bool odd_g8 = ((row_g8 & p.scales_per_row) ^ t) & 1;
+        const uint32_t sel_g = ((row_g & p.scales_per_row) ^ t) & 1 ? kScaleHigh : kScaleLow;
+        const uint32_t sel_g8 = ((row_g8 & p.scales_per_row) ^ t) & 1 ? kScaleHigh : kScaleLow;
         float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
         float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
         for (int i = 0; i < n_mine; ++i) {
@@ -643,8 +661,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
             float sc_g = 0.f, sc_g8 = 0.f;
             if (kQ4) {
                 const uint32_t *slot_s = ring_s + slot * 2 * kThreads + tid;
-                sc_g = ring_scale(slot_s[0], odd_g);
-                sc_g8 = ring_scale(slot_s[kThreads], odd_g8);
+                sc_g = __uint_as_float(__byte_perm(slot_s[0], 0u, sel_g));
+                sc_g8 = __uint_as_float(__byte_perm(slot_s[kThreads], 0u, sel_g8));
             }
             const int kb = warp + WARPS * i;
             mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8,
