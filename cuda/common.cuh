@@ -116,10 +116,10 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool val
                  "l"(src), "r"(src_bytes)
                  : "memory");
 }
-// 4 bytes global -> shared (src 4-byte aligned), the first src_bytes (0, 2 or 4) of them read,
+// 4 bytes global -> shared at address dst (smem_address; src 4-byte aligned), the first src_bytes (0, 2 or 4) of them read,
 // the rest zero-filled.
-__device__ __forceinline__ void cp_async_4(void *dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)),
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
                  "l"(src), "r"(src_bytes)
                  : "memory");
 }

@@ -310,8 +310,16 @@ __device__ __forceinline__ float4 load4_or_zero(const float *v, int col, int n) 
 // so the B loads of one mma (fixed kb, j, m; lanes differ in t and h) read 64 contiguous bytes:
 // one shared-memory wavefront (a layout by word with hi and lo apart was a 4- to 5-way conflict).
 __host__ __device__ constexpr int b_kblock_words(int pairs) { return 32 * pairs; }
-__device__ __forceinline__ const uint32_t *b_lane_base(const uint32_t *x_pairs, int g, int t) {
-    return x_pairs + 4 * t + 2 * (g >> 2);
+// Where lane (g, t) reads B: its column's pairs, or for q4 lanes whose column is zero
+// (t != g % 4) a block of kBZeroBytes zeros (covering one k-block's 8 P j + 16 m offsets), so
+// that no select per B register is needed. step: words from one k-block to the next.
+constexpr int kBZeroBytes = 512;
+__device__ __forceinline__ const uint32_t *b_lane_base(int format, const uint32_t *x_pairs,
+                                                       const uint32_t *zeros, int g, int t) {
+    return format == OG_WEIGHTS_Q4 && (g & 3) != t ? zeros : x_pairs + 4 * t + 2 * (g >> 2);
+}
+__device__ __forceinline__ int b_lane_step(int format, int g, int t) {
+    return format == OG_WEIGHTS_Q4 && (g & 3) != t ? 0 : b_kblock_words(format == OG_WEIGHTS_Q4 ? 4 : 2);
 }
 
 // Word wi's values v[0..V) (already times 2^e) into the staged B: per pair couple m one 16-byte
@@ -359,14 +367,14 @@ __device__ __forceinline__ void load_kblocks(KBlockRegs<FMT, U> &r, const uint4 
 }
 
 // One k-block of two rows (chunk c = 4 kb + t of rows g and g + 8 in a_g, a_g8; q4: their group
-// scales sc_g, sc_g8) against B's k-block at b_kb (b_lane_base + kb * b_kblock_words): int8 accumulates the mma into d (the rows'
-// sums), q4 takes a fresh tile per k-block and adds each group's sum times its scale into
-// acc_g / acc_g8 (the D columns this lane holds come from chunk lanes src0, src1).
+// scales sc_g, sc_g8) against B's k-block at b_kb (b_lane_base + kb * b_kblock_words; q4 lanes
+// whose B column is zero read kBZeroBytes of zeros instead): int8 accumulates the mma into d
+// (the rows' sums), q4 takes a fresh tile per k-block and adds each group's sum times its scale
+// into acc_g / acc_g8 (the D columns this lane holds come from chunk lanes src0, src1).
 template <int FMT>
 __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, float sc_g,
-                                           float sc_g8, const uint32_t *b_kb, bool b_active,
-                                           int src0, int src1, float (&d)[4], float &acc_g,
-                                           float &acc_g8) {
+                                           float sc_g8, const uint32_t *b_kb, int src0, int src1,
+                                           float (&d)[4], float &acc_g, float &acc_g8) {
     constexpr int P = WordPairs<FMT>::kPairs;
     float dq[4] = {0.f, 0.f, 0.f, 0.f};
     float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
@@ -378,10 +386,8 @@ __device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, 
 #pragma unroll
         for (int m = 0; m < P / 2; ++m) {
             const uint2 b = *reinterpret_cast<const uint2 *>(b_kb + 8 * P * j + 16 * m);
-            const bool use_b = FMT == OG_WEIGHTS_INT8 || b_active;
             mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
-                      half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]),
-                      use_b ? b.x : 0u, use_b ? b.y : 0u);
+                      half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]), b.x, b.y);
         }
     }
     if (FMT == OG_WEIGHTS_Q4) {
@@ -420,10 +426,9 @@ __device__ __forceinline__ void finish_row_sums(const float (&d)[4], float acc_g
 template <int FMT, int U>
 __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
                                              const uint16_t *s_g, const uint16_t *s_g8, int n_kb,
-                                             int n_chunks, const uint32_t *b_base, int kb_b0,
-                                             bool b_active, int t, int src0, int src1,
-                                             float &sum_g, float &sum_g8) {
-    constexpr int P = WordPairs<FMT>::kPairs;
+                                             int n_chunks, const uint32_t *b_base, int b_step,
+                                             int kb_b0, int t, int src0, int src1, float &sum_g,
+                                             float &sum_g8) {
     float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
     float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
     KBlockRegs<FMT, U> r;
@@ -434,8 +439,7 @@ __device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8
             const int kb = kb0 + u;
             if (kb >= n_kb) break;  // warp-uniform
             mma_kblock<FMT>(r.a_g[u], r.a_g8[u], r.sc_g[u], r.sc_g8[u],
-                            b_base + (size_t)(kb_b0 + kb) * b_kblock_words(P), b_active, src0, src1,
-                            d, acc_g, acc_g8);
+                            b_base + (size_t)(kb_b0 + kb) * b_step, src0, src1, d, acc_g, acc_g8);
         }
     }
     finish_row_sums<FMT>(d, acc_g, acc_g8, sum_g, sum_g8);
@@ -472,14 +476,15 @@ constexpr int kQuantStages = 6;
 
 // A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
 // L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
-__device__ __forceinline__ void copy_weight_chunk(void *dst, const uint4 *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)),
+__device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst),
                  "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
 
 __host__ __device__ constexpr int quant_ring_bytes(int format) {
-    return kQuantStages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0));
+    return kQuantStages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
+           (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
 }
 
 // A q4 scale (bf16) from its ring word into the top half of an fp32: __byte_perm selectors
@@ -502,21 +507,26 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     const int n_words = p.n_kblocks * 16;
     uint4 *ring_w = reinterpret_cast<uint4 *>(x_pairs + (size_t)2 * n_words * P);
     uint32_t *ring_s = reinterpret_cast<uint32_t *>(ring_w + S * 2 * kThreads);
+    uint32_t *b_zeros = ring_s + S * 2 * kThreads;  // [kBZeroBytes / 4]
     const uint16_t *scales16 = static_cast<const uint16_t *>(p.scales);
     // This warp's k-blocks of every task: kb = warp, warp + WARPS, ... (n_mine of them).
     const int n_mine = warp < p.n_kblocks ? ceil_div(p.n_kblocks - warp, WARPS) : 0;
+    // A slot's bytes in ring_w / ring_s, and this lane's slot-0 addresses (cp.async takes them).
+    constexpr uint32_t kSlotW = 2 * kThreads * 16, kSlotS = 2 * kThreads * 4;
+    const uint32_t ring_w_lane = smem_address(ring_w + tid), ring_s_lane = smem_address(ring_s + tid);
 
-    // The copy side: the next k-block to copy is this warp's copy_i-th in task copy_task. The
-    // lane's pointers are set when a task starts (chunk t of k-block 0 of rows g and g + 8; q4:
-    // the 4-byte-aligned word holding that chunk's scale and how many of its bytes to read);
-    // k-block kb is 4 kb chunks and 4 kb scales further (4 kb is even: the alignment holds).
-    int copy_task = blockIdx.x, copy_i = 0, copy_slot = 0;
+    // The copy side: the next k-block to copy is k-block copy_kb4 / 4 of task copy_task (a warp
+    // without k-blocks copies nothing). The lane's pointers are set when a task starts (chunk t
+    // of rows g and g + 8; q4: the 4-byte-aligned word holding that chunk's scale and how many
+    // of its bytes to read); k-block kb is 4 kb chunks and 4 kb scales further (4 kb is even:
+    // the alignment holds).
+    int copy_task = n_mine > 0 ? (int)blockIdx.x : p.n_tasks, copy_kb4 = 4 * warp, copy_slot = 0;
     const uint4 *copy_w_g = nullptr, *copy_w_g8 = nullptr;
     const uint16_t *copy_s_g = nullptr, *copy_s_g8 = nullptr;
     int copy_bytes_g = 0, copy_bytes_g8 = 0;
     auto issue = [&]() {
-        if (n_mine > 0 && copy_task < p.n_tasks) {
-            if (copy_i == 0) {
+        if (copy_task < p.n_tasks) {
+            if (copy_kb4 == 4 * warp) {
                 const int row_g = quant_task_row<MODE>(p, copy_task, g);
                 const int row_g8 = quant_task_row<MODE>(p, copy_task, g + 8);
                 copy_w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes) + t;
@@ -530,20 +540,20 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
                     copy_bytes_g8 = i_g8 & 1 ? 4 : 2;
                 }
             }
-            const int kb4 = 4 * (warp + WARPS * copy_i);
-            const bool ok = kb4 + t < p.n_chunks;
-            const int off = ok ? kb4 : 0;  // past the row: nothing is read (zero fill)
-            uint4 *slot_w = ring_w + copy_slot * 2 * kThreads + tid;
-            copy_weight_chunk(slot_w, copy_w_g + off, ok);
-            copy_weight_chunk(slot_w + kThreads, copy_w_g8 + off, ok);
+            const bool ok = copy_kb4 + t < p.n_chunks;
+            const int off = ok ? copy_kb4 : 0;  // past the row: nothing is read (zero fill)
+            const uint32_t dst_w = ring_w_lane + copy_slot * kSlotW;
+            copy_weight_chunk(dst_w, copy_w_g + off, ok);
+            copy_weight_chunk(dst_w + kThreads * 16, copy_w_g8 + off, ok);
             if (kQ4) {
-                uint32_t *slot_s = ring_s + copy_slot * 2 * kThreads + tid;
-                cp_async_4(slot_s, copy_s_g + off, ok ? copy_bytes_g : 0);
-                cp_async_4(slot_s + kThreads, copy_s_g8 + off, ok ? copy_bytes_g8 : 0);
+                const uint32_t dst_s = ring_s_lane + copy_slot * kSlotS;
+                cp_async_4(dst_s, copy_s_g + off, ok ? copy_bytes_g : 0);
+                cp_async_4(dst_s + kThreads * 4, copy_s_g8 + off, ok ? copy_bytes_g8 : 0);
             }
             copy_slot = copy_slot + 1 == S ? 0 : copy_slot + 1;
-            if (++copy_i == n_mine) {
-                copy_i = 0;
+            copy_kb4 += 4 * WARPS;
+            if (copy_kb4 >= 4 * p.n_kblocks) {
+                copy_kb4 = 4 * warp;
                 copy_task += gridDim.x;
             }
         }
@@ -637,11 +647,14 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
         }
         store_split_word(v, wi, x_pairs);
     }
+    if (kQ4)
+        for (int i = tid; i < kBZeroBytes / 4; i += kThreads) b_zeros[i] = 0u;
     __syncthreads();
 
     // B: lane (g, t) supplies column g (hi: g < 4, lo: g >= 4); q4: non-zero only where t == g % 4.
-    const bool b_active = (g & 3) == t;
-    const uint32_t *b_base = b_lane_base(x_pairs, g, t);
+    const uint32_t *b_first = b_lane_base(FMT, x_pairs, b_zeros, g, t);
+    const int b_step = b_lane_step(FMT, g, t);
+    b_first += warp * b_step;  // this warp's first k-block
     // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
 
@@ -654,6 +667,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
         const uint32_t sel_g8 = ((row_g8 & p.scales_per_row) ^ t) & 1 ? kScaleHigh : kScaleLow;
         float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
         float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+        const uint32_t *b_kb = b_first;
         for (int i = 0; i < n_mine; ++i) {
             issue();                    // k-block S - 1 ahead, into the slot computed last
             cp_async_wait<S - 1>();     // this one has landed
@@ -664,10 +678,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
                 sc_g = __uint_as_float(__byte_perm(slot_s[0], 0u, sel_g));
                 sc_g8 = __uint_as_float(__byte_perm(slot_s[kThreads], 0u, sel_g8));
             }
-            const int kb = warp + WARPS * i;
-            mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8,
-                            b_base + (size_t)kb * b_kblock_words(P), b_active, src0, src1, d, acc_g,
-                            acc_g8);
+            mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8, b_kb, src0, src1, d, acc_g, acc_g8);
+            b_kb += WARPS * b_step;
             slot = slot + 1 == S ? 0 : slot + 1;
         }
         float sum_g, sum_g8;
@@ -780,11 +792,14 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
         }
         store_split_word(v, wi, x_pairs);
     }
+    constexpr int P = WordPairs<FMT>::kPairs;
+    uint32_t *b_zeros = x_pairs + 2 * n_words * P;  // [kBZeroBytes / 4] for q4
+    if (FMT == OG_WEIGHTS_Q4)
+        for (int i = tid; i < kBZeroBytes / 4; i += kThreads) b_zeros[i] = 0u;
     __syncthreads();
 
-    constexpr int P = WordPairs<FMT>::kPairs;
-    const bool b_active = (g & 3) == t;
-    const uint32_t *b_base = b_lane_base(x_pairs, g, t);
+    const uint32_t *b_base = b_lane_base(FMT, x_pairs, b_zeros, g, t);
+    const int b_step = b_lane_step(FMT, g, t);
     const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
     const int n_tasks = ceil_div(p.hidden, kQuantTaskRows);
     for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
@@ -799,7 +814,7 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
                 reinterpret_cast<const uint4 *>(p.weight + row_g8 * p.row_bytes),
                 static_cast<const uint16_t *>(p.scales) + row_g * p.scales_per_row,
                 static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, p.n_kblocks,
-                p.n_chunks, b_base, j * p.n_kblocks, b_active, t, src0, src1, sum_g, sum_g8);
+                p.n_chunks, b_base, b_step, j * p.n_kblocks, t, src0, src1, sum_g, sum_g8);
             if (t == 0) {
                 sum_g *= down;
                 sum_g8 *= down;
@@ -1099,7 +1114,8 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
     const int tasks = ceil_div(hidden, kQuantTaskRows);
     const int grid = tasks < 2 * sm_count ? tasks : 2 * sm_count;
     // hi + lo fp16 per column of every expert's k-block-padded row
-    const size_t smem = (size_t)top_k * q.n_kblocks * 4 * weight_values_per_chunk(format) * 4;
+    const size_t smem = (size_t)top_k * q.n_kblocks * 4 * weight_values_per_chunk(format) * 4 +
+                        (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
     const void *kernel = format == OG_WEIGHTS_INT8 ? (const void *)moe_down_quant_kernel<OG_WEIGHTS_INT8>
                                                    : (const void *)moe_down_quant_kernel<OG_WEIGHTS_Q4>;
     if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
