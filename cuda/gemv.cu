@@ -297,6 +297,14 @@ __device__ __forceinline__ int split_exponent(float bound) {
 __device__ __forceinline__ bool is_aligned16(const void *p) {
     return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
+// v[at .. at + 3] = a * up.
+template <int V>
+__device__ __forceinline__ void put_scaled4(float (&v)[V], int at, float4 a, float up) {
+    v[at] = a.x * up;
+    v[at + 1] = a.y * up;
+    v[at + 2] = a.z * up;
+    v[at + 3] = a.w * up;
+}
 // v[col .. col + 3], or zeros past n (with n % 4 == 0 a float4 is wholly inside or past it).
 __device__ __forceinline__ float4 load4_or_zero(const float *v, int col, int n) {
     return col < n ? *reinterpret_cast<const float4 *>(v + col) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -624,10 +632,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
                                      x4.z * inv_rms * w4.z, x4.w * inv_rms * w4.w);
                     if (write_normed) *reinterpret_cast<float4 *>(p.normed_out + col) = x4;
                 }
-                v[4 * q] = x4.x * up;
-                v[4 * q + 1] = x4.y * up;
-                v[4 * q + 2] = x4.z * up;
-                v[4 * q + 3] = x4.w * up;
+                put_scaled4(v, 4 * q, x4, up);
             }
             store_split_word(v, wi, x_pairs);
             continue;
@@ -781,10 +786,7 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
 #pragma unroll
             for (int q = 0; q < V / 4; ++q) {
                 const float4 a4 = load4_or_zero(act_j, col0 + 4 * q, p.inter);
-                v[4 * q] = a4.x * up;
-                v[4 * q + 1] = a4.y * up;
-                v[4 * q + 2] = a4.z * up;
-                v[4 * q + 3] = a4.w * up;
+                put_scaled4(v, 4 * q, a4, up);
             }
         } else {
 #pragma unroll
