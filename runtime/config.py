@@ -27,6 +27,18 @@ class ConfigError(ValueError):
     """A config.json the runtime cannot run; the message names the key and the value."""
 
 
+def read_json_file(path: str, error: type[Exception]) -> Any:
+    """The JSON document in `path`; a malformed or non-UTF-8 file raises `error` naming the file
+    and the place (config.json, model.safetensors.index.json)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -230,14 +242,7 @@ class ModelConfig:
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: config file not found")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason})") from None
-        return cls.from_dict(raw, source=path)
+        return cls.from_dict(read_json_file(path, ConfigError), source=path)
 
     def replace(self, **changes) -> "ModelConfig":
         from dataclasses import replace

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, read_json_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -271,13 +271,7 @@ class _MappedFile:
 # ---- a model folder -------------------------------------------------------------------------
 
 def _read_index(folder: str, index_path: str) -> dict[str, str]:
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-    except json.JSONDecodeError as e:
-        raise LoaderError(f"{index_path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise LoaderError(f"{index_path}: not UTF-8 text ({e.reason})") from None
+    index = read_json_file(index_path, LoaderError)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise LoaderError(f"{index_path}: expected an object with a non-empty 'weight_map' (tensor name -> shard file), "
