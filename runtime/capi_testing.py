@@ -488,17 +488,24 @@ def attention_paged(q, pool: np.ndarray, block_stride: int, page_size: int, offs
     return out
 
 
+def _paged_row_inputs(qkv, pool, block_tables, q_norm, k_norm, inv_freq):
+    """The paged row entry points' inputs as C arrays: copies of qkv (fp32), the pool (bytes) and
+    the block tables (int32) for the kernel to write; the norm weights (or None) and inv_freq."""
+    return (np.array(qkv, dtype=np.float32, copy=True, order="C"),
+            np.array(pool, dtype=np.uint8, copy=True, order="C"),
+            np.array(block_tables, dtype=np.int32, copy=True, order="C"),
+            None if q_norm is None else _array(q_norm, np.float32),
+            None if k_norm is None else _array(k_norm, np.float32),
+            _array(inv_freq, np.float32))
+
+
 def qk_norm_rope_kv_paged(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, position,
                           max_seq_len, pool, block_stride, page_size, offsets, seq_slot, row_block,
                           block_tables, kv_dtype=OG_KV_F32):
     """Runs on copies; -> (qkv, pool, block_tables) after the kernel. block_tables: int32
     [n_tables, max_blocks_per_seq]."""
-    qkv = np.array(qkv, dtype=np.float32, copy=True, order="C")
-    pool = np.array(pool, dtype=np.uint8, copy=True, order="C")
-    tables = np.array(block_tables, dtype=np.int32, copy=True, order="C")
-    q_norm = None if q_norm is None else _array(q_norm, np.float32)
-    k_norm = None if k_norm is None else _array(k_norm, np.float32)
-    inv_freq = _array(inv_freq, np.float32)
+    qkv, pool, tables, q_norm, k_norm, inv_freq = _paged_row_inputs(qkv, pool, block_tables, q_norm,
+                                                                     k_norm, inv_freq)
     _check(load().og_test_qk_norm_rope_kv_paged(
         _p(qkv, c_float), n_heads, n_kv_heads, head_dim, _p(q_norm, c_float), _p(k_norm, c_float), eps,
         _p(inv_freq, c_float), position, max_seq_len, kv_dtype, _vp(pool), block_stride,
@@ -513,12 +520,8 @@ def attention_fused(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv
                     block_tables, split_len=0, kv_dtype=OG_KV_F32):
     """The body's fused attention kernel on copies; -> (out [n_heads * head_dim], qkv, pool,
     block_tables) after the kernel (qkv's q part replaced by the rotated q)."""
-    qkv = np.array(qkv, dtype=np.float32, copy=True, order="C")
-    pool = np.array(pool, dtype=np.uint8, copy=True, order="C")
-    tables = np.array(block_tables, dtype=np.int32, copy=True, order="C")
-    q_norm = None if q_norm is None else _array(q_norm, np.float32)
-    k_norm = None if k_norm is None else _array(k_norm, np.float32)
-    inv_freq = _array(inv_freq, np.float32)
+    qkv, pool, tables, q_norm, k_norm, inv_freq = _paged_row_inputs(qkv, pool, block_tables, q_norm,
+                                                                     k_norm, inv_freq)
     out = _out(n_heads * head_dim)
     _check(load().og_test_attention_fused(
         _p(qkv, c_float), n_heads, n_kv_heads, head_dim, _p(q_norm, c_float), _p(k_norm, c_float), eps,
