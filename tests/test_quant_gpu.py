@@ -11,8 +11,9 @@ in fp16 and fp32, so the only errors are roundings; depth follows each kernel's 
 Dense GEMV (gemv.cu, tensor cores): x * 2^e is split into fp16 hi + lo (|error| <= 2^-22 = 4U
 relative, plus at most 2^-25 * 2^-e absolute where lo is subnormal, 2^-e <= max|x| 2^-14); the
 mma accumulates in fp32, counted as 2 roundings (truncation) per mma in a chain; int8: one chain
-of 4 mmas per k-block over the warp's ceil(k-blocks / 8) k-blocks, then the lane pair, a 2-level
-butterfly, the 8 warps' partials and the row scale; q4: per k-block (= per group) a chain of 8
+of 4 mmas per k-block over the warp's ceil(k-blocks / 8) k-blocks (every lane's B is active, so
+one D column holds a row's whole hi sum and another its lo sum), then hi + lo, the 8 warps'
+partials and the row scale; q4: per k-block (= per group) a chain of 8
 mmas from zero, one fma with the group scale per k-block, the butterfly and the 8 partials.
 MoE gate/up runs on the same kernel (same depth); MoE down too, with one warp per expert (all
 of an expert row's k-blocks in one chain), then w_j * s_j, the chain over the experts in
@@ -51,7 +52,7 @@ def warp_depth(fmt: str, k_blocks: int) -> int:
     """One warp's sum over k_blocks k-blocks of a row on the tensor cores (see the docstring),
     up to and including the row scale."""
     if fmt == "int8":
-        return 4 + 2 * (4 * k_blocks + 1) + 1 + 2 + 1
+        return 4 + 2 * (4 * k_blocks + 1) + 1 + 1
     return 4 + 2 * (8 + 1) + k_blocks + 1 + 2
 
 
