@@ -248,7 +248,7 @@ constexpr int kQuantWarps = 8;        // per block: a 16-row task's columns spli
 // top_k selected experts over the shared normed x, act[j, i] = silu(gate_e[i] . x) *
 // (up_e[i] . x), e = selected[j]; the weights hold 2I rows per expert (gate, then up).
 constexpr int kQuantMoeGateUp = 4;
-constexpr int kQuantKBlocks = 4;      // k-blocks per warp in flight: 2 x 4 x 16 bytes per lane
+constexpr int kQuantKBlocks = 4;      // MoE down: k-blocks per warp in registers (2 x 4 x 16 bytes per lane)
 
 struct QuantGemvParams {
     const uint8_t *weight;
