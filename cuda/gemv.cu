@@ -988,6 +988,17 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     return cudaSuccess;
 }
 
+namespace {
+// A quantized matrix's row layout for `cols` columns (quant.cuh), into either kernel's params.
+template <typename Params>
+void set_quant_row_layout(Params &q, int format, int cols) {
+    q.n_chunks = ceil_div(cols, weight_values_per_chunk(format));
+    q.n_kblocks = ceil_div(q.n_chunks, 4);
+    q.scales_per_row = (int)weight_scales_per_row(format, cols);
+    q.row_bytes = weight_row_bytes(format, cols);
+}
+}  // namespace
+
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
@@ -1003,12 +1014,9 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.normed_out = args.normed_out;
         q.rows = args.rows;
         q.cols = args.cols;
-        q.n_chunks = ceil_div(args.cols, weight_values_per_chunk(args.format));
-        q.n_kblocks = ceil_div(q.n_chunks, 4);
+        set_quant_row_layout(q, args.format, args.cols);
         q.n_tasks = gemv_tasks(mode, args.rows, args.format);
         q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
-        q.scales_per_row = (int)weight_scales_per_row(args.format, args.cols);
-        q.row_bytes = weight_row_bytes(args.format, args.cols);
         q.eps = args.eps;
         q.selected = nullptr;
         q.tasks_per_expert = 0;
@@ -1071,13 +1079,10 @@ cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void
     q.y = act;
     q.rows = 2 * inter;  // per expert
     q.cols = hidden;
-    q.n_chunks = ceil_div(hidden, weight_values_per_chunk(format));
-    q.n_kblocks = ceil_div(q.n_chunks, 4);
+    set_quant_row_layout(q, format, hidden);
     q.tasks_per_expert = ceil_div(inter, 8);
     q.n_tasks = top_k * q.tasks_per_expert;
     q.out_rows = inter;
-    q.scales_per_row = (int)weight_scales_per_row(format, hidden);
-    q.row_bytes = weight_row_bytes(format, hidden);
     q.selected = selected;
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
@@ -1107,10 +1112,7 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
     q.top_k = top_k;
     q.hidden = hidden;
     q.inter = inter;
-    q.n_chunks = ceil_div(inter, weight_values_per_chunk(format));
-    q.n_kblocks = ceil_div(q.n_chunks, 4);
-    q.scales_per_row = (int)weight_scales_per_row(format, inter);
-    q.row_bytes = weight_row_bytes(format, inter);
+    set_quant_row_layout(q, format, inter);
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     const int tasks = ceil_div(hidden, kQuantTaskRows);
