@@ -228,6 +228,21 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint3
 __device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16 *p) {  // p: an even index
     return *reinterpret_cast<const uint32_t *>(p);
 }
+// d += (a_hi + a_lo) . b for the B fragment at b_row (lane's column pairs at b_row and b_row + 8),
+// plus a_hi . b_lo from b_row + lo_offset when B is itself split hi + lo (fp32 K/V): the split
+// product both attention mmas (scores, weighted values) take, in this order.
+template <bool kSplitB>
+__device__ __forceinline__ void mma_split_product(float (&d)[4], const uint32_t (&a_hi)[4],
+                                                  const uint32_t (&a_lo)[4],
+                                                  const __nv_bfloat16 *b_row, int lo_offset) {
+    const uint32_t b0 = ld_pair(b_row), b1 = ld_pair(b_row + 8);
+    mma_bf16_16816(d, a_hi, b0, b1);
+    mma_bf16_16816(d, a_lo, b0, b1);
+    if constexpr (kSplitB) {
+        const __nv_bfloat16 *b_lo = b_row + lo_offset;
+        mma_bf16_16816(d, a_hi, ld_pair(b_lo), ld_pair(b_lo + 8));
+    }
+}
 // The A fragment (16 x 16, row-major) of rows [row, row + 16), columns [col, col + 16) of a
 // shared bf16 matrix with ld elements per row: lane (g, t) holds rows g and g + 8, columns
 // 2t, 2t + 1 and 2t + 8, 2t + 9.
@@ -390,14 +405,8 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
             load_a_fragment(a_lo, q_lo, QK_LD, warp_row, d0, g, t);
 #pragma unroll
             for (int j = 0; j < kScoreTiles; ++j) {
-                const __nv_bfloat16 *k_row = k_tile + (8 * j + g) * QK_LD + d0 + 2 * t;
-                const uint32_t b0 = ld_pair(k_row), b1 = ld_pair(k_row + 8);
-                mma_bf16_16816(s[j], a_hi, b0, b1);
-                mma_bf16_16816(s[j], a_lo, b0, b1);
-                if constexpr (kSplitKv) {
-                    const __nv_bfloat16 *k_row_lo = k_row + BK * QK_LD;
-                    mma_bf16_16816(s[j], a_hi, ld_pair(k_row_lo), ld_pair(k_row_lo + 8));
-                }
+                mma_split_product<kSplitKv>(s[j], a_hi, a_lo,
+                                            k_tile + (8 * j + g) * QK_LD + d0 + 2 * t, BK * QK_LD);
             }
         }
         // Scale and mask as decode attention: (q . k) * (k_scale * (1 / sqrt(hd))) for int8,
@@ -466,14 +475,8 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
             split_pair(w[1][2], w[1][3], a_hi[3], a_lo[3]);  // row g + 8
 #pragma unroll
             for (int nt = 0; nt < kOutTiles; ++nt) {
-                const __nv_bfloat16 *v_row = vt_tile + (8 * nt + g) * VT_LD + 16 * kk + 2 * t;
-                const uint32_t b0 = ld_pair(v_row), b1 = ld_pair(v_row + 8);
-                mma_bf16_16816(o[nt], a_hi, b0, b1);
-                mma_bf16_16816(o[nt], a_lo, b0, b1);
-                if constexpr (kSplitKv) {
-                    const __nv_bfloat16 *v_row_lo = v_row + HD * VT_LD;
-                    mma_bf16_16816(o[nt], a_hi, ld_pair(v_row_lo), ld_pair(v_row_lo + 8));
-                }
+                mma_split_product<kSplitKv>(o[nt], a_hi, a_lo,
+                                            vt_tile + (8 * nt + g) * VT_LD + 16 * kk + 2 * t, HD * VT_LD);
             }
         }
     }
