@@ -480,7 +480,8 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
 //          bf16 group scale, in its high half when the scale's index is odd; when it is even
 //          only the scale itself is read (low half) and the high half is zero-filled, so no
 //          copy reads past the scale array.
-constexpr int kQuantStages = 6;
+constexpr int kQuantStages = 6;       // default depth: 12288-column inputs at two blocks per SM
+constexpr int kQuantStagesDeep = 9;   // where the staged input leaves room (gemv_plan chooses)
 
 // A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
 // L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
@@ -490,8 +491,8 @@ __device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src
                  : "memory");
 }
 
-__host__ __device__ constexpr int quant_ring_bytes(int format) {
-    return kQuantStages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
+__host__ __device__ constexpr int quant_ring_bytes(int format, int stages = kQuantStages) {
+    return stages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
            (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
 }
 
@@ -499,11 +500,10 @@ __host__ __device__ constexpr int quant_ring_bytes(int format) {
 // taking the word's bytes 2, 3 (the scale is the high half) or 0, 1, and zeros below.
 constexpr uint32_t kScaleHigh = 0x3244u, kScaleLow = 0x1044u;
 
-template <int FMT, int MODE, int WARPS>
+template <int FMT, int MODE, int WARPS, int S>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
     constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
-    constexpr int S = kQuantStages;
     constexpr bool kQ4 = FMT == OG_WEIGHTS_Q4;
     // the staged B (n_kblocks * b_kblock_words(P) words, layout above), then the ring (above)
     extern __shared__ __align__(16) uint32_t x_pairs[];
@@ -841,34 +841,53 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
 }
 
 
-template <int FMT>
-const void *quant_kernel_for(GemvMode mode, int warps) {
-    if (warps != kQuantWarps) return nullptr;
+template <int FMT, int S>
+const void *quant_kernel_for(GemvMode mode) {
     switch (mode) {
-        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps>;
-        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps>;
-        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps>;
-        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps>;
+        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps, S>;
+        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps, S>;
+        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps, S>;
+        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps, S>;
     }
     return nullptr;
 }
+// The quantized kernel for a mode, format and ring depth (nullptr for other block sizes/depths).
+const void *quant_kernel_for(GemvMode mode, int warps, int format, int stages) {
+    if (warps != kQuantWarps) return nullptr;
+    const bool q4 = format == OG_WEIGHTS_Q4;
+    if (stages == kQuantStages)
+        return q4 ? quant_kernel_for<OG_WEIGHTS_Q4, kQuantStages>(mode) : quant_kernel_for<OG_WEIGHTS_INT8, kQuantStages>(mode);
+    if (stages == kQuantStagesDeep)
+        return q4 ? quant_kernel_for<OG_WEIGHTS_Q4, kQuantStagesDeep>(mode)
+                  : quant_kernel_for<OG_WEIGHTS_INT8, kQuantStagesDeep>(mode);
+    return nullptr;
+}
 
-template <int FMT>
-cudaError_t launch_quant(GemvMode mode, int warps, dim3 grid, int smem, cudaStream_t stream,
-                         bool pdl, const QuantGemvParams &p) {
-    if (warps != kQuantWarps) return cudaErrorInvalidConfiguration;
+template <int FMT, int S>
+cudaError_t launch_quant(GemvMode mode, dim3 grid, int smem, cudaStream_t stream, bool pdl,
+                         const QuantGemvParams &p) {
     const dim3 block(kQuantWarps * kWarpSize);
     switch (mode) {
         case kGemvPlain:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
         case kGemvNorm:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
         case kGemvResidual:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
         case kGemvNormSwiglu:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
     }
     return cudaErrorInvalidValue;
+}
+template <int FMT>
+cudaError_t launch_quant(GemvMode mode, const GemvPlan &plan, cudaStream_t stream, bool pdl,
+                         const QuantGemvParams &p) {
+    if (plan.warps != kQuantWarps) return cudaErrorInvalidConfiguration;
+    const dim3 grid(plan.grid);
+    if (plan.stages == kQuantStages) return launch_quant<FMT, kQuantStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
+    if (plan.stages == kQuantStagesDeep)
+        return launch_quant<FMT, kQuantStagesDeep>(mode, grid, plan.smem_bytes, stream, pdl, p);
+    return cudaErrorInvalidConfiguration;
 }
 
 // ---- dispatch ------------------------------------------------------------------------------------
@@ -901,8 +920,8 @@ const void *gemv_kernel_for(GemvMode mode, int unroll) {
 }
 
 const void *gemv_kernel_for(GemvMode mode, int warps, int format, int unroll) {
-    if (format == OG_WEIGHTS_INT8) return quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps);
-    if (format == OG_WEIGHTS_Q4) return quant_kernel_for<OG_WEIGHTS_Q4>(mode, warps);
+    if (format == OG_WEIGHTS_INT8 || format == OG_WEIGHTS_Q4)
+        return quant_kernel_for(mode, warps, format, kQuantStages);
     if (format != OG_WEIGHTS_BF16) return nullptr;
     switch (warps) {
         case 2: return gemv_kernel_for<2>(mode, unroll);
@@ -973,9 +992,24 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     // Quantized: a block of 8 warps per 16-row task (the warps split its columns).
     while (format == OG_WEIGHTS_BF16 && warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
     const void *kernel = gemv_kernel_for(mode, warps, format, unroll);
-    const size_t smem_bytes = gemv_smem_bytes(mode, cols, format);
-    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
+    size_t smem_bytes = gemv_smem_bytes(mode, cols, format);
+    int stages = format == OG_WEIGHTS_BF16 ? 0 : kQuantStages;
     int blocks_per_sm = 0;
+    if (format != OG_WEIGHTS_BF16) {
+        // The deeper load ring where two blocks per SM still fit beside the staged input.
+        const void *deep = quant_kernel_for(mode, warps, format, kQuantStagesDeep);
+        const size_t deep_smem = smem_bytes - quant_ring_bytes(format) + quant_ring_bytes(format, kQuantStagesDeep);
+        if (allow_dynamic_smem(deep, deep_smem) == cudaSuccess &&
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, deep, warps * kWarpSize,
+                                                          deep_smem) == cudaSuccess &&
+            blocks_per_sm >= 2) {
+            kernel = deep;
+            smem_bytes = deep_smem;
+            stages = kQuantStagesDeep;
+        }
+        (void)cudaGetLastError();  // a refused opt-in for the deep ring is not an error
+    }
+    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
     OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
     if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
@@ -983,6 +1017,7 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
     plan->unroll = unroll;
+    plan->stages = stages;
     plan->smem_bytes = (int)smem_bytes;
     plan->format = format;
     return cudaSuccess;
@@ -1020,10 +1055,8 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.eps = args.eps;
         q.selected = nullptr;
         q.tasks_per_expert = 0;
-        const dim3 grid(plan.grid);
-        if (args.format == OG_WEIGHTS_INT8)
-            return launch_quant<OG_WEIGHTS_INT8>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
-        return launch_quant<OG_WEIGHTS_Q4>(mode, plan.warps, grid, plan.smem_bytes, stream, pdl, q);
+        if (args.format == OG_WEIGHTS_INT8) return launch_quant<OG_WEIGHTS_INT8>(mode, plan, stream, pdl, q);
+        return launch_quant<OG_WEIGHTS_Q4>(mode, plan, stream, pdl, q);
     }
     GemvParams p;
     p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
@@ -1050,7 +1083,7 @@ namespace {
 template <int FMT>
 cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
                                       cudaStream_t stream, bool pdl) {
-    const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps>;
+    const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps, kQuantStages>;
     // The staged input and the load ring pass the 48 KB default: opt in once per device (the
     // attribute is per device), not with a driver call on every launch.
     static std::atomic<int> opted_in_device{-1};

@@ -58,6 +58,7 @@ struct GemvPlan {
     int grid = 0;
     int warps = 0;                // per block: 8, 4 or 2
     int unroll = 4;               // bf16: 16-byte chunks per row per lane in flight (4, 8, 12)
+    int stages = 0;               // int8 / q4: k-blocks per lane in the load ring (gemv.cu)
     int smem_bytes = 0;
     int format = OG_WEIGHTS_BF16;
 };
