@@ -994,25 +994,27 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     const void *kernel = gemv_kernel_for(mode, warps, format, unroll);
     size_t smem_bytes = gemv_smem_bytes(mode, cols, format);
     int stages = format == OG_WEIGHTS_BF16 ? 0 : kQuantStages;
+    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
     int blocks_per_sm = 0;
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
+    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     if (format != OG_WEIGHTS_BF16) {
-        // The deeper load ring where two blocks per SM still fit beside the staged input.
+        // The deeper load ring where it costs no blocks per SM (hidden-size inputs of the 8B
+        // shape: two blocks either way; 0.6b's 1024 columns would drop from three to two).
         const void *deep = quant_kernel_for(mode, warps, format, kQuantStagesDeep);
         const size_t deep_smem = smem_bytes - quant_ring_bytes(format) + quant_ring_bytes(format, kQuantStagesDeep);
+        int deep_blocks = 0;
         if (allow_dynamic_smem(deep, deep_smem) == cudaSuccess &&
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, deep, warps * kWarpSize,
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&deep_blocks, deep, warps * kWarpSize,
                                                           deep_smem) == cudaSuccess &&
-            blocks_per_sm >= 2) {
+            deep_blocks == blocks_per_sm) {
             kernel = deep;
             smem_bytes = deep_smem;
             stages = kQuantStagesDeep;
         }
         (void)cudaGetLastError();  // a refused opt-in for the deep ring is not an error
     }
-    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
-    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
-    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     const int needed = format == OG_WEIGHTS_BF16 ? ceil_div(tasks, warps) : tasks;
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
