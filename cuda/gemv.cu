@@ -482,6 +482,11 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
 //          copy reads past the scale array.
 constexpr int kQuantStages = 6;       // default depth: 12288-column inputs at two blocks per SM
 constexpr int kQuantStagesDeep = 9;   // where the staged input leaves room (gemv_plan chooses)
+// Wide blocks: 16 warps split a task's k-blocks 16 ways, one block per SM, so a large staged
+// input (12288 columns: 48 KB) is held once per SM and the rest of shared memory is ring:
+// 16 warps x 7 k-blocks in flight against 2 blocks x 8 warps x 5 with the default.
+constexpr int kQuantWideWarps = 16;
+constexpr int kQuantWideStages = 8;
 
 // A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
 // L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
@@ -491,8 +496,9 @@ __device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src
                  : "memory");
 }
 
-__host__ __device__ constexpr int quant_ring_bytes(int format, int stages = kQuantStages) {
-    return stages * 2 * kQuantWarps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
+__host__ __device__ constexpr int quant_ring_bytes(int format, int stages = kQuantStages,
+                                                   int warps = kQuantWarps) {
+    return stages * 2 * warps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
            (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
 }
 
@@ -841,52 +847,57 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
 }
 
 
-template <int FMT, int S>
+template <int FMT, int WARPS, int S>
 const void *quant_kernel_for(GemvMode mode) {
     switch (mode) {
-        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps, S>;
-        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps, S>;
-        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps, S>;
-        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps, S>;
+        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, WARPS, S>;
+        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, WARPS, S>;
+        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, WARPS, S>;
+        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, WARPS, S>;
     }
     return nullptr;
 }
-// The quantized kernel for a mode, format and ring depth (nullptr for other block sizes/depths).
-const void *quant_kernel_for(GemvMode mode, int warps, int format, int stages) {
-    if (warps != kQuantWarps) return nullptr;
-    const bool q4 = format == OG_WEIGHTS_Q4;
-    if (stages == kQuantStages)
-        return q4 ? quant_kernel_for<OG_WEIGHTS_Q4, kQuantStages>(mode) : quant_kernel_for<OG_WEIGHTS_INT8, kQuantStages>(mode);
-    if (stages == kQuantStagesDeep)
-        return q4 ? quant_kernel_for<OG_WEIGHTS_Q4, kQuantStagesDeep>(mode)
-                  : quant_kernel_for<OG_WEIGHTS_INT8, kQuantStagesDeep>(mode);
+template <int FMT>
+const void *quant_kernel_for(GemvMode mode, int warps, int stages) {
+    if (warps == kQuantWarps && stages == kQuantStages) return quant_kernel_for<FMT, kQuantWarps, kQuantStages>(mode);
+    if (warps == kQuantWarps && stages == kQuantStagesDeep)
+        return quant_kernel_for<FMT, kQuantWarps, kQuantStagesDeep>(mode);
+    if (warps == kQuantWideWarps && stages == kQuantWideStages)
+        return quant_kernel_for<FMT, kQuantWideWarps, kQuantWideStages>(mode);
     return nullptr;
 }
+// The quantized kernel for a mode, format, block size and ring depth (nullptr for other ones).
+const void *quant_kernel_for(GemvMode mode, int warps, int format, int stages) {
+    return format == OG_WEIGHTS_Q4 ? quant_kernel_for<OG_WEIGHTS_Q4>(mode, warps, stages)
+                                   : quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps, stages);
+}
 
-template <int FMT, int S>
+template <int FMT, int WARPS, int S>
 cudaError_t launch_quant(GemvMode mode, dim3 grid, int smem, cudaStream_t stream, bool pdl,
                          const QuantGemvParams &p) {
-    const dim3 block(kQuantWarps * kWarpSize);
+    const dim3 block(WARPS * kWarpSize);
     switch (mode) {
         case kGemvPlain:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, WARPS, S>, grid, block, smem, stream, pdl, p);
         case kGemvNorm:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, WARPS, S>, grid, block, smem, stream, pdl, p);
         case kGemvResidual:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, WARPS, S>, grid, block, smem, stream, pdl, p);
         case kGemvNormSwiglu:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, kQuantWarps, S>, grid, block, smem, stream, pdl, p);
+            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, WARPS, S>, grid, block, smem, stream, pdl, p);
     }
     return cudaErrorInvalidValue;
 }
 template <int FMT>
 cudaError_t launch_quant(GemvMode mode, const GemvPlan &plan, cudaStream_t stream, bool pdl,
                          const QuantGemvParams &p) {
-    if (plan.warps != kQuantWarps) return cudaErrorInvalidConfiguration;
     const dim3 grid(plan.grid);
-    if (plan.stages == kQuantStages) return launch_quant<FMT, kQuantStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
-    if (plan.stages == kQuantStagesDeep)
-        return launch_quant<FMT, kQuantStagesDeep>(mode, grid, plan.smem_bytes, stream, pdl, p);
+    if (plan.warps == kQuantWarps && plan.stages == kQuantStages)
+        return launch_quant<FMT, kQuantWarps, kQuantStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
+    if (plan.warps == kQuantWarps && plan.stages == kQuantStagesDeep)
+        return launch_quant<FMT, kQuantWarps, kQuantStagesDeep>(mode, grid, plan.smem_bytes, stream, pdl, p);
+    if (plan.warps == kQuantWideWarps && plan.stages == kQuantWideStages)
+        return launch_quant<FMT, kQuantWideWarps, kQuantWideStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
     return cudaErrorInvalidConfiguration;
 }
 
@@ -921,7 +932,7 @@ const void *gemv_kernel_for(GemvMode mode, int unroll) {
 
 const void *gemv_kernel_for(GemvMode mode, int warps, int format, int unroll) {
     if (format == OG_WEIGHTS_INT8 || format == OG_WEIGHTS_Q4)
-        return quant_kernel_for(mode, warps, format, kQuantStages);
+        return quant_kernel_for(mode, warps, format, kQuantStages);  // the default; gemv_plan may widen
     if (format != OG_WEIGHTS_BF16) return nullptr;
     switch (warps) {
         case 2: return gemv_kernel_for<2>(mode, unroll);
@@ -1000,20 +1011,37 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
         &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
     if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     if (format != OG_WEIGHTS_BF16) {
-        // The deeper load ring where it costs no blocks per SM (hidden-size inputs of the 8B
-        // shape: two blocks either way; 0.6b's 1024 columns would drop from three to two).
-        const void *deep = quant_kernel_for(mode, warps, format, kQuantStagesDeep);
-        const size_t deep_smem = smem_bytes - quant_ring_bytes(format) + quant_ring_bytes(format, kQuantStagesDeep);
-        int deep_blocks = 0;
-        if (allow_dynamic_smem(deep, deep_smem) == cudaSuccess &&
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&deep_blocks, deep, warps * kWarpSize,
-                                                          deep_smem) == cudaSuccess &&
-            deep_blocks == blocks_per_sm) {
-            kernel = deep;
-            smem_bytes = deep_smem;
+        // A configuration's blocks per SM (0 where it does not fit or the opt-in is refused).
+        const size_t input_smem = smem_bytes - quant_ring_bytes(format);
+        auto blocks_of = [&](int w, int s, size_t *smem) {
+            *smem = input_smem + quant_ring_bytes(format, s, w);
+            const void *k = quant_kernel_for(mode, w, format, s);
+            int blocks = 0;
+            if (allow_dynamic_smem(k, *smem) != cudaSuccess ||
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, w * kWarpSize, *smem) != cudaSuccess)
+                blocks = 0;
+            (void)cudaGetLastError();  // a refused configuration is not an error
+            return blocks;
+        };
+        // The deeper ring where it costs no blocks per SM (the 8B shape's hidden-size inputs:
+        // two blocks either way; 0.6b's 1024 columns would drop from three to two); else, where
+        // the default fits only two blocks of 8 warps per SM (a large staged input), one wide
+        // block of 16 warps when it fits: the same warps, more k-blocks in flight.
+        size_t deep_smem = 0, wide_smem = 0;
+        if (blocks_of(kQuantWarps, kQuantStagesDeep, &deep_smem) == blocks_per_sm) {
+            warps = kQuantWarps;
             stages = kQuantStagesDeep;
+            smem_bytes = deep_smem;
+        } else if (blocks_per_sm <= 2 && blocks_of(kQuantWideWarps, kQuantWideStages, &wide_smem) >= 1) {
+            warps = kQuantWideWarps;
+            stages = kQuantWideStages;
+            smem_bytes = wide_smem;
         }
-        (void)cudaGetLastError();  // a refused opt-in for the deep ring is not an error
+        kernel = quant_kernel_for(mode, warps, format, stages);
+        OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
+        OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
+        if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     }
     const int needed = format == OG_WEIGHTS_BF16 ? ceil_div(tasks, warps) : tasks;
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;

@@ -58,6 +58,12 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
                                     const float *x, const float *norm_weight, float eps,
                                     float *y, float *normed);
 
+/* How many warps og_test_gemv_quant's plan splits each row's k-blocks over for this shape (8, or
+ * 16 where a large staged input makes one wide block per SM the better fit): its summation
+ * order, for the tests' error bound. */
+OG_API og_status og_test_gemv_quant_split(int32_t format, int32_t mode, int32_t rows,
+                                          int32_t cols, int32_t *warps);
+
 /* The RoPE table the engine uploads: inv_freq[i] = float(1 / theta^(2i/hd)) / float(factor),
  * i < head_dim / 2, the power in float64. Host only (no device needed). */
 OG_API og_status og_test_rope_inv_freq(int32_t head_dim, double theta, double linear_factor,

@@ -301,6 +301,19 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
     return OG_OK;
 }
 
+OG_API og_status og_test_gemv_quant_split(int32_t format, int32_t mode, int32_t rows,
+                                          int32_t cols, int32_t *warps) {
+    if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || mode < kGemvPlain ||
+        mode > kGemvNormSwiglu || warps == nullptr || rows <= 0 || cols <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_quant_split: format=%d mode=%d rows=%d cols=%d",
+                         format, mode, rows, cols);
+    OG_TRY(require_device());
+    GemvPlan plan;
+    OG_CUDA_TRY(gemv_plan(static_cast<GemvMode>(mode), rows, cols, &plan, format));
+    *warps = plan.warps;
+    return OG_OK;
+}
+
 OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
                                    int32_t token, float *x) {
     if (table == nullptr || x == nullptr || vocab <= 0 || hidden <= 0)

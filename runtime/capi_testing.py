@@ -66,6 +66,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                              float *y, float *normed);
     fn("og_test_gemv_quant", c_int32, c_int32, c_void_p, c_void_p, c_int32, c_int32, P_f32, P_f32,
        c_float, P_f32, P_f32)
+    # og_status og_test_gemv_quant_split(int32_t format, int32_t mode, int32_t rows, int32_t cols,
+    #                                    int32_t *warps);
+    fn("og_test_gemv_quant_split", c_int32, c_int32, c_int32, c_int32, P_i32)
     # og_status og_test_gemm(const uint16_t *a, const uint16_t *a_lo, const uint16_t *w,
     #                        int32_t rows, int32_t cols, int32_t depth, int32_t accumulate,
     #                        float *y);
@@ -327,6 +330,15 @@ def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0,
                                      _p(normed, c_float)),
            "og_test_gemv_quant")
     return out, normed
+
+
+def gemv_quant_split(fmt: str, mode: str, rows: int, cols: int) -> int:
+    """The warps the quantized GEMV's plan splits a row's k-blocks over for this shape."""
+    warps = c_int32(0)
+    _check(load().og_test_gemv_quant_split(capi.WEIGHT_FORMATS[fmt], GEMV_MODES[mode], rows, cols,
+                                            ctypes.byref(warps)),
+           "og_test_gemv_quant_split")
+    return warps.value
 
 
 def rope_inv_freq(head_dim: int, theta: float, linear_factor: float = 1.0) -> np.ndarray:

@@ -10,11 +10,12 @@ in fp16 and fp32, so the only errors are roundings; depth follows each kernel's 
 
 Dense GEMV (gemv.cu, tensor cores): x * 2^e is split into fp16 hi + lo (|error| <= 2^-22 = 4U
 relative, plus at most 2^-25 * 2^-e absolute where lo is subnormal, 2^-e <= max|x| 2^-14); the
-mma accumulates in fp32, counted as 2 roundings (truncation) per mma in a chain; int8: one chain
-of 4 mmas per k-block over the warp's ceil(k-blocks / 8) k-blocks (every lane's B is active, so
-one D column holds a row's whole hi sum and another its lo sum), then hi + lo, the 8 warps'
-partials and the row scale; q4: per k-block (= per group) a chain of 8
-mmas from zero, one fma with the group scale per k-block, the butterfly and the 8 partials.
+mma accumulates in fp32, counted as 2 roundings (truncation) per mma in a chain. The plan splits
+a row's k-blocks over W warps (8, or 16 for one wide block per SM: og_test_gemv_quant_split);
+int8: one chain of 4 mmas per k-block over the warp's ceil(k-blocks / W) k-blocks (every lane's
+B is active, so one D column holds a row's whole hi sum and another its lo sum), then hi + lo,
+the W warps' partials and the row scale; q4: per k-block (= per group) a chain of 8 mmas from
+zero, one fma with the group scale per k-block, the butterfly and the W partials.
 MoE gate/up runs on the same kernel (same depth); MoE down too, with one warp per expert (all
 of an expert row's k-blocks in one chain), then w_j * s_j, the chain over the experts in
 selection order and the residual add.
@@ -56,10 +57,11 @@ def warp_depth(fmt: str, k_blocks: int) -> int:
     return 4 + 2 * (8 + 1) + k_blocks + 1 + 2
 
 
-def gemv_depth(fmt: str, cols: int) -> int:
-    """The dense GEMV: each of 8 warps takes every 8th k-block; their partials are added in order."""
+def gemv_depth(fmt: str, cols: int, warps: int = 8) -> int:
+    """The dense GEMV: each of `warps` warps (8, or 16 where the plan takes one wide block per SM:
+    ct.gemv_quant_split) takes every warps-th k-block; their partials are added in order."""
     k_blocks = math.ceil(math.ceil(cols / VALUES_PER_CHUNK[fmt]) / 4)
-    return warp_depth(fmt, math.ceil(k_blocks / 8)) + 8
+    return warp_depth(fmt, math.ceil(k_blocks / warps)) + warps
 
 
 def split_floor(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -95,7 +97,8 @@ def test_gemv_plain(fmt, rows, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     y, _ = ct.gemv_quant(qm, "plain", x)
     terms = w * x.astype(np.float64)
-    tol = (gemv_depth(fmt, cols) + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, x)
+    depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "plain", rows, cols))
+    tol = (depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, x)
     assert_within(y, terms.sum(axis=1), tol, f"{fmt} gemv {rows}x{cols}")
     again, _ = ct.gemv_quant(qm, "plain", x)
     np.testing.assert_array_equal(again, y)                  # bit-identical rerun
@@ -111,7 +114,8 @@ def test_gemv_residual(fmt, rows, cols):
     y, _ = ct.gemv_quant(qm, "residual", x, y=y0)
     terms = w * x.astype(np.float64)
     ref = y0.astype(np.float64) + terms.sum(axis=1)
-    tol = (gemv_depth(fmt, cols) + SLACK) * U * (np.abs(terms).sum(axis=1) + np.abs(y0)) + split_floor(w, x)
+    depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "residual", rows, cols))
+    tol = (depth + SLACK) * U * (np.abs(terms).sum(axis=1) + np.abs(y0)) + split_floor(w, x)
     assert_within(y, ref, tol, f"{fmt} gemv+residual {rows}x{cols}")
 
 
@@ -128,7 +132,8 @@ def test_gemv_rmsnorm(fmt, rows, cols):
     norm_depth = sumsq_depth(cols) + SLACK
     assert_within(normed, n_ref, norm_depth * U * np.abs(n_ref), f"{fmt} rmsnorm n={cols}")
     terms = w * n_ref
-    tol = (gemv_depth(fmt, cols) + norm_depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, n_ref)
+    depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "norm", rows, cols))
+    tol = (depth + norm_depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, n_ref)
     assert_within(y, terms.sum(axis=1), tol, f"{fmt} rmsnorm+gemv {rows}x{cols}")
 
 
@@ -147,7 +152,7 @@ def test_gemv_rmsnorm_swiglu(fmt, inter, cols):
     g, u = gate_terms.sum(axis=1), up_terms.sum(axis=1)
     silu = g / (1.0 + np.exp(-g))
     ref = silu * u
-    depth = gemv_depth(fmt, cols) + sumsq_depth(cols) + SLACK
+    depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "norm_swiglu", 2 * inter, cols)) + sumsq_depth(cols) + SLACK
     dg = depth * U * np.abs(gate_terms).sum(axis=1) + split_floor(w[:inter], n_ref)
     du = depth * U * np.abs(up_terms).sum(axis=1) + split_floor(w[inter:], n_ref)
     tol = 1.1 * dg * np.abs(u) + np.abs(silu) * du + SLACK * U * np.abs(ref)
