@@ -480,13 +480,19 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
 //          bf16 group scale, in its high half when the scale's index is odd; when it is even
 //          only the scale itself is read (low half) and the high half is zero-filled, so no
 //          copy reads past the scale array.
-constexpr int kQuantStages = 6;       // default depth: 12288-column inputs at two blocks per SM
-constexpr int kQuantStagesDeep = 9;   // where the staged input leaves room (gemv_plan chooses)
+// (A 9-deep ring for the 8B shape's 4096-column inputs, same blocks per SM, measured slower:
+// step q4 2.63 vs 2.56 ms, int8 3.07 vs 2.99.)
+constexpr int kQuantStages = 6;
 // Wide blocks: 16 warps split a task's k-blocks 16 ways, one block per SM, so a large staged
 // input (12288 columns: 48 KB) is held once per SM and the rest of shared memory is ring:
-// 16 warps x 7 k-blocks in flight against 2 blocks x 8 warps x 5 with the default.
+// 16 warps x 7 k-blocks in flight against 2 blocks x 8 warps x 5 with the default. gemv_plan
+// takes it where the default fits only two blocks per SM and a wide warp still gets
+// kQuantWideMinKBlocks k-blocks of each task: the 8B down projection (int8 21.2 -> 17.9 us per
+// layer in the graph, q4 14.3 -> 14.0); q4 4096-column inputs (2 k-blocks a warp) measured
+// slower wide (step 2.70 vs 2.50 ms), int8 ones too (3.05 vs 3.02, three blocks per SM).
 constexpr int kQuantWideWarps = 16;
 constexpr int kQuantWideStages = 8;
+constexpr int kQuantWideMinKBlocks = 4;
 
 // A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
 // L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
@@ -860,8 +866,6 @@ const void *quant_kernel_for(GemvMode mode) {
 template <int FMT>
 const void *quant_kernel_for(GemvMode mode, int warps, int stages) {
     if (warps == kQuantWarps && stages == kQuantStages) return quant_kernel_for<FMT, kQuantWarps, kQuantStages>(mode);
-    if (warps == kQuantWarps && stages == kQuantStagesDeep)
-        return quant_kernel_for<FMT, kQuantWarps, kQuantStagesDeep>(mode);
     if (warps == kQuantWideWarps && stages == kQuantWideStages)
         return quant_kernel_for<FMT, kQuantWideWarps, kQuantWideStages>(mode);
     return nullptr;
@@ -894,8 +898,6 @@ cudaError_t launch_quant(GemvMode mode, const GemvPlan &plan, cudaStream_t strea
     const dim3 grid(plan.grid);
     if (plan.warps == kQuantWarps && plan.stages == kQuantStages)
         return launch_quant<FMT, kQuantWarps, kQuantStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
-    if (plan.warps == kQuantWarps && plan.stages == kQuantStagesDeep)
-        return launch_quant<FMT, kQuantWarps, kQuantStagesDeep>(mode, grid, plan.smem_bytes, stream, pdl, p);
     if (plan.warps == kQuantWideWarps && plan.stages == kQuantWideStages)
         return launch_quant<FMT, kQuantWideWarps, kQuantWideStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
     return cudaErrorInvalidConfiguration;
@@ -1023,16 +1025,13 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
             (void)cudaGetLastError();  // a refused configuration is not an error
             return blocks;
         };
-        // The deeper ring where it costs no blocks per SM (the 8B shape's hidden-size inputs:
-        // two blocks either way; 0.6b's 1024 columns would drop from three to two); else, where
-        // the default fits only two blocks of 8 warps per SM (a large staged input), one wide
-        // block of 16 warps when it fits: the same warps, more k-blocks in flight.
-        size_t deep_smem = 0, wide_smem = 0;
-        if (blocks_of(kQuantWarps, kQuantStagesDeep, &deep_smem) == blocks_per_sm) {
-            warps = kQuantWarps;
-            stages = kQuantStagesDeep;
-            smem_bytes = deep_smem;
-        } else if (blocks_per_sm <= 2 && blocks_of(kQuantWideWarps, kQuantWideStages, &wide_smem) >= 1) {
+        // Where the default fits only two blocks of 8 warps per SM (a large staged input) and a
+        // wide warp keeps kQuantWideMinKBlocks k-blocks of a task, one wide block of 16 warps
+        // when it fits: the same warps, more k-blocks in flight.
+        const int n_kblocks = ceil_div(ceil_div(cols, weight_values_per_chunk(format)), 4);
+        size_t wide_smem = 0;
+        if (blocks_per_sm <= 2 && n_kblocks >= kQuantWideWarps * kQuantWideMinKBlocks &&
+            blocks_of(kQuantWideWarps, kQuantWideStages, &wide_smem) >= 1) {
             warps = kQuantWideWarps;
             stages = kQuantWideStages;
             smem_bytes = wide_smem;

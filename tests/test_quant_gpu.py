@@ -86,6 +86,7 @@ GEMV_SHAPES = [  # (rows, cols): single rows, tails of 4-row tasks, partial 16/3
     (64, 12289),         # the staged input needs more than 48 KB of shared memory
     (20, 12288),         # exactly 48 KB staged (qwen3-8b down): the kernel's static arrays need the opt-in
     (20001, 64),         # more tasks than resident warps: the grid-stride loop
+    (2200, 8200),        # wide 16-warp blocks (og_test_gemv_quant_split) striding over tasks
 ]
 
 
