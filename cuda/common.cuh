@@ -85,7 +85,7 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
 // ---- programmatic dependent launch ----------------------------------------------------
 // Every kernel calls pdl_wait() before it touches memory an earlier kernel writes (or
 // reads), so with or without the PDL launch attribute the stream order is kept. With the
-// attribute, a kernel's launch and the work before pdl_wait() (L2 prefetch of weights)
+// attribute, a kernel's launch and the work before pdl_wait() (loading its first weights)
 // overlap the tail of the previous kernel. Without it both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -95,12 +95,6 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-// Hint: bring [ptr, ptr + bytes) into L2. ptr 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void prefetch_l2(const void *ptr, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
 #endif
 }
 

@@ -19,8 +19,10 @@
 // tried: 8B 198 -> 186 tok/s, lm_head 76 -> 85 µs: the rows in flight exceed L2 and get evicted
 // before use.) The weights do not depend on earlier kernels, so before
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
-// registers and pulls the rest of those rows into L2, and norm modes stage the norm weights:
-// after the wait, only x's staging (and its norm) stands before the arithmetic.
+// registers, and norm modes stage the norm weights: after the wait, only x's staging (and its
+// norm) stands before the arithmetic. (Pulling the rest of those rows into L2 there too cost
+// time: without it the 8B bf16 step went from 4.81 to 4.48 ms; L2 prefetches compete with the
+// loads the running kernels wait for.)
 #include <atomic>
 
 #include "kernels.cuh"
@@ -101,8 +103,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     int task = blockIdx.x * WARPS + warp;
 
     // Weights do not depend on earlier kernels: before waiting for the previous kernel, load
-    // this warp's first U chunks per lane of its first two rows into registers, pull the rest
-    // of those rows into L2, and stage the norm weights.
+    // this warp's first U chunks per lane of its first two rows into registers and stage the
+    // norm weights.
     uint4 v0[U], v1[U];
     int r0 = 0, r1 = 0;
     if (task < p.n_tasks) {
@@ -110,14 +112,6 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         load_chunks<U>(reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld),
                        reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld), lane,
                        n_chunks, v0, v1);
-        const int first_bytes = kWarpSize * U * 16;  // what the registers hold of a row
-        const int row_bytes = p.ld * 2;
-        if (lane == 0 && row_bytes > first_bytes) {
-            const uint32_t rest = (uint32_t)(row_bytes - first_bytes);
-            prefetch_l2(reinterpret_cast<const char *>(p.weight + (size_t)r0 * p.ld) + first_bytes, rest);
-            if (r1 != r0)
-                prefetch_l2(reinterpret_cast<const char *>(p.weight + (size_t)r1 * p.ld) + first_bytes, rest);
-        }
     }
     if (mode_has_norm(MODE)) {
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
@@ -581,17 +575,13 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     };
 
     // The weights do not depend on earlier kernels (the experts' do: which rows is the top-k
-    // kernel's output): the ring's first S - 1 k-blocks go out, and the rest of the block's first
-    // task's rows is pulled into L2, before waiting on the previous kernel, so they arrive while
-    // it finishes and while x is staged below.
+    // kernel's output): the ring's first S - 1 k-blocks go out before waiting on the previous
+    // kernel, so they arrive while it finishes and while x is staged below. (Pulling the rest of
+    // the block's first task's rows into L2 as well measured slower: 8B int8 step 2.86 -> 2.77 ms
+    // without it, q4 unchanged.)
     if (MODE != kQuantMoeGateUp) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s) issue();
-        if (tid < kQuantTaskRows && blockIdx.x < p.n_tasks) {
-            const int row = quant_task_row<MODE>(p, blockIdx.x, tid);
-            if (tid == 0 || row != quant_task_row<MODE>(p, blockIdx.x, tid - 1))
-                prefetch_l2(p.weight + (size_t)row * p.row_bytes, (uint32_t)p.row_bytes);
-        }
     }
     pdl_wait();
     pdl_launch_dependents();
