@@ -507,7 +507,7 @@ __host__ __device__ constexpr int quant_ring_bytes(int format, int stages = kQua
 constexpr uint32_t kScaleHigh = 0x3244u, kScaleLow = 0x1044u;
 
 template <int FMT, int MODE, int WARPS, int S>
-__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const QuantGemvParams p) {
+__global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
     constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
     constexpr bool kQ4 = FMT == OG_WEIGHTS_Q4;
@@ -583,6 +583,27 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
 #pragma unroll
         for (int s = 0; s < S - 1; ++s) issue();
     }
+    // x's staging below reads x (and the norm weights) in two passes. When this thread's share
+    // fits kStageFloat4s float4s (4096 columns; 12288 at 16 warps without a norm) the first
+    // pass keeps it in registers for the second, and the norm weights (weights: they do not
+    // depend on earlier kernels) are loaded before the wait: one round trip to L2 after the
+    // wait instead of two. This thread's float4 k is word tid + (k / (V / 4)) threads, part k % (V / 4).
+    const bool norm = mode_has_norm(MODE);
+    const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
+    // A thread's V columns by float4 when whole float4s are in reach: one scalar load per column
+    // strided V floats across the warp cost 32 sectors an instruction (the largest L1 load of the
+    // kernel for 12288 columns).
+    const bool vec = p.cols % 4 == 0 && is_aligned16(p.x) && (!norm || is_aligned16(p.norm_weight)) &&
+                     (!write_normed || is_aligned16(p.normed_out));
+    constexpr int kStageFloat4s = mode_has_norm(MODE) || WARPS < 16 ? 4 : 6;
+    constexpr int kStageWords = kStageFloat4s / (V / 4);
+    const bool in_regs = vec && n_words <= kStageWords * kThreads;
+    auto stage_col = [&](int k) { return (tid + (k / (V / 4)) * kThreads) * V + 4 * (k % (V / 4)); };
+    float4 xs[kStageFloat4s], ws[kStageFloat4s];
+    if (norm && in_regs) {
+#pragma unroll
+        for (int k = 0; k < kStageFloat4s; ++k) ws[k] = load4_or_zero(p.norm_weight, stage_col(k), p.cols);
+    }
     pdl_wait();
     pdl_launch_dependents();
     if (MODE == kQuantMoeGateUp) {
@@ -591,12 +612,26 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     }
 
     // ---- x (normalized in norm modes) -> the scale 2^e -> hi/lo fp16 pairs in shared memory
-    const bool norm = mode_has_norm(MODE);
     float sum_sq = 0.f, max_abs = 0.f;  // norm: max |x w|, the normalized max before 1/rms
-    for (int i = tid; i < p.cols; i += kThreads) {
-        const float v = p.x[i];
-        sum_sq = fmaf(v, v, sum_sq);
-        max_abs = fmaxf(max_abs, fabsf(norm ? v * p.norm_weight[i] : v));
+    if (in_regs) {
+#pragma unroll
+        for (int k = 0; k < kStageFloat4s; ++k) xs[k] = load4_or_zero(p.x, stage_col(k), p.cols);
+#pragma unroll
+        for (int k = 0; k < kStageFloat4s; ++k) {
+            const float4 x4 = xs[k];
+            sum_sq = fmaf(x4.x, x4.x, sum_sq);
+            sum_sq = fmaf(x4.y, x4.y, sum_sq);
+            sum_sq = fmaf(x4.z, x4.z, sum_sq);
+            sum_sq = fmaf(x4.w, x4.w, sum_sq);
+            const float4 m = norm ? make_float4(x4.x * ws[k].x, x4.y * ws[k].y, x4.z * ws[k].z, x4.w * ws[k].w) : x4;
+            max_abs = fmaxf(max_abs, fmaxf(fmaxf(fabsf(m.x), fabsf(m.y)), fmaxf(fabsf(m.z), fabsf(m.w))));
+        }
+    } else {
+        for (int i = tid; i < p.cols; i += kThreads) {
+            const float v = p.x[i];
+            sum_sq = fmaf(v, v, sum_sq);
+            max_abs = fmaxf(max_abs, fabsf(norm ? v * p.norm_weight[i] : v));
+        }
     }
     sum_sq = warp_sum(sum_sq);
     max_abs = warp_max(max_abs);
@@ -615,26 +650,38 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_quant_kernel(const Qua
     if (norm) bound *= inv_rms;
     const int e = split_exponent(bound);
     const float up = ldexpf(1.f, e), down = ldexpf(1.f, -e);
-    const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;
-    // A thread's V columns by float4 when whole float4s are in reach: one scalar load per column
-    // strided V floats across the warp cost 32 sectors an instruction (the largest L1 load of the
-    // kernel for 12288 columns).
-    const bool vec = p.cols % 4 == 0 && is_aligned16(p.x) && (!norm || is_aligned16(p.norm_weight)) &&
-                     (!write_normed || is_aligned16(p.normed_out));
-    for (int wi = tid; wi < n_words; wi += kThreads) {
+    // Columns col .. col + 3 (x4, norm weights w4), normalized in norm modes, times 2^e into v.
+    auto put_normed4 = [&](float (&v)[V], int q, int col, float4 x4, float4 w4) {
+        if (norm && col < p.cols) {
+            x4 = make_float4(x4.x * inv_rms * w4.x, x4.y * inv_rms * w4.y,
+                             x4.z * inv_rms * w4.z, x4.w * inv_rms * w4.w);
+            if (write_normed) *reinterpret_cast<float4 *>(p.normed_out + col) = x4;
+        }
+        put_scaled4(v, 4 * q, x4, up);
+    };
+    if (in_regs) {
+#pragma unroll
+        for (int j = 0; j < kStageWords; ++j) {
+            const int wi = tid + j * kThreads;
+            if (wi >= n_words) break;
+            float v[V];
+#pragma unroll
+            for (int q = 0; q < V / 4; ++q) {
+                const int k = j * (V / 4) + q;
+                put_normed4(v, q, stage_col(k), xs[k], ws[k]);
+            }
+            store_split_word(v, wi, x_pairs);
+        }
+    }
+    for (int wi = in_regs ? n_words : tid; wi < n_words; wi += kThreads) {
         float v[V];
         if (vec) {
 #pragma unroll
             for (int q = 0; q < V / 4; ++q) {
                 const int col = wi * V + 4 * q;
-                float4 x4 = load4_or_zero(p.x, col, p.cols);
-                if (norm && col < p.cols) {
-                    const float4 w4 = *reinterpret_cast<const float4 *>(p.norm_weight + col);
-                    x4 = make_float4(x4.x * inv_rms * w4.x, x4.y * inv_rms * w4.y,
-                                     x4.z * inv_rms * w4.z, x4.w * inv_rms * w4.w);
-                    if (write_normed) *reinterpret_cast<float4 *>(p.normed_out + col) = x4;
-                }
-                put_scaled4(v, 4 * q, x4, up);
+                const float4 w4 = norm && col < p.cols ? *reinterpret_cast<const float4 *>(p.norm_weight + col)
+                                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+                put_normed4(v, q, col, load4_or_zero(p.x, col, p.cols), w4);
             }
             store_split_word(v, wi, x_pairs);
             continue;
