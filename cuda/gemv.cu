@@ -918,31 +918,15 @@ const void *quant_kernel_for(GemvMode mode, int warps, int format, int stages) {
                                    : quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps, stages);
 }
 
-template <int FMT, int WARPS, int S>
-cudaError_t launch_quant(GemvMode mode, dim3 grid, int smem, cudaStream_t stream, bool pdl,
-                         const QuantGemvParams &p) {
-    const dim3 block(WARPS * kWarpSize);
-    switch (mode) {
-        case kGemvPlain:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvPlain, WARPS, S>, grid, block, smem, stream, pdl, p);
-        case kGemvNorm:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNorm, WARPS, S>, grid, block, smem, stream, pdl, p);
-        case kGemvResidual:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvResidual, WARPS, S>, grid, block, smem, stream, pdl, p);
-        case kGemvNormSwiglu:
-            return launch_kernel(gemv_quant_kernel<FMT, kGemvNormSwiglu, WARPS, S>, grid, block, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidValue;
-}
-template <int FMT>
+// Launch the quantized kernel of the plan (the one gemv_plan sized through quant_kernel_for).
 cudaError_t launch_quant(GemvMode mode, const GemvPlan &plan, cudaStream_t stream, bool pdl,
                          const QuantGemvParams &p) {
-    const dim3 grid(plan.grid);
-    if (plan.warps == kQuantWarps && plan.stages == kQuantStages)
-        return launch_quant<FMT, kQuantWarps, kQuantStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
-    if (plan.warps == kQuantWideWarps && plan.stages == kQuantWideStages)
-        return launch_quant<FMT, kQuantWideWarps, kQuantWideStages>(mode, grid, plan.smem_bytes, stream, pdl, p);
-    return cudaErrorInvalidConfiguration;
+    if (mode < kGemvPlain || mode > kGemvNormSwiglu) return cudaErrorInvalidValue;
+    using QuantKernel = void (*)(QuantGemvParams);
+    const auto kernel = (QuantKernel)quant_kernel_for(mode, plan.warps, plan.format, plan.stages);
+    if (kernel == nullptr) return cudaErrorInvalidConfiguration;
+    return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), plan.smem_bytes,
+                         stream, pdl, p);
 }
 
 // ---- dispatch ------------------------------------------------------------------------------------
@@ -1126,8 +1110,7 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.eps = args.eps;
         q.selected = nullptr;
         q.tasks_per_expert = 0;
-        if (args.format == OG_WEIGHTS_INT8) return launch_quant<OG_WEIGHTS_INT8>(mode, plan, stream, pdl, q);
-        return launch_quant<OG_WEIGHTS_Q4>(mode, plan, stream, pdl, q);
+        return launch_quant(mode, plan, stream, pdl, q);
     }
     GemvParams p;
     p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
