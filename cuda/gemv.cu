@@ -1010,6 +1010,7 @@ size_t gemv_smem_bytes(GemvMode mode, int cols, int format) {
 }  // namespace
 
 size_t gemv_input_smem_bytes(int cols, int format) {
+    if (format == OG_WEIGHTS_Q4) return gemv_q4_smem_bytes(cols);
     if (format == OG_WEIGHTS_BF16) return (size_t)round_up(cols, kRowAlignElems) * sizeof(float);
     // hi + lo fp16 per column, whole k-blocks (4 chunks), then the load ring
     return (size_t)round_up(cols, 4 * weight_values_per_chunk(format)) * 2 * sizeof(__half) +
@@ -1017,6 +1018,7 @@ size_t gemv_input_smem_bytes(int cols, int format) {
 }
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
+    if (format == OG_WEIGHTS_Q4) return gemv_q4_plan(mode, rows, cols, plan);
     const int unroll = bf16_unroll(cols);
     if (gemv_kernel_for(mode, kGemvMaxWarps, format, unroll) == nullptr || rows <= 0 || cols <= 0 ||
         plan == nullptr || (mode == kGemvNormSwiglu && rows % 2 != 0))
@@ -1093,6 +1095,7 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
                         cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
     if (args.format != plan.format) return cudaErrorInvalidValue;
+    if (args.format == OG_WEIGHTS_Q4) return launch_gemv_q4(mode, plan, args, stream, pdl);
     if (args.format != OG_WEIGHTS_BF16) {
         if (args.scales == nullptr) return cudaErrorInvalidValue;
         QuantGemvParams q;
@@ -1159,6 +1162,9 @@ cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void
         scales == nullptr || x_normed == nullptr || selected == nullptr || act == nullptr ||
         top_k < 1 || hidden < 1 || inter < 1 || (int64_t)top_k * ceil_div(inter, 8) > INT32_MAX)
         return cudaErrorInvalidValue;
+    if (format == OG_WEIGHTS_Q4)
+        return launch_moe_gate_up_q4(weights, scales, x_normed, selected, top_k, hidden, inter, act,
+                                     stream, pdl);
     QuantGemvParams q = {};
     q.weight = static_cast<const uint8_t *>(weights);
     q.scales = scales;
@@ -1189,6 +1195,9 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
         scales == nullptr || act == nullptr || selected == nullptr || sel_weights == nullptr ||
         x == nullptr || top_k < 1 || top_k > kMoeMaxTopK || hidden < 1 || inter < 1)
         return cudaErrorInvalidValue;
+    if (format == OG_WEIGHTS_Q4)
+        return launch_moe_down_q4(weights, scales, act, selected, sel_weights, top_k, hidden, inter, x,
+                                  stream, pdl);
     QuantMoeDownParams q = {};
     q.weight = static_cast<const uint8_t *>(weights);
     q.scales = scales;

@@ -85,6 +85,19 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
                                   const float *sel_weights, int top_k, int hidden, int inter,
                                   float *x, cudaStream_t stream, bool pdl);
 
+// ---- gemv_q4.cu: q4 weights x the input quantized to int8 per group of 32 (w4a8, dp4a) ----
+// gemv_plan, launch_gemv, gemv_input_smem_bytes and the two MoE launchers above route q4 here.
+size_t gemv_q4_smem_bytes(int cols);
+cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan);
+cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
+                           cudaStream_t stream, bool pdl);
+cudaError_t launch_moe_gate_up_q4(const void *weights, const void *scales, const float *x_normed,
+                                  const int32_t *selected, int top_k, int hidden, int inter,
+                                  float *act, cudaStream_t stream, bool pdl);
+cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const float *act,
+                               const int32_t *selected, const float *sel_weights, int top_k,
+                               int hidden, int inter, float *x, cudaStream_t stream, bool pdl);
+
 // ---- the paged KV cache (laid out by kv_pool.h) --------------------------------------
 // The cache is a pool of fixed-size blocks. A block is packed: it holds, for every layer,
 // a K page [n_kv, page_size, hd] and a V page of the KV element type and (int8 only) a K

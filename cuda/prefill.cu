@@ -568,8 +568,31 @@ dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols
     }
 }
 
+// The q4 GEMV's input rule (gemv_q4.cu, quant.quantize_input_q8) on the rows of a split input,
+// in place: per row and group of 32 columns, v = hi + lo, scale = max|v| / 127 (NaN when the
+// group holds a non-finite value), v' = rint(v * (127 / max|v|)) * scale, stored back as hi + lo.
+// One warp per (row, group), lane = column.
+__global__ void __launch_bounds__(kRowThreads)
+quantize_rows_q8_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo, int ld, int rows, int cols) {
+    const int groups = ceil_div(cols, kQ4Group);
+    const int lane = threadIdx.x % kWarpSize;
+    const int64_t total = (int64_t)rows * groups;
+    for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
+         item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
+        const int r = (int)(item / groups), col = (int)(item - (int64_t)r * groups) * kQ4Group + lane;
+        const size_t at = (size_t)r * ld + col;
+        const float v = col < cols ? __bfloat162float(hi[at]) + __bfloat162float(lo[at]) : 0.f;
+        const float amax = warp_max(fabsf(v));
+        const bool finite = __all_sync(kFullMask, fabsf(v) <= 3.402823466e38f);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const float scale = finite ? amax / 127.f : __int_as_float(0x7fffffff);
+        if (col < cols) store_split(__fmul_rn((float)__float2int_rn(__fmul_rn(v, inv)), scale), hi + at, lo + at);
+    }
+}
+
 // y (= or +=) a . w for a dense weight matrix in any format: bf16 as is; int8 / q4 dequantized
-// into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo.
+// into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo. q4 first
+// rounds a (the scratch's narrow rows) to int8 per group of 32, as the decode GEMV does.
 cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScratch &s,
                          cudaStream_t stream) {
     if (w.format == OG_WEIGHTS_BF16) {
@@ -582,6 +605,13 @@ cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScr
     const int spr = (int)weight_scales_per_row(w.format, w.cols);
     const dim3 grid(row_grid((int64_t)w.rows * ld)), block(kRowThreads);
     const uint8_t *data = static_cast<const uint8_t *>(w.data);
+    if (w.format == OG_WEIGHTS_Q4) {
+        if (args.a != s.narrow || args.a_lo != s.narrow_lo) return cudaErrorInvalidValue;
+        const int64_t warps = (int64_t)args.rows * ceil_div(w.cols, kQ4Group);
+        OG_CUDA_RETURN_IF(launch_kernel(quantize_rows_q8_kernel,
+                                        dim3(row_grid(warps * kWarpSize)), block, 0, stream, false,
+                                        s.narrow, s.narrow_lo, args.lda, args.rows, w.cols));
+    }
     if (w.format == OG_WEIGHTS_INT8)
         OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_INT8>, grid, block, 0, stream,
                                         false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,

@@ -314,8 +314,9 @@ GEMV_MODES = {"plain": 0, "norm": 1, "residual": 2, "norm_swiglu": 3}
 def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0, y=None):
     """The quantized GEMV on a runtime.quant.QuantizedMatrix `qm` -> (y, normed).
 
-    y: the residual's input for mode "residual" (not modified); normed is None unless mode is
-    "norm". For "norm_swiglu" qm holds 2 * inter rows (gate then up) and y has inter entries."""
+    y: the residual's input for mode "residual" (not modified); normed (the normalized input) is
+    None unless mode is "norm" or "norm_swiglu". For "norm_swiglu" qm holds 2 * inter rows (gate
+    then up) and y has inter entries."""
     fmt = capi.WEIGHT_FORMATS[qm.format]
     rows, cols = qm.shape
     data = np.ascontiguousarray(qm.data)
@@ -324,7 +325,7 @@ def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0,
     norm_weight = None if norm_weight is None else _array(norm_weight, np.float32)
     out_len = rows // 2 if mode == "norm_swiglu" else rows
     out = np.array(y, dtype=np.float32, copy=True, order="C") if mode == "residual" else _out(out_len)
-    normed = _out(cols) if mode == "norm" else None
+    normed = _out(cols) if mode in ("norm", "norm_swiglu") else None
     _check(load().og_test_gemv_quant(fmt, GEMV_MODES[mode], _vp(data), _vp(scales), rows, cols,
                                      _p(x, c_float), _p(norm_weight, c_float), eps, _p(out, c_float),
                                      _p(normed, c_float)),

@@ -32,6 +32,18 @@ weights always give the same bytes.
   last group are padding with q = 0 (the matrix is padded, never rejected). Data: uint8
   [rows, ceil(cols / 32) * 16]; scale: bf16 [rows, ceil(cols / 32)].
 
+The input of a q4 GEMV (``quantize_input_q8``) — what the GPU's q4 kernel multiplies the codes by
+(cuda/gemv_q4.cu: integer dot products, dp4a): the input vector x (fp32, after the RMSNorm in
+the norm-fused GEMVs) in the same groups of 32 columns as the weight row, symmetric int8:
+    amax     = max_{c in g} |x[c]|
+    scale[g] = amax / 127                        (fp32 division)
+    q[c]     = rint(x[c] * (127 / amax))          (fp32 division, then fp32 product; 0 where amax = 0)
+  so |q| <= 127 and a group's dot product is scale_w[r, g] * scale[g] * sum_c q_w[r, c] q[c],
+  the integer sum exact. A group holding a NaN or an infinity gets scale NaN (the GEMV's output
+  is then NaN, as with unquantized inputs). The relative error this adds to a GEMV is about
+  1/127/sqrt(3) of a group's largest input per element (~0.3% of a typical output for Gaussian
+  inputs, tests/test_quant.py measures it), against ~10% from the q4 weights themselves.
+
 What is quantized (``quantize``): "dense" = attention q/k/v/o and the dense FFN gate/up/down;
 "experts" = the MoE experts' gate/up/down; "all" = both. The embedding table, the norms and the
 MoE router (mlp.gate: small, and it decides which experts run) stay as loaded; the lm_head only
@@ -174,6 +186,32 @@ def dequantize_q4(data: np.ndarray, scale: np.ndarray, cols: int) -> np.ndarray:
     q = unpack_q4(data).astype(_F32)                               # [rows, groups * 32]
     s = np.repeat(np.asarray(scale).astype(_F32), Q4_GROUP, axis=1)  # [rows, groups * 32]
     return (q * s)[:, :cols]
+
+
+def quantize_input_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x fp32 [cols] -> (q int8 [groups * 32], scale fp32 [groups]), the q4 GEMV's input (module
+    docstring); columns past ``cols`` are zeros. A group with a non-finite value gets scale NaN."""
+    x = np.asarray(x, dtype=_F32)
+    cols = x.shape[-1]
+    groups = q4_groups(cols)
+    padded = np.zeros(groups * Q4_GROUP, _F32)
+    padded[:cols] = x
+    g = padded.reshape(groups, Q4_GROUP)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        finite = np.isfinite(g).all(axis=1)
+        amax = np.max(np.abs(np.where(np.isfinite(g), g, _F32(0))), axis=1).astype(_F32)
+        scale = np.where(finite, amax / _F32(INT8_MAX), _F32(np.nan)).astype(_F32)
+        inv = np.where(amax > 0, _F32(INT8_MAX) / np.where(amax > 0, amax, _F32(1)), _F32(0)).astype(_F32)
+        q = np.rint(np.where(np.isfinite(g), g, _F32(0)) * inv[:, None])
+    return q.astype(np.int8).reshape(-1), scale
+
+
+def dequantize_input_q8(x: np.ndarray) -> np.ndarray:
+    """x fp32 [cols] -> float32(q) * scale [cols]: the values the q4 GEMV multiplies by (up to
+    the fp32 rounding of that product; the kernel keeps q and the scales apart)."""
+    cols = np.asarray(x).shape[-1]
+    q, scale = quantize_input_q8(x)
+    return (q.astype(_F32) * np.repeat(scale, Q4_GROUP))[:cols]
 
 
 def quantize(w: np.ndarray, fmt: str, name: str = "weight") -> QuantizedMatrix:

@@ -27,8 +27,10 @@ residual does (cuda/moe.cuh).
 
 Quantized weights (runtime/quant.py: int8 per row, q4 in groups of 32) arrive as QuantizedMatrix
 values and are dequantized once to fp32 with the GPU's rule, w = float32(q) * scale: the same weight
-values the kernels multiply by (bit for bit for q4, whose products q * scale are exact in fp32), so
-GPU vs reference stays a comparison of fp32 summation order only.
+values the kernels multiply by (bit for bit for q4, whose products q * scale are exact in fp32).
+A q4 matrix is kept as a Q4Weights, and gemv quantizes its input to int8 per group of 32 first
+(quant.quantize_input_q8), as the GPU's q4 kernel does (w4a8, cuda/gemv_q4.cu). So GPU vs
+reference stays a comparison of fp32 rounding only.
 
 The pure functions below (rmsnorm, rope, kv_quantize_int8, kv_dequantize_int8, attention_decode,
 moe_topk, swiglu, gemv) are public so that GPU kernel tests can compare against them.
@@ -44,7 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .quant import QuantizedMatrix
+from .quant import QuantizedMatrix, dequantize_input_q8
 
 KV_DTYPES = ("fp32", "bf16", "int8")
 _F32 = np.float32
@@ -52,8 +54,21 @@ _F32 = np.float32
 
 # ---- kernels, as pure functions ---------------------------------------------------------
 
-def gemv(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """weight [out, in] fp32 @ x [in] fp32 -> [out] fp32 (a float32 matmul: fp32 accumulation)."""
+@dataclass(frozen=True)
+class Q4Weights:
+    """A q4 matrix's dequantized weights w fp32 [out, in]: gemv quantizes its input (w4a8)."""
+    w: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+
+def gemv(weight: "np.ndarray | Q4Weights", x: np.ndarray) -> np.ndarray:
+    """weight [out, in] fp32 @ x [in] fp32 -> [out] fp32 (a float32 matmul: fp32 accumulation).
+    For Q4Weights x is first quantized to int8 per group of 32 (quant.quantize_input_q8)."""
+    if isinstance(weight, Q4Weights):
+        return np.matmul(weight.w, dequantize_input_q8(x))
     return np.matmul(weight, x)
 
 
@@ -224,7 +239,7 @@ class KVCache:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights, fp32, in the GPU's fused layouts."""
+    """One decoder layer's weights, fp32, in the GPU's fused layouts (a q4 GEMV weight: Q4Weights)."""
     input_layernorm: np.ndarray            # [hidden]
     qkv_proj: np.ndarray                   # [q_size + 2 kv_size, hidden]: rows q | k | v
     q_norm: np.ndarray | None              # [head_dim] (Qwen3 QK-norm; None for Llama)
@@ -253,8 +268,8 @@ class ExpertsOnDemand:
     def __len__(self) -> int:
         return len(self.parts)
 
-    def __getitem__(self, expert: int) -> np.ndarray:
-        return np.concatenate([_fp32(p) for p in self.parts[expert]])
+    def __getitem__(self, expert: int) -> "np.ndarray | Q4Weights":
+        return _matrix(self.parts[expert])
 
 
 def _fp32(t) -> np.ndarray:
@@ -262,6 +277,16 @@ def _fp32(t) -> np.ndarray:
     if isinstance(t, QuantizedMatrix):
         return t.dequantize()
     return np.asarray(t, dtype=_F32)
+
+
+def _matrix(parts: Sequence) -> "np.ndarray | Q4Weights":
+    """The GEMV weight of parts stacked by rows (fused QKV, gate|up): fp32, or Q4Weights when the
+    parts are q4 (the scheme quantizes a fused matrix's parts alike)."""
+    w = np.ascontiguousarray(np.concatenate([_fp32(t) for t in parts]))
+    q4 = [isinstance(t, QuantizedMatrix) and t.format == "q4" for t in parts]
+    if any(q4) and not all(q4):
+        raise ValueError("a fused matrix mixes q4 and other formats")
+    return Q4Weights(w) if all(q4) else w
 
 
 def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
@@ -282,8 +307,8 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
     def f32(name: str) -> np.ndarray:
         return np.ascontiguousarray(_fp32(tensors[name]))
 
-    def fused(*names: str) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate([_fp32(tensors[n]) for n in names]))
+    def fused(*names: str) -> "np.ndarray | Q4Weights":  # a GEMV weight (q4: Q4Weights)
+        return _matrix([tensors[n] for n in names])
 
     layers = []
     for layer in range(config.num_hidden_layers):
@@ -294,7 +319,7 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
                            p + "self_attn.v_proj.weight"),
             q_norm=f32(p + "self_attn.q_norm.weight") if config.has_qk_norm else None,
             k_norm=f32(p + "self_attn.k_norm.weight") if config.has_qk_norm else None,
-            o_proj=f32(p + "self_attn.o_proj.weight"),
+            o_proj=fused(p + "self_attn.o_proj.weight"),
             post_attention_layernorm=f32(p + "post_attention_layernorm.weight"),
         )
         if config.is_moe_layer(layer):
@@ -308,12 +333,12 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
             w.experts_gate_up, w.experts_down = gate_up, down
         else:
             w.gate_up_proj = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            w.down_proj = f32(p + "mlp.down_proj.weight")
+            w.down_proj = fused(p + "mlp.down_proj.weight")
         layers.append(w)
     embed_tokens = f32("model.embed_tokens.weight")                        # [vocab, hidden]
     # A tied model's quantized lm_head is a separate tensor (quant.quantize_stream makes it).
     tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
-    lm_head = embed_tokens if tied else f32("lm_head.weight")         # [vocab, hidden]
+    lm_head = embed_tokens if tied else fused("lm_head.weight")       # [vocab, hidden]
     return embed_tokens, layers, f32("model.norm.weight"), lm_head
 
 

@@ -19,6 +19,13 @@ zero, one fma with the group scale per k-block, the butterfly and the W partials
 MoE gate/up runs on the same kernel (same depth); MoE down too, with one warp per expert (all
 of an expert row's k-blocks in one chain), then w_j * s_j, the chain over the experts in
 selection order and the residual add.
+
+q4 (gemv_q4.cu, w4a8): the input is quantized to int8 per group of 32 first, by the rule of
+quant.quantize_input_q8, which these tests apply to the same fp32 input (the GPU's own normed
+vector in the norm modes), so the references are float64 sums over w' * x', x' = q_x * scale_x
+exact in float64. A group's integer dot product is exact; then one rounding for scale_w *
+scale_x (two in MoE down: the routing weight is folded into scale_x first), one fma per group
+into the lane's chain of ceil(groups / 32), the 5-level warp tree, the residual add.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from gpu_support import greedy_decode as _decode
 from runtime import capi
 from runtime import capi_testing as ct
 from runtime.engine import Engine, GpuSession
-from runtime.quant import QuantizedMatrix, WeightScheme, quantize, quantize_stream
+from runtime.quant import QuantizedMatrix, WeightScheme, quantize, quantize_input_q8, quantize_stream
 from runtime.reference import ReferenceDecoder
 from test_kernels_gpu import SLACK, U, assert_within, ref_rmsnorm, rng_for, sumsq_depth
 
@@ -57,16 +64,36 @@ def warp_depth(fmt: str, k_blocks: int) -> int:
     return 4 + 2 * (8 + 1) + k_blocks + 1 + 2
 
 
+def q4_depth(slots: int, scale_roundings: int = 1) -> int:
+    """A q4 row sum over `slots` groups (module docstring), with the residual add."""
+    return scale_roundings + math.ceil(slots / 32) + 5 + 1
+
+
 def gemv_depth(fmt: str, cols: int, warps: int = 8) -> int:
     """The dense GEMV: each of `warps` warps (8, or 16 where the plan takes one wide block per SM:
     ct.gemv_quant_split) takes every warps-th k-block; their partials are added in order."""
+    if fmt == "q4":
+        return q4_depth(math.ceil(cols / 32))
     k_blocks = math.ceil(math.ceil(cols / VALUES_PER_CHUNK[fmt]) / 4)
     return warp_depth(fmt, math.ceil(k_blocks / warps)) + warps
 
 
-def split_floor(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Per row: the absolute error bound of fp16 lo halves that fall below fp16's normal range."""
+def split_floor(w: np.ndarray, x: np.ndarray, fmt: str = "int8") -> np.ndarray:
+    """Per row: the absolute error bound of fp16 lo halves that fall below fp16's normal range
+    (the tensor-core kernel's split input; none for q4's integer codes)."""
+    if fmt == "q4":
+        return np.zeros(w.shape[0])
     return 2.0 ** -39 * float(np.abs(x).max()) * np.abs(w).sum(axis=1)
+
+
+def kernel_input(fmt: str, x: np.ndarray) -> np.ndarray:
+    """What the kernel multiplies the weights by, float64: x itself (int8), or for q4 x quantized
+    per group of 32, float64(q) * float64(scale) (exact)."""
+    x = np.asarray(x, np.float32)
+    if fmt != "q4":
+        return x.astype(np.float64)
+    q, scale = quantize_input_q8(x)
+    return (q.astype(np.float64) * np.repeat(scale.astype(np.float64), 32))[:len(x)]
 
 
 def random_matrix(rng, rows, cols, scale=1.0):
@@ -97,9 +124,9 @@ def test_gemv_plain(fmt, rows, cols):
     qm, w = quantized(rng, fmt, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     y, _ = ct.gemv_quant(qm, "plain", x)
-    terms = w * x.astype(np.float64)
+    terms = w * kernel_input(fmt, x)
     depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "plain", rows, cols))
-    tol = (depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, x)
+    tol = (depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, x, fmt)
     assert_within(y, terms.sum(axis=1), tol, f"{fmt} gemv {rows}x{cols}")
     again, _ = ct.gemv_quant(qm, "plain", x)
     np.testing.assert_array_equal(again, y)                  # bit-identical rerun
@@ -113,10 +140,10 @@ def test_gemv_residual(fmt, rows, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     y0 = rng.standard_normal(rows).astype(np.float32)
     y, _ = ct.gemv_quant(qm, "residual", x, y=y0)
-    terms = w * x.astype(np.float64)
+    terms = w * kernel_input(fmt, x)
     ref = y0.astype(np.float64) + terms.sum(axis=1)
     depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "residual", rows, cols))
-    tol = (depth + SLACK) * U * (np.abs(terms).sum(axis=1) + np.abs(y0)) + split_floor(w, x)
+    tol = (depth + SLACK) * U * (np.abs(terms).sum(axis=1) + np.abs(y0)) + split_floor(w, x, fmt)
     assert_within(y, ref, tol, f"{fmt} gemv+residual {rows}x{cols}")
 
 
@@ -132,9 +159,10 @@ def test_gemv_rmsnorm(fmt, rows, cols):
     n_ref = ref_rmsnorm(x, norm_w.astype(np.float64), eps)
     norm_depth = sumsq_depth(cols) + SLACK
     assert_within(normed, n_ref, norm_depth * U * np.abs(n_ref), f"{fmt} rmsnorm n={cols}")
-    terms = w * n_ref
+    # q4 quantizes the kernel's own normed vector: the reference starts from the same one
+    terms = w * (kernel_input(fmt, normed) if fmt == "q4" else n_ref)
     depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "norm", rows, cols))
-    tol = (depth + norm_depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, n_ref)
+    tol = (depth + norm_depth + SLACK) * U * np.abs(terms).sum(axis=1) + split_floor(w, n_ref, fmt)
     assert_within(y, terms.sum(axis=1), tol, f"{fmt} rmsnorm+gemv {rows}x{cols}")
 
 
@@ -147,15 +175,19 @@ def test_gemv_rmsnorm_swiglu(fmt, inter, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     norm_w = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32)
     eps = 1e-5
-    act, _ = ct.gemv_quant(qm, "norm_swiglu", x, norm_w, eps)
+    act, normed = ct.gemv_quant(qm, "norm_swiglu", x, norm_w, eps)
     n_ref = ref_rmsnorm(x, norm_w.astype(np.float64), eps)
+    norm_depth = sumsq_depth(cols) + SLACK
+    assert_within(normed, n_ref, norm_depth * U * np.abs(n_ref), f"{fmt} rmsnorm n={cols}")
+    if fmt == "q4":
+        n_ref = kernel_input(fmt, normed)
     gate_terms, up_terms = w[:inter] * n_ref, w[inter:] * n_ref
     g, u = gate_terms.sum(axis=1), up_terms.sum(axis=1)
     silu = g / (1.0 + np.exp(-g))
     ref = silu * u
     depth = gemv_depth(fmt, cols, ct.gemv_quant_split(fmt, "norm_swiglu", 2 * inter, cols)) + sumsq_depth(cols) + SLACK
-    dg = depth * U * np.abs(gate_terms).sum(axis=1) + split_floor(w[:inter], n_ref)
-    du = depth * U * np.abs(up_terms).sum(axis=1) + split_floor(w[inter:], n_ref)
+    dg = depth * U * np.abs(gate_terms).sum(axis=1) + split_floor(w[:inter], n_ref, fmt)
+    du = depth * U * np.abs(up_terms).sum(axis=1) + split_floor(w[inter:], n_ref, fmt)
     tol = 1.1 * dg * np.abs(u) + np.abs(silu) * du + SLACK * U * np.abs(ref)
     assert_within(act, ref, tol, f"{fmt} rmsnorm+gate/up+swiglu inter={inter} cols={cols}")
 
@@ -200,9 +232,9 @@ def test_moe_gate_up_swiglu(fmt, H, I, top_k, E):
                                                          sel, top_k, act)
     assert status == capi.OG_OK, capi.last_error()
     rows = w.reshape(E, 2 * I, H)[sel]                       # [top_k, 2I, H]
-    terms = rows * x.astype(np.float64)
+    terms = rows * kernel_input(fmt, x)
     dots, sum_abs = terms.sum(axis=2), np.abs(terms).sum(axis=2)
-    err = (gemv_depth(fmt, H) + SLACK) * U * sum_abs + split_floor(rows.reshape(-1, H), x).reshape(top_k, 2 * I)
+    err = (gemv_depth(fmt, H) + SLACK) * U * sum_abs + split_floor(rows.reshape(-1, H), x, fmt).reshape(top_k, 2 * I)
     g, u = dots[:, :I], dots[:, I:]
     silu = g / (1.0 + np.exp(-g))
     ref = silu * u
@@ -225,14 +257,20 @@ def test_moe_down_weighted_residual(fmt, H, I, top_k, E):
                                                top_k, x)
     assert status == capi.OG_OK, capi.last_error()
     rows = w.reshape(E, H, I)[sel]                           # [top_k, H, I]
-    terms = rows * act.reshape(top_k, 1, I).astype(np.float64) * sw.astype(np.float64)[:, None, None]
+    act_in = np.stack([kernel_input(fmt, a) for a in act.reshape(top_k, I)])
+    terms = rows * act_in[:, None, :] * sw.astype(np.float64)[:, None, None]
     ref = x0.astype(np.float64) + terms.sum(axis=(0, 2))
-    # per expert: a warp's whole row (gemv_depth with all k-blocks in one warp), the row or group
-    # scale, w_j * s_j, then the chain over the experts and the residual add
-    k_blocks = math.ceil(math.ceil(I / VALUES_PER_CHUNK[fmt]) / 4)
-    depth = warp_depth(fmt, k_blocks) + 1 + top_k + 1 + SLACK
-    weighted = np.abs(rows * sw.astype(np.float64)[:, None, None]).sum(axis=(0, 2))
-    tol = depth * U * (np.abs(terms).sum(axis=(0, 2)) + np.abs(x0)) + 2.0 ** -39 * np.abs(act).max() * weighted
+    if fmt == "q4":  # one chain over every expert's groups (module docstring)
+        depth = q4_depth(top_k * math.ceil(I / 32), scale_roundings=2) + SLACK
+        floor = 0.0
+    else:
+        # per expert: a warp's whole row (gemv_depth with all k-blocks in one warp), the row
+        # scale, w_j * s_j, then the chain over the experts and the residual add
+        k_blocks = math.ceil(math.ceil(I / VALUES_PER_CHUNK[fmt]) / 4)
+        depth = warp_depth(fmt, k_blocks) + 1 + top_k + 1 + SLACK
+        weighted = np.abs(rows * sw.astype(np.float64)[:, None, None]).sum(axis=(0, 2))
+        floor = 2.0 ** -39 * np.abs(act).max() * weighted
+    tol = depth * U * (np.abs(terms).sum(axis=(0, 2)) + np.abs(x0)) + floor
     assert_within(x, ref, tol, f"{fmt} moe down H={H} I={I} top_k={top_k}")
 
 

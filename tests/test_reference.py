@@ -90,10 +90,13 @@ class Float64Model:
     does (bf16 nearest-even; int8 with scale = max|x| / 127, round half to even), in float64.
     """
 
-    def __init__(self, config: ModelConfig, tensors, kv_rounding: str | None = None):
+    def __init__(self, config: ModelConfig, tensors, kv_rounding: str | None = None,
+                 int8_inputs: frozenset = frozenset()):
         self.c = config
         self.kv_rounding = kv_rounding
         self.w = {name: np.asarray(t, dtype=np.float64) for name, t in tensors.items()}
+        # matrices whose input is rounded to int8 per group of 32 first (q4 weights: w4a8)
+        self.int8_inputs = int8_inputs
         self.keys = [[] for _ in range(config.num_hidden_layers)]
         self.values = [[] for _ in range(config.num_hidden_layers)]
         # per step: the experts chosen in each MoE layer, in selection order
@@ -120,10 +123,21 @@ class Float64Model:
             return head * 0 if scale == 0 else np.round(head / scale) * scale
         return head
 
+    def matvec(self, name, h):
+        if name not in self.int8_inputs:
+            return self.w[name] @ h
+        # per group of 32: scale = max|h| / 127, codes rint(h / scale), in float64
+        g = np.zeros(-(-len(h) // 32) * 32)
+        g[:len(h)] = h
+        g = g.reshape(-1, 32)
+        scale = np.abs(g).max(axis=1, keepdims=True) / 127
+        rounded = np.round(g / np.where(scale == 0, 1, scale)) * scale
+        return self.w[name] @ rounded.reshape(-1)[:len(h)]
+
     def mlp(self, prefix, h):
-        gate = self.w[prefix + "gate_proj.weight"] @ h
-        up = self.w[prefix + "up_proj.weight"] @ h
-        return self.w[prefix + "down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up)
+        gate = self.matvec(prefix + "gate_proj.weight", h)
+        up = self.matvec(prefix + "up_proj.weight", h)
+        return self.matvec(prefix + "down_proj.weight", gate / (1 + np.exp(-gate)) * up)
 
     def step(self, token):
         c, w = self.c, self.w
@@ -134,9 +148,9 @@ class Float64Model:
         for layer in range(c.num_hidden_layers):
             p = f"model.layers.{layer}."
             h = self.rms(x, w[p + "input_layernorm.weight"])
-            q_all = w[p + "self_attn.q_proj.weight"] @ h
-            k_all = w[p + "self_attn.k_proj.weight"] @ h
-            v_all = w[p + "self_attn.v_proj.weight"] @ h
+            q_all = self.matvec(p + "self_attn.q_proj.weight", h)
+            k_all = self.matvec(p + "self_attn.k_proj.weight", h)
+            v_all = self.matvec(p + "self_attn.v_proj.weight", h)
             qs = [q_all[i * d:(i + 1) * d] for i in range(nh)]
             ks = [k_all[i * d:(i + 1) * d] for i in range(nkv)]
             vs = [v_all[i * d:(i + 1) * d] for i in range(nkv)]
@@ -154,7 +168,7 @@ class Float64Model:
                 probs = np.exp(scores - scores.max())
                 probs /= probs.sum()
                 heads_out.append(sum(probs[t] * self.values[layer][t][kv_head] for t in range(pos + 1)))
-            x = x + w[p + "self_attn.o_proj.weight"] @ np.concatenate(heads_out)
+            x = x + self.matvec(p + "self_attn.o_proj.weight", np.concatenate(heads_out))
             h = self.rms(x, w[p + "post_attention_layernorm.weight"])
             if c.is_moe_layer(layer):
                 router = w[p + "mlp.gate.weight"] @ h
@@ -171,8 +185,9 @@ class Float64Model:
                 x = x + self.mlp(p + "mlp.", h)
         self.routing.append(tuple(routing))
         h = self.rms(x, w["model.norm.weight"])
-        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
-        return head @ h
+        if c.tie_word_embeddings and "lm_head.weight" not in w:
+            return w["model.embed_tokens.weight"] @ h
+        return self.matvec("lm_head.weight", h)
 
 
 def rel_l2(a, b) -> float:

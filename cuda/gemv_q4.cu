@@ -1,0 +1,542 @@
+// gemv_q4.cu — the GEMV over q4 weights (dense projections, lm_head and the MoE experts), with
+// its input vector quantized to int8 per group of 32 columns (w4a8) so that the dot products run
+// on the integer dot-product instruction: dp4a multiplies 4 weight codes by 4 input codes and
+// adds them in one instruction.
+//
+// Why: batch-1 decode reads every weight once, so a q4 weight (0.5625 bytes with its scale)
+// leaves ~3.5x fewer instruction slots per weight than bf16 before instruction issue, not DRAM,
+// bounds the kernel. Dequantizing to fp16 for the tensor cores costs 9 instructions per 8
+// weights before the mma (gemv.cu's int8 kernel still does that: int8 has twice the bytes per
+// weight). Here 8 weights cost 2 LOP3 + 2 dp4a, with no conversion at all.
+//
+// Numerics (the reference's gemv on a q4 matrix does the same, runtime/reference.py): the input
+// x (normalized first in the norm modes) is quantized per group g of 32 columns, the groups of
+// the weight rows:
+//   amax = max |x[c]| over g;  scale_x[g] = amax / 127  (IEEE fp32 division)
+//   q_x[c] = rint(x[c] * (127 / amax))   (fp32 product, round half to even; 0 where amax = 0)
+// and a row's dot product is sum over groups of isum[g] * (scale_w[g] * scale_x[g]), where
+//   isum[g] = sum over c in g of q_w[c] * q_x[c]      (exact, in int32)
+// A group with a NaN or infinite input gets scale_x = NaN, so non-finite inputs propagate.
+//
+// Layouts:
+//   weight: [rows, groups * 16] bytes (quant.cuh), byte j of a group holds column 2j in its low
+//           nibble and 2j + 1 in its high nibble, as 4-bit two's complement codes;
+//           scales [rows, groups] bf16.
+//   staged input (shared memory): codes [groups][8] uint32 and Q8Group [groups]. Word 2k of a
+//           group holds the codes of columns 8k, 8k+2, 8k+4, 8k+6 (bytes low to high), word
+//           2k + 1 those of 8k+1, 8k+3, 8k+5, 8k+7: the low and the high nibbles of weight word
+//           k, so each weight word meets its two input words with no shuffling of bytes.
+//   A weight word w: (w ^ 0x88888888) turns each nibble q into q + 8 in [0, 15] (offset
+//   binary); & 0x0F0F0F0F gives the low nibbles as bytes, & 0xF0F0F0F0 the high nibbles times
+//   16. dp4a (unsigned x signed bytes) sums them against the input codes, and
+//     isum = lo + (hi >> 4) - 8 * sum(q_x)        (the offset removed per group, exactly)
+//
+// Work split (as the bf16 kernel in gemv.cu): a warp owns a task = two rows (r, r+1), or for
+// SwiGLU (gate row i, up row I + i), or for the MoE gate/up (expert j's gate and up row i);
+// lane l takes groups l, l + 32, ... of both rows, U of each in flight, and accumulates
+// isum * (scale_w * scale_x) in fp32 in group order; the warp then sums its lanes with shuffles
+// (fixed order: graph replays are bit-identical). Before waiting on the previous kernel (PDL)
+// each warp loads its first U groups of both rows: they do not depend on earlier kernels.
+#include "kernels.cuh"
+#include "quant.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kQ4MaxWarps = 8;
+constexpr int kQ4MoeGateUp = 4;  // a mode beside GemvMode's four: the MoE experts' gate/up + SwiGLU
+constexpr int kQ4MaxTopK = 32;
+
+// One staged group of the input: scale_x and 8 * the sum of its codes.
+struct Q8Group {
+    float scale;
+    int offset;
+};
+
+struct Q4Params {
+    const uint8_t *weight;    // [rows, groups * 16]
+    const uint16_t *scales;   // [rows, groups] bf16
+    const float *x;           // [cols]
+    const float *norm_weight; // [cols] (norm modes)
+    float *y;
+    float *normed_out;        // optional [cols] (norm modes; block 0 writes it)
+    int rows, cols, groups, n_tasks, out_rows;
+    float eps;
+    const int32_t *selected;  // kQ4MoeGateUp: the experts chosen for this token [top_k]
+};
+
+__host__ __device__ constexpr bool q4_mode_has_norm(int mode) {
+    return mode == kGemvNorm || mode == kGemvNormSwiglu;
+}
+
+// d = c + dot(4 unsigned bytes of a, 4 signed bytes of b).
+__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// isum of one group: weight chunk w (32 codes) against the staged codes xa (words 0-3), xb
+// (words 4-7) and the group's offset (8 * sum of the input codes).
+__device__ __forceinline__ int q4_group_dot(const uint4 &w, const uint4 &xa, const uint4 &xb, int offset) {
+    constexpr uint32_t kFlip = 0x88888888u, kLow = 0x0F0F0F0Fu, kHigh = 0xF0F0F0F0u;
+    int lo = 0, hi = 0;
+    lo = dp4a_us((w.x ^ kFlip) & kLow, xa.x, lo);
+    hi = dp4a_us((w.x ^ kFlip) & kHigh, xa.y, hi);
+    lo = dp4a_us((w.y ^ kFlip) & kLow, xa.z, lo);
+    hi = dp4a_us((w.y ^ kFlip) & kHigh, xa.w, hi);
+    lo = dp4a_us((w.z ^ kFlip) & kLow, xb.x, lo);
+    hi = dp4a_us((w.z ^ kFlip) & kHigh, xb.y, hi);
+    lo = dp4a_us((w.w ^ kFlip) & kLow, xb.z, lo);
+    hi = dp4a_us((w.w ^ kFlip) & kHigh, xb.w, hi);
+    return lo + (hi >> 4) - offset;  // hi is a multiple of 16: the shift is exact
+}
+
+// Weights stream once per token (quant.cuh load_weight_chunk); the bf16 group scale likewise.
+__device__ __forceinline__ float load_q4_scale(const uint16_t *p) {
+    uint16_t b;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(b) : "l"(p));
+    return __uint_as_float((uint32_t)b << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_codes(int a, int b, int c, int d) {
+    return (uint32_t)(a & 0xFF) | (uint32_t)(b & 0xFF) << 8 | (uint32_t)(c & 0xFF) << 16 |
+           (uint32_t)(d & 0xFF) << 24;
+}
+
+// Quantize an input of `cols` columns into the staged codes and groups (layout above), NT
+// threads. Item i is columns 8i .. 8i + 7 (group i / 4, part i % 4): the four lanes of a quad
+// share a group and combine its max and code sum with two shuffles each. Norm modes pass
+// inv_rms and the norm weights: the quantized value is then x * inv_rms * w (the order of
+// reference.rmsnorm), and normed_out (if not NULL) receives it.
+template <int NT>
+__device__ __forceinline__ void stage_q8_input(const float *x, const float *norm_weight, float inv_rms,
+                                               int cols, int groups, uint2 *codes, Q8Group *gq,
+                                               float *normed_out) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int n_items = 4 * groups;
+    const bool vec = cols % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                     (norm_weight == nullptr || (reinterpret_cast<uintptr_t>(norm_weight) & 15) == 0) &&
+                     (normed_out == nullptr || (reinterpret_cast<uintptr_t>(normed_out) & 15) == 0);
+    // Whole warps per round (the quad shuffles need every lane), so the bound is per warp.
+    for (int base = threadIdx.x - lane; base < n_items; base += NT) {
+        const int item = base + lane, col0 = 8 * item;
+        float v[8];
+        if (vec) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = col0 + 4 * h;
+                const bool in = item < n_items && col < cols;  // cols % 4 == 0: wholly in or out
+                float4 a = in ? *reinterpret_cast<const float4 *>(x + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+                if (norm_weight != nullptr && in) {
+                    const float4 w = *reinterpret_cast<const float4 *>(norm_weight + col);
+                    a = make_float4(a.x * inv_rms * w.x, a.y * inv_rms * w.y, a.z * inv_rms * w.z,
+                                    a.w * inv_rms * w.w);
+                    if (normed_out != nullptr) *reinterpret_cast<float4 *>(normed_out + col) = a;
+                }
+                v[4 * h] = a.x;
+                v[4 * h + 1] = a.y;
+                v[4 * h + 2] = a.z;
+                v[4 * h + 3] = a.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int col = col0 + k;
+                float a = 0.f;
+                if (item < n_items && col < cols) {
+                    a = x[col];
+                    if (norm_weight != nullptr) {
+                        a = a * inv_rms * norm_weight[col];
+                        if (normed_out != nullptr) normed_out[col] = a;
+                    }
+                }
+                v[k] = a;
+            }
+        }
+        float amax = 0.f;
+        int finite = 1;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            amax = fmaxf(amax, fabsf(v[k]));
+            finite &= fabsf(v[k]) <= 3.402823466e38f;  // false for inf and NaN
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+        finite &= __shfl_xor_sync(kFullMask, finite, 1);
+        finite &= __shfl_xor_sync(kFullMask, finite, 2);
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int q[8], sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            q[k] = __float2int_rn(__fmul_rn(v[k], inv));
+            sum += q[k];
+        }
+        sum += __shfl_xor_sync(kFullMask, sum, 1);
+        sum += __shfl_xor_sync(kFullMask, sum, 2);
+        if (item < n_items) {
+            codes[item] = make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
+            if ((item & 3) == 0) gq[item / 4] = Q8Group{finite ? amax / 127.f : __int_as_float(0x7fffffff), 8 * sum};
+        }
+    }
+}
+
+// Rows of task `task`: (r0, r1); r1 == r0 for the last task of an odd row count.
+template <int MODE>
+__device__ __forceinline__ void q4_task_rows(const Q4Params &p, int task, int &r0, int &r1) {
+    if (MODE == kQ4MoeGateUp) {
+        const int j = task / p.out_rows, i = task - j * p.out_rows;
+        r0 = __ldg(p.selected + j) * 2 * p.out_rows + i;
+        r1 = r0 + p.out_rows;
+    } else if (MODE == kGemvNormSwiglu) {
+        r0 = task;
+        r1 = task + p.out_rows;
+    } else {
+        r0 = 2 * task;
+        r1 = min(r0 + 1, p.rows - 1);
+    }
+}
+
+// U groups of rows r0 and r1 for lane groups base, base + 32, ... (zeros past the row).
+template <int U>
+struct Q4Regs {
+    uint4 w0[U], w1[U];
+    float s0[U], s1[U];
+};
+template <int U>
+__device__ __forceinline__ void load_q4_groups(Q4Regs<U> &r, const Q4Params &p, int r0, int r1, int base) {
+    const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.groups * 16);
+    const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.groups * 16);
+    const uint16_t *s0 = p.scales + (size_t)r0 * p.groups, *s1 = p.scales + (size_t)r1 * p.groups;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = base + u * kWarpSize;
+        const bool ok = c < p.groups;
+        r.w0[u] = ok ? load_weight_chunk(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
+        r.w1[u] = ok ? load_weight_chunk(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
+        r.s0[u] = ok ? load_q4_scale(s0 + c) : 0.f;
+        r.s1[u] = ok ? load_q4_scale(s1 + c) : 0.f;
+    }
+}
+
+template <int MODE, int WARPS, int U>
+__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
+    constexpr int kThreads = WARPS * kWarpSize;
+    constexpr bool kNorm = q4_mode_has_norm(MODE);
+    extern __shared__ __align__(16) uint4 q4_smem[];  // codes [groups * 2] uint4, then Q8Group [groups]
+    uint4 *codes = q4_smem;
+    Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
+    __shared__ float scratch[WARPS];
+
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int task_stride = gridDim.x * WARPS;
+    int task = blockIdx.x * WARPS + warp;
+
+    // The weights do not depend on earlier kernels (the experts' rows do: the top-k kernel
+    // picks them): load this warp's first U groups of its first task before the wait.
+    Q4Regs<U> r;
+    int r0 = 0, r1 = 0;
+    const bool preloaded = MODE != kQ4MoeGateUp && task < p.n_tasks;
+    if (preloaded) {
+        q4_task_rows<MODE>(p, task, r0, r1);
+        load_q4_groups<U>(r, p, r0, r1, lane);
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+
+    float inv_rms = 1.f;
+    if (kNorm) {
+        float sum_sq = 0.f;
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) sum_sq = fmaf(p.x[i], p.x[i], sum_sq);
+        const float total = block_sum<kThreads>(sum_sq, scratch);
+        inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+    }
+    stage_q8_input<kThreads>(p.x, kNorm ? p.norm_weight : nullptr, inv_rms, p.cols, p.groups,
+                             reinterpret_cast<uint2 *>(codes), gq,
+                             kNorm && blockIdx.x == 0 ? p.normed_out : nullptr);
+    __syncthreads();
+
+    for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
+        if (!preloaded || !first) q4_task_rows<MODE>(p, task, r0, r1);
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int base = lane; base < p.groups; base += kWarpSize * U) {
+            if (!preloaded || !first || base != lane) load_q4_groups<U>(r, p, r0, r1, base);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = base + u * kWarpSize;
+                if (c < p.groups) {
+                    const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
+                    const Q8Group g = gq[c];
+                    acc0 = fmaf((float)q4_group_dot(r.w0[u], xa, xb, g.offset), r.s0[u] * g.scale, acc0);
+                    acc1 = fmaf((float)q4_group_dot(r.w1[u], xa, xb, g.offset), r.s1[u] * g.scale, acc1);
+                }
+            }
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
+                p.y[task] = acc0 / (1.0f + expf(-acc0)) * acc1;  // MoE: task = j * I + i
+            } else if (MODE == kGemvResidual) {
+                p.y[r0] += acc0;
+                if (r1 != r0) p.y[r1] += acc1;
+            } else {
+                p.y[r0] = acc0;
+                if (r1 != r0) p.y[r1] = acc1;
+            }
+        }
+    }
+}
+
+// ---- MoE down ------------------------------------------------------------------------------
+// x[r] += sum over j of sel_weights[j] * (down_e[r] . act_j), e = selected[j]: every act_j
+// quantized per group (its groups follow each other: slot f = j * gpe + g, gpe = groups per
+// expert row), the routing weight folded into the group's scale. A warp takes two output rows
+// and its lanes stride over all top_k * gpe slots, so a small expert row (Qwen3-30B-A3B: 24
+// groups) still keeps every lane busy.
+struct Q4MoeDownParams {
+    const uint8_t *weight;      // [E * H rows, gpe * 16]
+    const uint16_t *scales;     // [E * H, gpe] bf16
+    const float *act;           // [top_k, I]
+    const int32_t *selected;    // [top_k]
+    const float *sel_weights;   // [top_k]
+    float *x;                   // [H], += the weighted sum
+    int top_k, hidden, inter, gpe;
+};
+
+template <int U>
+__global__ void __launch_bounds__(kQ4MaxWarps * kWarpSize) moe_down_q4_kernel(const Q4MoeDownParams p) {
+    constexpr int kThreads = kQ4MaxWarps * kWarpSize;
+    extern __shared__ __align__(16) uint4 q4_smem[];  // codes [slots * 2], Q8Group [slots], int2 [slots]
+    const int n_slots = p.top_k * p.gpe;
+    uint4 *codes = q4_smem;
+    Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * n_slots);
+    int2 *slot_of = reinterpret_cast<int2 *>(gq + n_slots);  // (first row of expert e: e * H, group)
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+
+    pdl_wait();  // selected, sel_weights and act come from earlier kernels
+    pdl_launch_dependents();
+    for (int j = 0; j < p.top_k; ++j)
+        stage_q8_input<kThreads>(p.act + (size_t)j * p.inter, nullptr, 1.f, p.inter, p.gpe,
+                                 reinterpret_cast<uint2 *>(codes + 2 * j * p.gpe), gq + j * p.gpe, nullptr);
+    __syncthreads();
+    for (int f = threadIdx.x; f < n_slots; f += kThreads) {
+        const int j = f / p.gpe;
+        gq[f].scale *= p.sel_weights[j];
+        slot_of[f] = make_int2(p.selected[j] * p.hidden, f - j * p.gpe);
+    }
+    __syncthreads();
+
+    const int n_tasks = ceil_div(p.hidden, 2);
+    for (int task = blockIdx.x * kQ4MaxWarps + warp; task < n_tasks; task += gridDim.x * kQ4MaxWarps) {
+        const int r0 = 2 * task, r1 = min(r0 + 1, p.hidden - 1);
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int base = lane; base < n_slots; base += kWarpSize * U) {
+            uint4 w0[U], w1[U];
+            float s0[U], s1[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int f = base + u * kWarpSize;
+                w0[u] = w1[u] = make_uint4(0u, 0u, 0u, 0u);
+                s0[u] = s1[u] = 0.f;
+                if (f < n_slots) {
+                    const int2 s = slot_of[f];
+                    const size_t row0 = (size_t)(s.x + r0), row1 = (size_t)(s.x + r1);
+                    w0[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row0 * p.gpe * 16) + s.y);
+                    w1[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row1 * p.gpe * 16) + s.y);
+                    s0[u] = load_q4_scale(p.scales + row0 * p.gpe + s.y);
+                    s1[u] = load_q4_scale(p.scales + row1 * p.gpe + s.y);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int f = base + u * kWarpSize;
+                if (f < n_slots) {
+                    const uint4 xa = codes[2 * f], xb = codes[2 * f + 1];
+                    const Q8Group g = gq[f];
+                    acc0 = fmaf((float)q4_group_dot(w0[u], xa, xb, g.offset), s0[u] * g.scale, acc0);
+                    acc1 = fmaf((float)q4_group_dot(w1[u], xa, xb, g.offset), s1[u] * g.scale, acc1);
+                }
+            }
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            p.x[r0] += acc0;
+            if (r1 != r0) p.x[r1] += acc1;
+        }
+    }
+}
+
+// ---- dispatch ------------------------------------------------------------------------------
+// Groups per lane in flight: the smallest of 2, 4, 8 that holds a whole row, else 8.
+int q4_unroll(int groups) {
+    const int per_lane = ceil_div(groups, kWarpSize);
+    return per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
+}
+
+template <int MODE, int WARPS>
+const void *q4_kernel_for_unroll(int unroll) {
+    switch (unroll) {
+        case 2: return (const void *)gemv_q4_kernel<MODE, WARPS, 2>;
+        case 4: return (const void *)gemv_q4_kernel<MODE, WARPS, 4>;
+        case 8: return (const void *)gemv_q4_kernel<MODE, WARPS, 8>;
+    }
+    return nullptr;
+}
+template <int WARPS>
+const void *q4_kernel_for_mode(int mode, int unroll) {
+    switch (mode) {
+        case kGemvPlain: return q4_kernel_for_unroll<kGemvPlain, WARPS>(unroll);
+        case kGemvNorm: return q4_kernel_for_unroll<kGemvNorm, WARPS>(unroll);
+        case kGemvResidual: return q4_kernel_for_unroll<kGemvResidual, WARPS>(unroll);
+        case kGemvNormSwiglu: return q4_kernel_for_unroll<kGemvNormSwiglu, WARPS>(unroll);
+        case kQ4MoeGateUp: return q4_kernel_for_unroll<kQ4MoeGateUp, WARPS>(unroll);
+    }
+    return nullptr;
+}
+const void *q4_kernel_for(int mode, int warps, int unroll) {
+    switch (warps) {
+        case 2: return q4_kernel_for_mode<2>(mode, unroll);
+        case 4: return q4_kernel_for_mode<4>(mode, unroll);
+        case 8: return q4_kernel_for_mode<8>(mode, unroll);
+    }
+    return nullptr;
+}
+
+int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
+
+// Plan for `tasks` two-row tasks: fewer warps per block when there are few tasks (about two
+// blocks on every SM), a grid no larger than what is resident at once.
+cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    int warps = kQ4MaxWarps;
+    while (warps > 2 && ceil_div(tasks, warps) < 2 * sm_count) warps /= 2;
+    const int unroll = q4_unroll(q4_groups(cols));
+    const void *kernel = q4_kernel_for(mode, warps, unroll);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    const size_t smem = gemv_q4_smem_bytes(cols);
+    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
+    int blocks_per_sm = 0;
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                                    warps * kWarpSize, smem));
+    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
+    const int needed = ceil_div(tasks, warps);
+    plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    plan->warps = warps;
+    plan->unroll = unroll;
+    plan->stages = 0;
+    plan->smem_bytes = (int)smem;
+    plan->format = OG_WEIGHTS_Q4;
+    return cudaSuccess;
+}
+
+Q4Params q4_params(int rows, int cols, const void *weight, const void *scales) {
+    Q4Params q = {};
+    q.weight = static_cast<const uint8_t *>(weight);
+    q.scales = static_cast<const uint16_t *>(scales);
+    q.rows = rows;
+    q.cols = cols;
+    q.groups = q4_groups(cols);
+    return q;
+}
+
+cudaError_t launch_q4(int mode, const GemvPlan &plan, const Q4Params &q, cudaStream_t stream, bool pdl) {
+    using Kernel = void (*)(Q4Params);
+    const auto kernel = (Kernel)q4_kernel_for(mode, plan.warps, plan.unroll);
+    if (kernel == nullptr) return cudaErrorInvalidConfiguration;
+    return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), plan.smem_bytes,
+                         stream, pdl, q);
+}
+
+}  // namespace
+
+size_t gemv_q4_smem_bytes(int cols) {
+    return (size_t)q4_groups(cols) * (32 + sizeof(Q8Group));
+}
+
+cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
+    if (mode < kGemvPlain || mode > kGemvNormSwiglu || rows <= 0 || cols <= 0 || plan == nullptr ||
+        (mode == kGemvNormSwiglu && rows % 2 != 0))
+        return cudaErrorInvalidValue;
+    return q4_plan_tasks(mode, mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2), cols, plan);
+}
+
+cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
+                           cudaStream_t stream, bool pdl) {
+    if (plan.grid <= 0 || plan.format != OG_WEIGHTS_Q4) return cudaErrorInvalidConfiguration;
+    if (args.format != OG_WEIGHTS_Q4 || args.scales == nullptr || mode < kGemvPlain ||
+        mode > kGemvNormSwiglu)
+        return cudaErrorInvalidValue;
+    Q4Params q = q4_params(args.rows, args.cols, args.weight, args.scales);
+    q.x = args.x;
+    q.norm_weight = args.norm_weight;
+    q.y = args.y;
+    q.normed_out = args.normed_out;
+    q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+    q.n_tasks = mode == kGemvNormSwiglu ? q.out_rows : ceil_div(args.rows, 2);
+    q.eps = args.eps;
+    return launch_q4(mode, plan, q, stream, pdl);
+}
+
+cudaError_t launch_moe_gate_up_q4(const void *weights, const void *scales, const float *x_normed,
+                                  const int32_t *selected, int top_k, int hidden, int inter,
+                                  float *act, cudaStream_t stream, bool pdl) {
+    if (weights == nullptr || scales == nullptr || x_normed == nullptr || selected == nullptr ||
+        act == nullptr || top_k < 1 || hidden < 1 || inter < 1 || (int64_t)top_k * inter > INT32_MAX)
+        return cudaErrorInvalidValue;
+    // The plan depends only on the shape; the occupancy query is made once per shape and device.
+    struct Cached {
+        int device = -1, top_k = 0, hidden = 0, inter = 0;
+        GemvPlan plan;
+    };
+    static thread_local Cached cached;
+    int device = 0;
+    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
+    if (cached.device != device || cached.top_k != top_k || cached.hidden != hidden || cached.inter != inter) {
+        GemvPlan plan;
+        OG_CUDA_RETURN_IF(q4_plan_tasks(kQ4MoeGateUp, top_k * inter, hidden, &plan));
+        cached = Cached{device, top_k, hidden, inter, plan};
+    }
+    Q4Params q = q4_params(2 * inter, hidden, weights, scales);  // rows: per expert
+    q.x = x_normed;
+    q.y = act;
+    q.out_rows = inter;
+    q.n_tasks = top_k * inter;
+    q.selected = selected;
+    return launch_q4(kQ4MoeGateUp, cached.plan, q, stream, pdl);
+}
+
+cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const float *act,
+                               const int32_t *selected, const float *sel_weights, int top_k,
+                               int hidden, int inter, float *x, cudaStream_t stream, bool pdl) {
+    if (weights == nullptr || scales == nullptr || act == nullptr || selected == nullptr ||
+        sel_weights == nullptr || x == nullptr || top_k < 1 || top_k > kQ4MaxTopK || hidden < 1 ||
+        inter < 1)
+        return cudaErrorInvalidValue;
+    Q4MoeDownParams q = {};
+    q.weight = static_cast<const uint8_t *>(weights);
+    q.scales = static_cast<const uint16_t *>(scales);
+    q.act = act;
+    q.selected = selected;
+    q.sel_weights = sel_weights;
+    q.x = x;
+    q.top_k = top_k;
+    q.hidden = hidden;
+    q.inter = inter;
+    q.gpe = q4_groups(inter);
+    const int n_slots = top_k * q.gpe;
+    const size_t smem = (size_t)n_slots * (32 + sizeof(Q8Group) + sizeof(int2));
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    const int blocks = ceil_div(ceil_div(hidden, 2), kQ4MaxWarps);
+    const int grid = blocks < 2 * sm_count ? blocks : 2 * sm_count;
+    const int per_lane = ceil_div(n_slots, kWarpSize);
+    const auto kernel = per_lane <= 2 ? moe_down_q4_kernel<2> : per_lane <= 4 ? moe_down_q4_kernel<4>
+                                                                             : moe_down_q4_kernel<8>;
+    if (smem > 48 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+    return launch_kernel(kernel, dim3(grid), dim3(kQ4MaxWarps * kWarpSize), smem, stream, pdl, q);
+}
+
+}  // namespace og
