@@ -43,9 +43,10 @@
 namespace og {
 namespace {
 
-constexpr int kQ4MaxWarps = 8;
+constexpr int kQ4MaxWarps = 16;  // per block: one block per SM stages the input once
 constexpr int kQ4MoeGateUp = 4;  // a mode beside GemvMode's four: the MoE experts' gate/up + SwiGLU
 constexpr int kQ4MaxTopK = 32;
+constexpr int kQ4MoeDownWarps = 8;
 
 // One staged group of the input: scale_x and 8 * the sum of its codes.
 struct Q8Group {
@@ -109,77 +110,128 @@ __device__ __forceinline__ uint32_t pack_codes(int a, int b, int c, int d) {
 // share a group and combine its max and code sum with two shuffles each. Norm modes pass
 // inv_rms and the norm weights: the quantized value is then x * inv_rms * w (the order of
 // reference.rmsnorm), and normed_out (if not NULL) receives it.
-template <int NT>
-__device__ __forceinline__ void stage_q8_input(const float *x, const float *norm_weight, float inv_rms,
-                                               int cols, int groups, uint2 *codes, Q8Group *gq,
-                                               float *normed_out) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int n_items = 4 * groups;
-    const bool vec = cols % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
-                     (norm_weight == nullptr || (reinterpret_cast<uintptr_t>(norm_weight) & 15) == 0) &&
-                     (normed_out == nullptr || (reinterpret_cast<uintptr_t>(normed_out) & 15) == 0);
-    // Whole warps per round (the quad shuffles need every lane), so the bound is per warp.
-    for (int base = threadIdx.x - lane; base < n_items; base += NT) {
-        const int item = base + lane, col0 = 8 * item;
-        float v[8];
-        if (vec) {
+struct Q8Item {
+    float v[8];
+};
+__device__ __forceinline__ bool q8_vec_ok(const float *x, const float *norm_weight, const float *normed_out, int cols) {
+    auto aligned = [](const float *p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+    return cols % 4 == 0 && aligned(x) && aligned(norm_weight) && aligned(normed_out);
+}
+// The 8 values of item `item` of v (zeros past cols or n_items).
+__device__ __forceinline__ Q8Item load_q8_item(const float *v, int item, int n_items, int cols, bool vec) {
+    Q8Item r;
+    const int col0 = 8 * item;
+    if (vec) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int col = col0 + 4 * h;
-                const bool in = item < n_items && col < cols;  // cols % 4 == 0: wholly in or out
-                float4 a = in ? *reinterpret_cast<const float4 *>(x + col) : make_float4(0.f, 0.f, 0.f, 0.f);
-                if (norm_weight != nullptr && in) {
-                    const float4 w = *reinterpret_cast<const float4 *>(norm_weight + col);
-                    a = make_float4(a.x * inv_rms * w.x, a.y * inv_rms * w.y, a.z * inv_rms * w.z,
-                                    a.w * inv_rms * w.w);
-                    if (normed_out != nullptr) *reinterpret_cast<float4 *>(normed_out + col) = a;
-                }
-                v[4 * h] = a.x;
-                v[4 * h + 1] = a.y;
-                v[4 * h + 2] = a.z;
-                v[4 * h + 3] = a.w;
-            }
-        } else {
+        for (int h = 0; h < 2; ++h) {
+            const int col = col0 + 4 * h;  // cols % 4 == 0: a float4 is wholly in or out
+            const float4 a = item < n_items && col < cols ? *reinterpret_cast<const float4 *>(v + col)
+                                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+            r.v[4 * h] = a.x;
+            r.v[4 * h + 1] = a.y;
+            r.v[4 * h + 2] = a.z;
+            r.v[4 * h + 3] = a.w;
+        }
+    } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const int col = col0 + k;
-                float a = 0.f;
-                if (item < n_items && col < cols) {
-                    a = x[col];
-                    if (norm_weight != nullptr) {
-                        a = a * inv_rms * norm_weight[col];
-                        if (normed_out != nullptr) normed_out[col] = a;
-                    }
-                }
-                v[k] = a;
-            }
-        }
-        float amax = 0.f;
-        int finite = 1;
+        for (int k = 0; k < 8; ++k) r.v[k] = item < n_items && col0 + k < cols ? v[col0 + k] : 0.f;
+    }
+    return r;
+}
+// Item `item` (values a, normalized in norm modes with norm weights nw) into the staged input.
+// Every lane of the warp calls it (the quad shuffles), items past n_items store nothing.
+__device__ __forceinline__ void quantize_q8_item(Q8Item a, bool norm, const Q8Item &nw, float inv_rms, int item,
+                                                 int n_items, int cols, uint2 *codes, Q8Group *gq,
+                                                 float *normed_out) {
+    if (norm) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            amax = fmaxf(amax, fabsf(v[k]));
-            finite &= fabsf(v[k]) <= 3.402823466e38f;  // false for inf and NaN
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
-        finite &= __shfl_xor_sync(kFullMask, finite, 1);
-        finite &= __shfl_xor_sync(kFullMask, finite, 2);
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int q[8], sum = 0;
+        for (int k = 0; k < 8; ++k) a.v[k] = a.v[k] * inv_rms * nw.v[k];
+        if (normed_out != nullptr && item < n_items)
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            q[k] = __float2int_rn(__fmul_rn(v[k], inv));
-            sum += q[k];
-        }
-        sum += __shfl_xor_sync(kFullMask, sum, 1);
-        sum += __shfl_xor_sync(kFullMask, sum, 2);
-        if (item < n_items) {
-            codes[item] = make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
-            if ((item & 3) == 0) gq[item / 4] = Q8Group{finite ? amax / 127.f : __int_as_float(0x7fffffff), 8 * sum};
-        }
+            for (int k = 0; k < 8; ++k)
+                if (8 * item + k < cols) normed_out[8 * item + k] = a.v[k];
+    }
+    float amax = 0.f;
+    int finite = 1;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        amax = fmaxf(amax, fabsf(a.v[k]));
+        finite &= fabsf(a.v[k]) <= 3.402823466e38f;  // false for inf and NaN
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    finite &= __shfl_xor_sync(kFullMask, finite, 1);
+    finite &= __shfl_xor_sync(kFullMask, finite, 2);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int q[8], sum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        q[k] = __float2int_rn(__fmul_rn(a.v[k], inv));
+        sum += q[k];
+    }
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    if (item < n_items) {
+        codes[item] = make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
+        if ((item & 3) == 0) gq[item / 4] = Q8Group{finite ? amax / 127.f : __int_as_float(0x7fffffff), 8 * sum};
     }
 }
+
+// The staging of one input by a block of NT threads, in two halves so that the norm weights
+// (weights: they do not depend on earlier kernels) load before the PDL wait and x costs one
+// round trip to L2 after it. Thread t's items are t, t + NT, ..., the first kCached of them held
+// in registers from prepare() to stage(); more (a wide input on a small block) are loaded in
+// stage() itself.
+template <int NT, int kCached>
+struct Q8Stager {
+    Q8Item x[kCached], nw[kCached];
+    int n_items;
+    bool vec;
+
+    // Before the PDL wait: the norm weights of the cached items (norm_weight may be NULL).
+    __device__ __forceinline__ void prepare(const float *x_in, const float *norm_weight, const float *normed_out,
+                                            int cols) {
+        n_items = 4 * ceil_div(cols, kQ4Group);
+        vec = q8_vec_ok(x_in, norm_weight, normed_out, cols);
+        if (norm_weight != nullptr)
+#pragma unroll
+            for (int k = 0; k < kCached; ++k)
+                nw[k] = load_q8_item(norm_weight, threadIdx.x + k * NT, n_items, cols, vec);
+    }
+    // After it: x (normalized: RMSNorm with eps when norm_weight is not NULL) into codes / gq.
+    __device__ __forceinline__ void stage(const float *x_in, const float *norm_weight, float eps, int cols,
+                                          uint2 *codes, Q8Group *gq, float *normed_out, float *scratch) {
+#pragma unroll
+        for (int k = 0; k < kCached; ++k) x[k] = load_q8_item(x_in, threadIdx.x + k * NT, n_items, cols, vec);
+        float inv_rms = 1.f;
+        if (norm_weight != nullptr) {
+            float sum_sq = 0.f;
+#pragma unroll
+            for (int k = 0; k < kCached; ++k)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sum_sq = fmaf(x[k].v[e], x[k].v[e], sum_sq);
+            for (int item = threadIdx.x + kCached * NT; item < n_items; item += NT) {
+                const Q8Item a = load_q8_item(x_in, item, n_items, cols, vec);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sum_sq = fmaf(a.v[e], a.v[e], sum_sq);
+            }
+            inv_rms = 1.0f / sqrtf(block_sum<NT>(sum_sq, scratch) / (float)cols + eps);
+        }
+#pragma unroll
+        for (int k = 0; k < kCached; ++k)
+            quantize_q8_item(x[k], norm_weight != nullptr, nw[k], inv_rms, threadIdx.x + k * NT,
+                             n_items, cols, codes, gq, normed_out);
+        // Whole warps per round beyond the cached items (the quad shuffles need every lane).
+        const int lane = threadIdx.x % kWarpSize;
+        for (int base = threadIdx.x - lane + kCached * NT; base < n_items; base += NT) {
+            const int item = base + lane;
+            const bool norm = norm_weight != nullptr;
+            const Q8Item w = norm ? load_q8_item(norm_weight, item, n_items, cols, vec) : Q8Item{};
+            quantize_q8_item(load_q8_item(x_in, item, n_items, cols, vec), norm, w, inv_rms, item, n_items,
+                             cols, codes, gq, normed_out);
+        }
+    }
+};
 
 // Rows of task `task`: (r0, r1); r1 == r0 for the last task of an odd row count.
 template <int MODE>
@@ -241,19 +293,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         q4_task_rows<MODE>(p, task, r0, r1);
         load_q4_groups<U>(r, p, r0, r1, lane);
     }
+    const float *norm_weight = kNorm ? p.norm_weight : nullptr;
+    float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
+    // Items held in registers: a norm mode's 4096 columns are two per thread of 8 warps; the
+    // down projection's 12288 three per thread of 16 warps.
+    Q8Stager<kThreads, kNorm ? 2 : 3> stager;
+    stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
     pdl_launch_dependents();
-
-    float inv_rms = 1.f;
-    if (kNorm) {
-        float sum_sq = 0.f;
-        for (int i = threadIdx.x; i < p.cols; i += kThreads) sum_sq = fmaf(p.x[i], p.x[i], sum_sq);
-        const float total = block_sum<kThreads>(sum_sq, scratch);
-        inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
-    }
-    stage_q8_input<kThreads>(p.x, kNorm ? p.norm_weight : nullptr, inv_rms, p.cols, p.groups,
-                             reinterpret_cast<uint2 *>(codes), gq,
-                             kNorm && blockIdx.x == 0 ? p.normed_out : nullptr);
+    stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     __syncthreads();
 
     for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
@@ -305,8 +353,8 @@ struct Q4MoeDownParams {
 };
 
 template <int U>
-__global__ void __launch_bounds__(kQ4MaxWarps * kWarpSize) moe_down_q4_kernel(const Q4MoeDownParams p) {
-    constexpr int kThreads = kQ4MaxWarps * kWarpSize;
+__global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kernel(const Q4MoeDownParams p) {
+    constexpr int kThreads = kQ4MoeDownWarps * kWarpSize;
     extern __shared__ __align__(16) uint4 q4_smem[];  // codes [slots * 2], Q8Group [slots], int2 [slots]
     const int n_slots = p.top_k * p.gpe;
     uint4 *codes = q4_smem;
@@ -316,9 +364,12 @@ __global__ void __launch_bounds__(kQ4MaxWarps * kWarpSize) moe_down_q4_kernel(co
 
     pdl_wait();  // selected, sel_weights and act come from earlier kernels
     pdl_launch_dependents();
-    for (int j = 0; j < p.top_k; ++j)
-        stage_q8_input<kThreads>(p.act + (size_t)j * p.inter, nullptr, 1.f, p.inter, p.gpe,
-                                 reinterpret_cast<uint2 *>(codes + 2 * j * p.gpe), gq + j * p.gpe, nullptr);
+    for (int j = 0; j < p.top_k; ++j) {
+        Q8Stager<kThreads, 1> stager;
+        stager.prepare(p.act + (size_t)j * p.inter, nullptr, nullptr, p.inter);
+        stager.stage(p.act + (size_t)j * p.inter, nullptr, 0.f, p.inter,
+                     reinterpret_cast<uint2 *>(codes + 2 * j * p.gpe), gq + j * p.gpe, nullptr, nullptr);
+    }
     __syncthreads();
     for (int f = threadIdx.x; f < n_slots; f += kThreads) {
         const int j = f / p.gpe;
@@ -328,7 +379,7 @@ __global__ void __launch_bounds__(kQ4MaxWarps * kWarpSize) moe_down_q4_kernel(co
     __syncthreads();
 
     const int n_tasks = ceil_div(p.hidden, 2);
-    for (int task = blockIdx.x * kQ4MaxWarps + warp; task < n_tasks; task += gridDim.x * kQ4MaxWarps) {
+    for (int task = blockIdx.x * kQ4MoeDownWarps + warp; task < n_tasks; task += gridDim.x * kQ4MoeDownWarps) {
         const int r0 = 2 * task, r1 = min(r0 + 1, p.hidden - 1);
         float acc0 = 0.f, acc1 = 0.f;
         for (int base = lane; base < n_slots; base += kWarpSize * U) {
@@ -369,10 +420,13 @@ __global__ void __launch_bounds__(kQ4MaxWarps * kWarpSize) moe_down_q4_kernel(co
 }
 
 // ---- dispatch ------------------------------------------------------------------------------
-// Groups per lane in flight: the smallest of 2, 4, 8 that holds a whole row, else 8.
+// Groups per lane in flight (2, 4, 6 or 8): a row's per_lane groups in the fewest rounds of at
+// most 8, split evenly (12288 columns: 12 groups a lane = 2 x 6).
 int q4_unroll(int groups) {
     const int per_lane = ceil_div(groups, kWarpSize);
-    return per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 8;
+    const int rounds = ceil_div(per_lane, 8);
+    const int even = ceil_div(ceil_div(per_lane, rounds), 2) * 2;
+    return even < 2 ? 2 : even;
 }
 
 template <int MODE, int WARPS>
@@ -380,6 +434,7 @@ const void *q4_kernel_for_unroll(int unroll) {
     switch (unroll) {
         case 2: return (const void *)gemv_q4_kernel<MODE, WARPS, 2>;
         case 4: return (const void *)gemv_q4_kernel<MODE, WARPS, 4>;
+        case 6: return (const void *)gemv_q4_kernel<MODE, WARPS, 6>;
         case 8: return (const void *)gemv_q4_kernel<MODE, WARPS, 8>;
     }
     return nullptr;
@@ -397,6 +452,7 @@ const void *q4_kernel_for_mode(int mode, int unroll) {
 }
 const void *q4_kernel_for(int mode, int warps, int unroll) {
     switch (warps) {
+        case 16: return q4_kernel_for_mode<16>(mode, unroll);
         case 2: return q4_kernel_for_mode<2>(mode, unroll);
         case 4: return q4_kernel_for_mode<4>(mode, unroll);
         case 8: return q4_kernel_for_mode<8>(mode, unroll);
@@ -406,22 +462,36 @@ const void *q4_kernel_for(int mode, int warps, int unroll) {
 
 int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 
-// Plan for `tasks` two-row tasks: fewer warps per block when there are few tasks (about two
-// blocks on every SM), a grid no larger than what is resident at once.
+// Plan for `tasks` two-row tasks. A warp's tasks run one after another, so the step takes as
+// many rounds as the most loaded warp has tasks: the block size (16, 8, 4 or 2 warps) is the one
+// whose resident warps (occupancy x SMs) finish the tasks in the fewest rounds, the larger on a
+// tie (a block stages the input once for all its warps). The 8B shapes: QKV (3072 tasks) 8
+// warps x 3 blocks per SM in one round, where 16-warp blocks need two; the down projection 16.
 cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    int warps = kQ4MaxWarps;
-    while (warps > 2 && ceil_div(tasks, warps) < 2 * sm_count) warps /= 2;
     const int unroll = q4_unroll(q4_groups(cols));
-    const void *kernel = q4_kernel_for(mode, warps, unroll);
-    if (kernel == nullptr) return cudaErrorInvalidValue;
     const size_t smem = gemv_q4_smem_bytes(cols);
-    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
-    int blocks_per_sm = 0;
-    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
-                                                                    warps * kWarpSize, smem));
-    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
+    int best_warps = 0, best_blocks = 0, best_rounds = 0;
+    for (int warps = kQ4MaxWarps; warps >= 2; warps /= 2) {
+        const void *kernel = q4_kernel_for(mode, warps, unroll);
+        if (kernel == nullptr) return cudaErrorInvalidValue;
+        int blocks_per_sm = 0;
+        if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, warps * kWarpSize, smem) !=
+                cudaSuccess)
+            blocks_per_sm = 0;
+        (void)cudaGetLastError();  // a refused configuration is not an error
+        if (blocks_per_sm <= 0) continue;
+        const int rounds = ceil_div(tasks, blocks_per_sm * sm_count * warps);
+        if (best_warps == 0 || rounds < best_rounds) {
+            best_warps = warps;
+            best_blocks = blocks_per_sm;
+            best_rounds = rounds;
+        }
+    }
+    if (best_warps == 0) return cudaErrorInvalidConfiguration;
+    const int warps = best_warps, blocks_per_sm = best_blocks;
     const int needed = ceil_div(tasks, warps);
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
@@ -530,13 +600,13 @@ cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const fl
     const size_t smem = (size_t)n_slots * (32 + sizeof(Q8Group) + sizeof(int2));
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    const int blocks = ceil_div(ceil_div(hidden, 2), kQ4MaxWarps);
+    const int blocks = ceil_div(ceil_div(hidden, 2), kQ4MoeDownWarps);
     const int grid = blocks < 2 * sm_count ? blocks : 2 * sm_count;
     const int per_lane = ceil_div(n_slots, kWarpSize);
     const auto kernel = per_lane <= 2 ? moe_down_q4_kernel<2> : per_lane <= 4 ? moe_down_q4_kernel<4>
                                                                              : moe_down_q4_kernel<8>;
     if (smem > 48 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
-    return launch_kernel(kernel, dim3(grid), dim3(kQ4MaxWarps * kWarpSize), smem, stream, pdl, q);
+    return launch_kernel(kernel, dim3(grid), dim3(kQ4MoeDownWarps * kWarpSize), smem, stream, pdl, q);
 }
 
 }  // namespace og

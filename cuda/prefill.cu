@@ -69,9 +69,22 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int i = threadIdx.x; i < hidden; i += kRowThreads) dst[i] = bf16_bits_to_float(src[i]);
 }
 
+// v rounded by the q4 GEMV's input rule (gemv_q4.cu, quant.quantize_input_q8) over the aligned
+// group of 32 columns this warp's lanes hold (lane = column % 32; every lane calls it, columns
+// past the row pass 0): rint(v * (127 / max|v|)) * (max|v| / 127), NaN for a non-finite group.
+__device__ __forceinline__ float q8_round_group(float v) {
+    const float amax = warp_max(fabsf(v));
+    const bool finite = __all_sync(kFullMask, fabsf(v) <= 3.402823466e38f);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float scale = finite ? amax / 127.f : __int_as_float(0x7fffffff);
+    return __fmul_rn((float)__float2int_rn(__fmul_rn(v, inv)), scale);
+}
+
+// q8: round each group of 32 columns as the q4 GEMV does (the next GEMM has q4 weights), in
+// fp32 before the split, so that the batched pass starts from the decode kernels' codes.
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_rows_split_kernel(const float *x, const float *weight, float eps, int hidden,
-                              __nv_bfloat16 *out, __nv_bfloat16 *out_lo, int ld) {
+                              __nv_bfloat16 *out, __nv_bfloat16 *out_lo, int ld, bool q8) {
     __shared__ float scratch[kRowThreads / kWarpSize];
     const int row = blockIdx.x;
     const float *xr = x + (size_t)row * hidden;
@@ -80,24 +93,31 @@ __global__ void __launch_bounds__(kRowThreads)
     const float total = block_sum<kRowThreads>(sum_sq, scratch);
     const float inv_rms = 1.0f / sqrtf(total / (float)hidden + eps);
     __nv_bfloat16 *dst = out + (size_t)row * ld, *dst_lo = out_lo + (size_t)row * ld;
-    for (int i = threadIdx.x; i < ld; i += kRowThreads)
-        store_split(i < hidden ? xr[i] * inv_rms * weight[i] : 0.f, dst + i, dst_lo + i);
+    for (int base = 0; base < ld; base += kRowThreads) {  // whole warps: q8's shuffles
+        const int i = base + threadIdx.x;
+        float v = i < hidden ? xr[i] * inv_rms * weight[i] : 0.f;
+        if (q8) v = q8_round_group(v);
+        if (i < ld) store_split(v, dst + i, dst_lo + i);
+    }
 }
 
 __global__ void __launch_bounds__(kRowThreads)
     swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out,
-                       __nv_bfloat16 *out_lo, int ld) {
-    const int64_t total = (int64_t)n_rows * ld;
-    for (int64_t idx = (int64_t)blockIdx.x * kRowThreads + threadIdx.x; idx < total;
-         idx += (int64_t)gridDim.x * kRowThreads) {
-        const int row = (int)(idx / ld), i = (int)(idx % ld);
+                       __nv_bfloat16 *out_lo, int ld, bool q8) {
+    // one warp per (row, 32 columns): q8 (as rmsnorm_rows_split_kernel) rounds a group per warp
+    const int slabs = ceil_div(ld, kWarpSize), lane = threadIdx.x % kWarpSize;
+    const int64_t total = (int64_t)n_rows * slabs;
+    for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
+         item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
+        const int row = (int)(item / slabs), i = (int)(item % slabs) * kWarpSize + lane;
         float v = 0.f;
         if (i < inter) {
             const float gate = gate_up[(size_t)row * 2 * inter + i];
             const float up = gate_up[(size_t)row * 2 * inter + inter + i];
             v = gate / (1.0f + expf(-gate)) * up;
         }
-        store_split(v, out + idx, out_lo + idx);
+        if (q8) v = q8_round_group(v);
+        if (i < ld) store_split(v, out + (size_t)row * ld + i, out_lo + (size_t)row * ld + i);
     }
 }
 
@@ -568,10 +588,10 @@ dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols
     }
 }
 
-// The q4 GEMV's input rule (gemv_q4.cu, quant.quantize_input_q8) on the rows of a split input,
-// in place: per row and group of 32 columns, v = hi + lo, scale = max|v| / 127 (NaN when the
-// group holds a non-finite value), v' = rint(v * (127 / max|v|)) * scale, stored back as hi + lo.
-// One warp per (row, group), lane = column.
+// The q4 GEMV's input rule on the rows of a split input, in place (the attention output, whose
+// fp32 values are spread over mma fragments): per row and group of 32 columns, v = hi + lo
+// (16 significant bits) rounded by q8_round_group and stored back as hi + lo. One warp per
+// (row, group), lane = column.
 __global__ void __launch_bounds__(kRowThreads)
 quantize_rows_q8_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo, int ld, int rows, int cols) {
     const int groups = ceil_div(cols, kQ4Group);
@@ -581,18 +601,14 @@ quantize_rows_q8_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo, int ld, int rows, 
          item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
         const int r = (int)(item / groups), col = (int)(item - (int64_t)r * groups) * kQ4Group + lane;
         const size_t at = (size_t)r * ld + col;
-        const float v = col < cols ? __bfloat162float(hi[at]) + __bfloat162float(lo[at]) : 0.f;
-        const float amax = warp_max(fabsf(v));
-        const bool finite = __all_sync(kFullMask, fabsf(v) <= 3.402823466e38f);
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const float scale = finite ? amax / 127.f : __int_as_float(0x7fffffff);
-        if (col < cols) store_split(__fmul_rn((float)__float2int_rn(__fmul_rn(v, inv)), scale), hi + at, lo + at);
+        const float v = q8_round_group(col < cols ? __bfloat162float(hi[at]) + __bfloat162float(lo[at]) : 0.f);
+        if (col < cols) store_split(v, hi + at, lo + at);
     }
 }
 
 // y (= or +=) a . w for a dense weight matrix in any format: bf16 as is; int8 / q4 dequantized
-// into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo. q4 first
-// rounds a (the scratch's narrow rows) to int8 per group of 32, as the decode GEMV does.
+// into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo. (q4's
+// input arrives rounded to int8 per group of 32, as the decode GEMV's: the callers do it.)
 cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScratch &s,
                          cudaStream_t stream) {
     if (w.format == OG_WEIGHTS_BF16) {
@@ -605,13 +621,6 @@ cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScr
     const int spr = (int)weight_scales_per_row(w.format, w.cols);
     const dim3 grid(row_grid((int64_t)w.rows * ld)), block(kRowThreads);
     const uint8_t *data = static_cast<const uint8_t *>(w.data);
-    if (w.format == OG_WEIGHTS_Q4) {
-        if (args.a != s.narrow || args.a_lo != s.narrow_lo) return cudaErrorInvalidValue;
-        const int64_t warps = (int64_t)args.rows * ceil_div(w.cols, kQ4Group);
-        OG_CUDA_RETURN_IF(launch_kernel(quantize_rows_q8_kernel,
-                                        dim3(row_grid(warps * kWarpSize)), block, 0, stream, false,
-                                        s.narrow, s.narrow_lo, args.lda, args.rows, w.cols));
-    }
     if (w.format == OG_WEIGHTS_INT8)
         OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_INT8>, grid, block, 0, stream,
                                         false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,
@@ -644,7 +653,7 @@ static cudaError_t enqueue_moe_rows(const PrefillModel &m, const PrefillLayer &w
     const dim3 row_block(kRowThreads);
     OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, dim3(n), row_block, 0, stream, false,
                                     (const float *)s.x, w.post_attention_layernorm, m.eps, H,
-                                    s.narrow, s.narrow_lo, ldH));
+                                    s.narrow, s.narrow_lo, ldH, false));
     OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.router, ldH,
                                                 s.moe_logits, m.E, n, m.E, ldH, false},
                                        stream));
@@ -666,7 +675,7 @@ static cudaError_t enqueue_moe_rows(const PrefillModel &m, const PrefillLayer &w
     OG_CUDA_RETURN_IF(launch_gemm_bf16(gate_up, stream));
     OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n_entries * ldIm)),
                                     row_block, 0, stream, false, (const float *)s.moe_out, Im,
-                                    n_entries, s.moe_act, s.moe_act_lo, ldIm));
+                                    n_entries, s.moe_act, s.moe_act_lo, ldIm, false));
     // down: an entry's row of act, into the entry's row of moe_out.
     GemmArgs down = {s.moe_act, s.moe_act_lo, ldIm,
                      static_cast<const __nv_bfloat16 *>(w.expert_down.data), ldIm, s.moe_out, H, n,
@@ -698,7 +707,7 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         // ---- attention block ----
         OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream, false,
                                         (const float *)s.x, w.input_layernorm, m.eps, H, s.narrow,
-                                        s.narrow_lo, ldH));
+                                        s.narrow_lo, ldH, w.qkv.format == OG_WEIGHTS_Q4));
         OG_CUDA_RETURN_IF(gemm_weights(GemmArgs{s.narrow, s.narrow_lo, ldH, nullptr, ldH, s.wide,
                                                 qkv_rows, n, qkv_rows, ldH, false},
                                        w.qkv, s, stream));
@@ -733,6 +742,12 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         attn.hd = m.hd;
         attn.inv_sqrt_hd = (float)(1.0 / sqrt((double)m.hd));  // as decode attention
         OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
+        if (w.o_proj.format == OG_WEIGHTS_Q4) {
+            const int64_t warps = (int64_t)n * ceil_div(q_size, kQ4Group);
+            OG_CUDA_RETURN_IF(launch_kernel(quantize_rows_q8_kernel, dim3(row_grid(warps * kWarpSize)),
+                                            row_block, 0, stream, false, s.narrow, s.narrow_lo, ldQ, n,
+                                            q_size));
+        }
         OG_CUDA_RETURN_IF(gemm_weights(
             GemmArgs{s.narrow, s.narrow_lo, ldQ, nullptr, ldQ, s.x, H, n, H, ldQ, true}, w.o_proj, s,
             stream));
@@ -761,13 +776,14 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         } else {
             OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, rows, row_block, 0, stream,
                                             false, (const float *)s.x, w.post_attention_layernorm,
-                                            m.eps, H, s.narrow, s.narrow_lo, ldH));
+                                            m.eps, H, s.narrow, s.narrow_lo, ldH,
+                                            w.gate_up.format == OG_WEIGHTS_Q4));
             OG_CUDA_RETURN_IF(gemm_weights(GemmArgs{s.narrow, s.narrow_lo, ldH, nullptr, ldH,
                                                     s.wide, 2 * I, n, 2 * I, ldH, false},
                                            w.gate_up, s, stream));
             OG_CUDA_RETURN_IF(launch_kernel(swiglu_rows_kernel, dim3(row_grid((int64_t)n * ldI)),
                                             row_block, 0, stream, false, (const float *)s.wide, I, n,
-                                            s.narrow, s.narrow_lo, ldI));
+                                            s.narrow, s.narrow_lo, ldI, w.down.format == OG_WEIGHTS_Q4));
             OG_CUDA_RETURN_IF(gemm_weights(
                 GemmArgs{s.narrow, s.narrow_lo, ldI, nullptr, ldI, s.x, H, n, H, ldI, true}, w.down,
                 s, stream));

@@ -282,6 +282,13 @@ PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 201, 11, 90, 150, 33]  # < 
 # only fp32 summation order differs (fp32 KV), plus rare rounding-boundary flips of one KV
 # quantization step (int8 KV).
 LOGITS_BOUND = {"fp32": 1e-4, "int8": 1e-2}
+# q4 (w4a8) rounds every GEMV input to int8 on both sides. Where the GPU's fp32 input and the
+# reference's differ in the last bit next to a rounding boundary, one input code differs by one
+# step (1/127 of its group's max): rare (~1e-5 of the codes), but in these 96-wide random models
+# one such step moves the later logits by up to ~1.5e-2 (H200: tiny-moe 1.5e-2 and tiny-tied
+# 1.1e-2 with fp32 KV, every other q4 case <= 3.3e-7). So q4's bound is that of a flipped step,
+# as int8 KV's is; the greedy tokens must still agree.
+Q4_LOGITS_BOUND = 5e-2
 
 
 
@@ -315,7 +322,8 @@ def test_greedy_matches_reference_with_the_same_quantized_weights(preset, fmt, w
     print(f"{preset} {scheme.label()} kv={kv}: GPU vs reference worst logits rel L2 {worst:.3g}, "
           f"device weight bytes {weight_bytes}")
     assert tokens == ref_tokens
-    assert worst < LOGITS_BOUND[kv], f"worst logits rel L2 {worst:.3g}"
+    bound = max(LOGITS_BOUND[kv], Q4_LOGITS_BOUND if fmt == "q4" else 0.0)
+    assert worst < bound, f"worst logits rel L2 {worst:.3g}"
 
 
 @pytest.mark.parametrize("preset,fmt", [("tiny-dense", "q4"), ("tiny-moe", "int8"), ("tiny-moe", "q4")])
