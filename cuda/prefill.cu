@@ -101,6 +101,22 @@ __global__ void __launch_bounds__(kRowThreads)
     }
 }
 
+// Rows of an fp32 matrix (src [rows, src_ld], cols used) split into hi / lo [rows, ld], zeros in
+// the pad columns; q8 as rmsnorm_rows_split_kernel. One warp per (row, 32 columns).
+__global__ void __launch_bounds__(kRowThreads)
+    split_rows_kernel(const float *src, int src_ld, int cols, int rows, __nv_bfloat16 *out,
+                      __nv_bfloat16 *out_lo, int ld, bool q8) {
+    const int slabs = ceil_div(ld, kWarpSize), lane = threadIdx.x % kWarpSize;
+    const int64_t total = (int64_t)rows * slabs;
+    for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
+         item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
+        const int row = (int)(item / slabs), i = (int)(item % slabs) * kWarpSize + lane;
+        float v = i < cols ? src[(size_t)row * src_ld + i] : 0.f;
+        if (q8) v = q8_round_group(v);
+        if (i < ld) store_split(v, out + (size_t)row * ld + i, out_lo + (size_t)row * ld + i);
+    }
+}
+
 __global__ void __launch_bounds__(kRowThreads)
     swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out,
                        __nv_bfloat16 *out_lo, int ld, bool q8) {
@@ -223,6 +239,11 @@ struct PrefillAttnParams {
     __nv_bfloat16 *out;          // [n, out_ld]: head h at columns [h * hd, (h + 1) * hd), hi
     __nv_bfloat16 *out_lo;       // [n, out_ld]: ... and lo (store_split)
     int out_ld;
+    // Optional: o / l as fp32 here instead of split into out / out_lo (row r, head h at
+    // out_f32[r * out_f32_ld + h * hd]; may be q's own buffer: a block overwrites only the q
+    // rows and head it has already read). split_rows_kernel then rounds and splits it.
+    float *out_f32 = nullptr;
+    int out_f32_ld = 0;
     KvPages kv;
     const int32_t *table_row;
     int n, p0, n_heads, n_kv_heads, hd;
@@ -509,6 +530,11 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
         for (int e = 0; e < 2; ++e) {
             const int d = 8 * nt + 2 * t + e;
             if (d >= hd) continue;
+            if (p.out_f32 != nullptr) {
+                if (r_g < rows_here) p.out_f32[(size_t)(row0 + r_g) * p.out_f32_ld + (size_t)head * hd + d] = o[nt][e] / l_g;
+                if (r_g8 < rows_here) p.out_f32[(size_t)(row0 + r_g8) * p.out_f32_ld + (size_t)head * hd + d] = o[nt][2 + e] / l_g8;
+                continue;
+            }
             if (r_g < rows_here) {
                 const size_t offset = (size_t)(row0 + r_g) * p.out_ld + (size_t)head * hd + d;
                 store_split(o[nt][e] / l_g, p.out + offset, p.out_lo + offset);
@@ -520,7 +546,7 @@ __global__ void __launch_bounds__(kAttnThreads) prefill_attention_kernel(const P
         }
     // The pad columns after the last head (read by the o_proj GEMM against zero weights).
     const int q_cols = p.n_heads * hd, pad = p.out_ld - q_cols;
-    if (head == 0 && pad > 0)
+    if (p.out_f32 == nullptr && head == 0 && pad > 0)
         for (int i = threadIdx.x; i < rows_here * pad; i += kAttnThreads) {
             const size_t offset = (size_t)(row0 + i / pad) * p.out_ld + q_cols + i % pad;
             p.out[offset] = p.out_lo[offset] = __float2bfloat16_rn(0.f);
@@ -585,24 +611,6 @@ dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols
             }
         }
         store_split(w, hi + i, lo + i);
-    }
-}
-
-// The q4 GEMV's input rule on the rows of a split input, in place (the attention output, whose
-// fp32 values are spread over mma fragments): per row and group of 32 columns, v = hi + lo
-// (16 significant bits) rounded by q8_round_group and stored back as hi + lo. One warp per
-// (row, group), lane = column.
-__global__ void __launch_bounds__(kRowThreads)
-quantize_rows_q8_kernel(__nv_bfloat16 *hi, __nv_bfloat16 *lo, int ld, int rows, int cols) {
-    const int groups = ceil_div(cols, kQ4Group);
-    const int lane = threadIdx.x % kWarpSize;
-    const int64_t total = (int64_t)rows * groups;
-    for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
-         item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
-        const int r = (int)(item / groups), col = (int)(item - (int64_t)r * groups) * kQ4Group + lane;
-        const size_t at = (size_t)r * ld + col;
-        const float v = q8_round_group(col < cols ? __bfloat162float(hi[at]) + __bfloat162float(lo[at]) : 0.f);
-        if (col < cols) store_split(v, hi + at, lo + at);
     }
 }
 
@@ -741,13 +749,15 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
         attn.n_kv_heads = m.n_kv;
         attn.hd = m.hd;
         attn.inv_sqrt_hd = (float)(1.0 / sqrt((double)m.hd));  // as decode attention
-        OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
-        if (w.o_proj.format == OG_WEIGHTS_Q4) {
-            const int64_t warps = (int64_t)n * ceil_div(q_size, kQ4Group);
-            OG_CUDA_RETURN_IF(launch_kernel(quantize_rows_q8_kernel, dim3(row_grid(warps * kWarpSize)),
-                                            row_block, 0, stream, false, s.narrow, s.narrow_lo, ldQ, n,
-                                            q_size));
+        if (w.o_proj.format == OG_WEIGHTS_Q4) {  // rounded in fp32 (q8) before the split
+            attn.out_f32 = s.wide;                 // over the q columns it has read
+            attn.out_f32_ld = qkv_rows;
         }
+        OG_CUDA_RETURN_IF(launch_prefill_attention(attn, m.kv_dtype, stream));
+        if (attn.out_f32 != nullptr)
+            OG_CUDA_RETURN_IF(launch_kernel(split_rows_kernel, dim3(row_grid((int64_t)n * ldQ)), row_block, 0,
+                                            stream, false, (const float *)s.wide, qkv_rows, q_size, n,
+                                            s.narrow, s.narrow_lo, ldQ, true));
         OG_CUDA_RETURN_IF(gemm_weights(
             GemmArgs{s.narrow, s.narrow_lo, ldQ, nullptr, ldQ, s.x, H, n, H, ldQ, true}, w.o_proj, s,
             stream));
