@@ -462,40 +462,36 @@ const void *q4_kernel_for(int mode, int warps, int unroll) {
 
 int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 
-// Plan for `tasks` two-row tasks. A warp's tasks run one after another, U groups of a row per
-// round trip, so a step costs about (rounds of resident warps) x (round trips per task): the
-// block size (16, 8, 4 or 2 warps) and U (the row's own, or half of it: fewer registers, more
-// resident warps) are the pair with the fewest, then the larger block (it stages the input
-// once for more warps), then the smaller U.
+// Plan for `tasks` two-row tasks. A warp's tasks run one after another, so the step takes as
+// many rounds as the most loaded warp has tasks: the block size (16, 8, 4 or 2 warps) is the one
+// whose resident warps (occupancy x SMs) finish the tasks in the fewest rounds, the larger on a
+// tie (a block stages the input once for all its warps). The 8B shapes: QKV (3072 tasks) 8
+// warps x 3 blocks per SM in one round, where 16-warp blocks need two; the down projection 16.
 cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    const int groups = q4_groups(cols), per_lane = ceil_div(groups, kWarpSize);
+    const int unroll = q4_unroll(q4_groups(cols));
     const size_t smem = gemv_q4_smem_bytes(cols);
-    int best_warps = 0, best_blocks = 0, best_cost = 0, best_unroll = 0;
-    const int u0 = q4_unroll(groups);
-    const int unrolls[2] = {u0, u0 >= 4 ? u0 / 2 + (u0 / 2) % 2 : u0};
-    for (int warps = kQ4MaxWarps; warps >= 2; warps /= 2)
-        for (int unroll : unrolls) {
-            const void *kernel = q4_kernel_for(mode, warps, unroll);
-            if (kernel == nullptr) return cudaErrorInvalidValue;
-            int blocks_per_sm = 0;
-            if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
-                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, warps * kWarpSize, smem) !=
-                    cudaSuccess)
-                blocks_per_sm = 0;
-            (void)cudaGetLastError();  // a refused configuration is not an error
-            if (blocks_per_sm <= 0) continue;
-            const int cost = ceil_div(tasks, blocks_per_sm * sm_count * warps) * ceil_div(per_lane, unroll);
-            if (best_warps == 0 || cost < best_cost || (cost == best_cost && warps == best_warps)) {
-                best_warps = warps;
-                best_blocks = blocks_per_sm;
-                best_cost = cost;
-                best_unroll = unroll;
-            }
+    int best_warps = 0, best_blocks = 0, best_rounds = 0;
+    for (int warps = kQ4MaxWarps; warps >= 2; warps /= 2) {
+        const void *kernel = q4_kernel_for(mode, warps, unroll);
+        if (kernel == nullptr) return cudaErrorInvalidValue;
+        int blocks_per_sm = 0;
+        if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, warps * kWarpSize, smem) !=
+                cudaSuccess)
+            blocks_per_sm = 0;
+        (void)cudaGetLastError();  // a refused configuration is not an error
+        if (blocks_per_sm <= 0) continue;
+        const int rounds = ceil_div(tasks, blocks_per_sm * sm_count * warps);
+        if (best_warps == 0 || rounds < best_rounds) {
+            best_warps = warps;
+            best_blocks = blocks_per_sm;
+            best_rounds = rounds;
         }
+    }
     if (best_warps == 0) return cudaErrorInvalidConfiguration;
-    const int warps = best_warps, blocks_per_sm = best_blocks, unroll = best_unroll;
+    const int warps = best_warps, blocks_per_sm = best_blocks;
     const int needed = ceil_div(tasks, warps);
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;

@@ -43,7 +43,10 @@
 // scale in fp32: exact for q4, one rounding for int8) and split like the activations into
 // bf16 w_hi + w_lo (exact for q4, whose w has at most 12 significant bits; within 2^-16 for
 // int8), in a scratch matrix of the largest dense shape; y = (a_hi + a_lo) . w_hi + a_hi . w_lo,
-// two GEMMs (the a_lo . w_lo term, below 2^-16 of each product, is left out).
+// two GEMMs (the a_lo . w_lo term, below 2^-16 of each product, is left out). A q4 matrix's
+// input is first rounded to int8 per group of 32, in fp32 before the split (the decode q4
+// GEMV's rule, gemv_q4.cu): in the norm and SwiGLU row kernels, and for the attention output,
+// which then goes through fp32 (over the q columns it has read) and split_rows_kernel.
 // Every row's arithmetic is independent of the chunking (GEMM k-order fixed, attention key
 // tiles aligned to absolute position 0), so any chunk size gives bit-identical results.
 #pragma once

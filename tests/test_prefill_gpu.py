@@ -36,6 +36,11 @@ LOGITS_BOUND = {"fp32": 1e-4 + 1e-4, "bf16": 1e-2 + 2e-3, "int8": 1e-2 + 2e-3}
 # is below this (the test models' median margin is ~1 logit, LOGIT_STD = 4): a near tie, not a
 # defect. The first such step ends the comparison (the sequences then differ by construction).
 NEAR_TIE_LOGITS = 0.05
+# q4 weights (w4a8): both passes round every GEMV input to int8 per group of 32 from fp32 values
+# that differ in their last bits, so over a 150-token prompt some input codes land one step
+# apart (a rounding boundary between the two values): the flipped-step bound of
+# tests/test_quant_gpu.py (H200: 1.2e-2 and 1.4e-2 here).
+Q4_TOKEN_LOGITS_BOUND = 5e-2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -389,9 +394,10 @@ QUANT_PREFILL = [("tiny-dense", "int8"), ("tiny-dense", "q4"), ("tiny-llama", "i
 @pytest.mark.parametrize("preset,weights", QUANT_PREFILL)
 def test_quantized_weights_take_the_batched_prefill(preset, weights):
     """Quantized dense weights go through the batched pass (each matrix dequantized into bf16
-    hi + lo, prefill.cuh): the bf16 weights' bound against the token-by-token path (the
-    dequantized weights move by at most 2^-16 relative, like the activations), and greedy
-    continuations against the reference on the same quantized weights."""
+    hi + lo, prefill.cuh; q4's inputs rounded to int8 per group of 32 in fp32 first, as the
+    decode GEMV's): the bf16 weights' bound against the token-by-token path (the dequantized
+    weights move by at most 2^-16 relative, like the activations; q4: Q4_TOKEN_LOGITS_BOUND),
+    and greedy continuations against the reference on the same quantized weights."""
     config, tensors = _model(preset)
     prompt, n, max_seq = _prompt(config, 150), 32, 200
     logits = {}
@@ -401,7 +407,8 @@ def test_quantized_weights_take_the_batched_prefill(preset, weights):
             logits[mode] = engine.prefill(prompt)
             assert engine.stats()["prefill_tokens"] == (len(prompt) if mode == "batched" else 0)
     err = rel_l2(logits["batched"], logits["token"])
-    assert err < TOKEN_LOGITS_BOUND, f"last prompt token's logits: rel L2 {err:.3g}"
+    bound = Q4_TOKEN_LOGITS_BOUND if weights == "q4" else TOKEN_LOGITS_BOUND
+    assert err < bound, f"last prompt token's logits: rel L2 {err:.3g}"
     scheme = WeightScheme.make(weights, "all", False)
     ref = ReferenceDecoder(config, dict(quantize_stream(config, tensors.items(), scheme)), kv_dtype="int8",
                            max_seq_len=max_seq)
