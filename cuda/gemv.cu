@@ -1,7 +1,7 @@
 // gemv.cu — weight matrix x fp32 vector, the kernel that carries almost all of decode's
-// memory traffic, for bf16 weights (first kernel below) and int8 / q4 weights (second kernel,
-// dequantizing on the fly with quant.cuh). Modes (kernels.cuh): plain, RMSNorm fused in front,
-// residual add, and RMSNorm + gate/up + SwiGLU.
+// memory traffic, for bf16 weights (first kernel below) and int8 weights (second kernel,
+// dequantizing on the fly with quant.cuh); q4 weights go to gemv_q4.cu. Modes (kernels.cuh):
+// plain, RMSNorm fused in front, residual add, and RMSNorm + gate/up + SwiGLU.
 //
 //   weight: [rows, ld] bf16, ld = padded_cols(cols) (zeros in the pad columns)
 //   x:      [cols] fp32, staged in shared memory as [ld] (zeros in the pad), normalized
@@ -211,27 +211,24 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     }
 }
 
-// ---- int8 / q4: the tensor cores ------------------------------------------------------------
-// Dequantizing to fp32 and one fp32 fma per weight cost ~13 instructions per 4 int8 bytes and
-// ~25 per 4 q4 bytes (more per token than bf16's 1 per byte): the quantized GEMVs were bound by
-// instruction issue, not DRAM. Here the dot products run on mma.sync m16n8k16 (fp16 inputs,
-// fp32 accumulation), which leaves only the dequantization (quant.cuh's LOP3 trick: codes
-// straight into fp16, exactly) to the CUDA cores.
+// ---- int8: the tensor cores ------------------------------------------------------------------
+// (q4 has its own kernel, gemv_q4.cu: integer dot products on the input quantized to int8.)
+// Dequantizing to fp32 and one fp32 fma per weight cost ~13 instructions per 4 int8 bytes
+// (more per token than bf16's 1 per byte): the int8 GEMVs were bound by instruction issue,
+// not DRAM. Here the dot products run on mma.sync m16n8k16 (fp16 inputs, fp32 accumulation),
+// which leaves only the dequantization (quant.cuh's LOP3 trick: codes straight into fp16,
+// exactly) to the CUDA cores.
 //
 //   A (16 x 16, fp16): weight codes, exact in fp16. Lane (g, t) = (lane / 4, lane % 4) loads
 //       16-byte chunk c = 4 kb + t of rows g and g + 8 of the task (k-block kb = 4 chunks);
-//       each 32-bit word of a chunk feeds one mma (int8: 4 codes per row) or two (q4: 8 codes):
-//       its half2 pairs are the lane's A registers, so a lane's k indices {2t, 2t+1, 2t+8,
-//       2t+9} stand for 4 physical columns of its own word (any assignment works as long as
-//       B uses the same one).
+//       each 32-bit word of a chunk feeds one mma (4 codes per row): its half2 pairs are the
+//       lane's A registers, so a lane's k indices {2t, 2t+1, 2t+8, 2t+9} stand for 4 physical
+//       columns of its own word (any assignment works as long as B uses the same one).
 //   B (16 x 8, fp16): x * 2^e split into hi + lo fp16 halves (|x 2^e - hi - lo| <= 2^-22
 //       |x 2^e|; 2^e puts max |x| in [2^14, 2^15), inside fp16's range), staged in shared
 //       memory in the A pairs' column order (layout at store_split_word). Column n of B is hi
-//       for n < 4 and lo for n >= 4. q4: column n is non-zero only in the rows of lane
-//       t = n % 4, so D[:, n] is the sum over chunk c = 4 kb + n % 4 alone and a q4 group
-//       (= one chunk) stays separate and takes its own scale: acc += scale(row, c) * D[row, n].
-//       int8: every lane's rows are non-zero, D accumulates the whole row's hi and lo sums and
-//       the row scale is applied at the end.
+//       for n < 4 and lo for n >= 4. D accumulates the whole row's hi and lo sums and the row
+//       scale is applied at the end.
 //   A task is 16 rows (SwiGLU: gate rows i..i+7 and up rows I+i..I+i+7); the block's 8 warps
 //   split its k-blocks (warp w: kb = w, w + 8, ...; the dense kernel streams them through its
 //   load ring, the MoE down kernel holds U in registers), and the 8 partial sums per row are
@@ -246,12 +243,12 @@ constexpr int kQuantKBlocks = 4;      // MoE down: k-blocks per warp in register
 
 struct QuantGemvParams {
     const uint8_t *weight;
-    const void *scales;
+    const float *scales;      // [rows] row scales
     const float *x;
     const float *norm_weight;
     float *y;
     float *normed_out;
-    int rows, cols, n_chunks, n_kblocks, n_tasks, out_rows, scales_per_row;
+    int rows, cols, n_chunks, n_kblocks, n_tasks, out_rows;
     int64_t row_bytes;
     float eps;
     const int32_t *selected;  // kQuantMoeGateUp: the experts chosen for this token [top_k]
@@ -268,12 +265,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Values per 32-bit word of codes and half2 pairs per word (quant.cuh word_pairs).
-template <int FMT>
-struct WordPairs {
-    static constexpr int kValues = FMT == OG_WEIGHTS_Q4 ? 8 : 4;
-    static constexpr int kPairs = kValues / 2;
-};
+// int8 codes per 32-bit word, and the half2 pairs they make (quant.cuh word_pairs).
+constexpr int kCodesPerWord = 4, kPairsPerWord = 2;
 __device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
     uint32_t u;
     memcpy(&u, &h, sizeof u);
@@ -312,17 +305,11 @@ __device__ __forceinline__ float4 load4_or_zero(const float *v, int col, int n) 
 // so the B loads of one mma (fixed kb, j, m; lanes differ in t and h) read 64 contiguous bytes:
 // one shared-memory wavefront (a layout by word with hi and lo apart was a 4- to 5-way conflict).
 __host__ __device__ constexpr int b_kblock_words(int pairs) { return 32 * pairs; }
-// Where lane (g, t) reads B: its column's pairs, or for q4 lanes whose column is zero
-// (t != g % 4) a block of kBZeroBytes zeros (covering one k-block's 8 P j + 16 m offsets), so
-// that no select per B register is needed. step: words from one k-block to the next.
-constexpr int kBZeroBytes = 512;
-__device__ __forceinline__ const uint32_t *b_lane_base(int format, const uint32_t *x_pairs,
-                                                       const uint32_t *zeros, int g, int t) {
-    return format == OG_WEIGHTS_Q4 && (g & 3) != t ? zeros : x_pairs + 4 * t + 2 * (g >> 2);
+// Where lane (g, t) reads B (its column's pairs), and the words from one k-block to the next.
+__device__ __forceinline__ const uint32_t *b_lane_base(const uint32_t *x_pairs, int g, int t) {
+    return x_pairs + 4 * t + 2 * (g >> 2);
 }
-__device__ __forceinline__ int b_lane_step(int format, int g, int t) {
-    return format == OG_WEIGHTS_Q4 && (g & 3) != t ? 0 : b_kblock_words(format == OG_WEIGHTS_Q4 ? 4 : 2);
-}
+constexpr int kBStep = b_kblock_words(kPairsPerWord);
 
 // Word wi's values v[0..V) (already times 2^e) into the staged B: per pair couple m one 16-byte
 // store {hi 2m, hi 2m + 1, lo 2m, lo 2m + 1}.
@@ -345,106 +332,66 @@ __device__ __forceinline__ void store_split_word(const float (&v)[V], int wi, ui
             make_uint4(hi[2 * m], hi[2 * m + 1], lo[2 * m], lo[2 * m + 1]);
 }
 
-// U k-blocks of two rows in registers: chunk c = 4 kb + t of rows g and g + 8 (and their q4
-// group scales) for kb = kb0, kb0 + kb_step, ... (zeros past n_kb or the row's chunks).
-template <int FMT, int U>
+// U k-blocks of two rows in registers: chunk c = 4 kb + t of rows g and g + 8 for kb = kb0,
+// kb0 + 1, ... (zeros past n_kb or the row's chunks).
+template <int U>
 struct KBlockRegs {
     uint4 a_g[U], a_g8[U];
-    float sc_g[U], sc_g8[U];
 };
-template <int FMT, int U>
-__device__ __forceinline__ void load_kblocks(KBlockRegs<FMT, U> &r, const uint4 *w_g,
-                                             const uint4 *w_g8, const uint16_t *s_g,
-                                             const uint16_t *s_g8, int kb0, int kb_step, int n_kb,
-                                             int n_chunks, int t) {
+template <int U>
+__device__ __forceinline__ void load_kblocks(KBlockRegs<U> &r, const uint4 *w_g, const uint4 *w_g8,
+                                             int kb0, int n_kb, int n_chunks, int t) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const int c = 4 * (kb0 + u * kb_step) + t;
-        const bool ok = kb0 + u * kb_step < n_kb && c < n_chunks;
+        const int c = 4 * (kb0 + u) + t;
+        const bool ok = kb0 + u < n_kb && c < n_chunks;
         r.a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
         r.a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
-        r.sc_g[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g + c) : 0.f;
-        r.sc_g8[u] = FMT == OG_WEIGHTS_Q4 && ok ? load_bf16_scale(s_g8 + c) : 0.f;
     }
 }
 
-// One k-block of two rows (chunk c = 4 kb + t of rows g and g + 8 in a_g, a_g8; q4: their group
-// scales sc_g, sc_g8) against B's k-block at b_kb (b_lane_base + kb * b_kblock_words; q4 lanes
-// whose B column is zero read kBZeroBytes of zeros instead): int8 accumulates the mma into d
-// (the rows' sums), q4 takes a fresh tile per k-block and adds each group's sum times its scale
-// into acc_g / acc_g8 (the D columns this lane holds come from chunk lanes src0, src1).
-template <int FMT>
-__device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, float sc_g,
-                                           float sc_g8, const uint32_t *b_kb, int src0, int src1,
-                                           float (&d)[4], float &acc_g, float &acc_g8) {
-    constexpr int P = WordPairs<FMT>::kPairs;
-    float dq[4] = {0.f, 0.f, 0.f, 0.f};
-    float(&dd)[4] = FMT == OG_WEIGHTS_Q4 ? dq : d;
+// One k-block of two rows (chunk c = 4 kb + t of rows g and g + 8 in a_g, a_g8) against B's
+// k-block at b_kb (b_lane_base + kb * kBStep), accumulated into d (the rows' hi and lo sums).
+__device__ __forceinline__ void mma_kblock(const uint4 &a_g, const uint4 &a_g8, const uint32_t *b_kb,
+                                           float (&d)[4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        __half2 hg[P], hg8[P];
+        __half2 hg[kPairsPerWord], hg8[kPairsPerWord];
         word_pairs(word_of(a_g, j), hg);
         word_pairs(word_of(a_g8, j), hg8);
-#pragma unroll
-        for (int m = 0; m < P / 2; ++m) {
-            const uint2 b = *reinterpret_cast<const uint2 *>(b_kb + 8 * P * j + 16 * m);
-            mma_16816(dd, half2_as_u32(hg[2 * m]), half2_as_u32(hg8[2 * m]),
-                      half2_as_u32(hg[2 * m + 1]), half2_as_u32(hg8[2 * m + 1]), b.x, b.y);
-        }
-    }
-    if (FMT == OG_WEIGHTS_Q4) {
-        const float s0 = __shfl_sync(kFullMask, sc_g, src0);
-        const float s1 = __shfl_sync(kFullMask, sc_g, src1);
-        const float s0_8 = __shfl_sync(kFullMask, sc_g8, src0);
-        const float s1_8 = __shfl_sync(kFullMask, sc_g8, src1);
-        acc_g = fmaf(s0, dq[0], acc_g);
-        acc_g = fmaf(s1, dq[1], acc_g);
-        acc_g8 = fmaf(s0_8, dq[2], acc_g8);
-        acc_g8 = fmaf(s1_8, dq[3], acc_g8);
+        const uint2 b = *reinterpret_cast<const uint2 *>(b_kb + 8 * kPairsPerWord * j);
+        mma_16816(d, half2_as_u32(hg[0]), half2_as_u32(hg8[0]), half2_as_u32(hg[1]),
+                  half2_as_u32(hg8[1]), b.x, b.y);
     }
 }
 
-// The rows' sums over a warp's k-blocks (x 2^e; int8 before the row scale), complete in every
-// lane. q4: a row's 8 D columns (4 chunk lanes x hi, lo) live in lanes (g, 0..3), two each.
-// int8: every lane's B is active, so each column holds the whole hi (columns 0-3) or lo (4-7)
+// The rows' sums over a warp's k-blocks (x 2^e, before the row scale), complete in every lane:
+// every lane's B is active, so each D column holds the whole hi (columns 0-3) or lo (4-7)
 // sum: column 0 (lane t = 0) + column 4 (lane t = 2).
-template <int FMT>
-__device__ __forceinline__ void finish_row_sums(const float (&d)[4], float acc_g, float acc_g8,
-                                                float &sum_g, float &sum_g8) {
-    if (FMT == OG_WEIGHTS_INT8) {
-        sum_g = d[0] + __shfl_xor_sync(kFullMask, d[0], 2);
-        sum_g8 = d[2] + __shfl_xor_sync(kFullMask, d[2], 2);
-        return;
-    }
-    sum_g = acc_g + __shfl_xor_sync(kFullMask, acc_g, 1);
-    sum_g += __shfl_xor_sync(kFullMask, sum_g, 2);
-    sum_g8 = acc_g8 + __shfl_xor_sync(kFullMask, acc_g8, 1);
-    sum_g8 += __shfl_xor_sync(kFullMask, sum_g8, 2);
+__device__ __forceinline__ void finish_row_sums(const float (&d)[4], float &sum_g, float &sum_g8) {
+    sum_g = d[0] + __shfl_xor_sync(kFullMask, d[0], 2);
+    sum_g8 = d[2] + __shfl_xor_sync(kFullMask, d[2], 2);
 }
 
 // One warp's dot products of two rows with the staged B over all their k-blocks (U in flight),
-// chunk c = 4 kb + t of rows w_g and w_g8 (q4 group scales s_g, s_g8), against B's k-block
-// kb_b0 + kb (the MoE down kernel's loop).
-template <int FMT, int U>
-__device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8,
-                                             const uint16_t *s_g, const uint16_t *s_g8, int n_kb,
-                                             int n_chunks, const uint32_t *b_base, int b_step,
-                                             int kb_b0, int t, int src0, int src1, float &sum_g,
+// chunk c = 4 kb + t of rows w_g and w_g8, against B's k-block kb_b0 + kb (the MoE down
+// kernel's loop).
+template <int U>
+__device__ __forceinline__ void mma_rows_dot(const uint4 *w_g, const uint4 *w_g8, int n_kb, int n_chunks,
+                                             const uint32_t *b_base, int kb_b0, int t, float &sum_g,
                                              float &sum_g8) {
-    float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
-    float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
-    KBlockRegs<FMT, U> r;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    KBlockRegs<U> r;
     for (int kb0 = 0; kb0 < n_kb; kb0 += U) {
-        load_kblocks(r, w_g, w_g8, s_g, s_g8, kb0, 1, n_kb, n_chunks, t);
+        load_kblocks(r, w_g, w_g8, kb0, n_kb, n_chunks, t);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u;
             if (kb >= n_kb) break;  // warp-uniform
-            mma_kblock<FMT>(r.a_g[u], r.a_g8[u], r.sc_g[u], r.sc_g8[u],
-                            b_base + (size_t)(kb_b0 + kb) * b_step, src0, src1, d, acc_g, acc_g8);
+            mma_kblock(r.a_g[u], r.a_g8[u], b_base + (size_t)(kb_b0 + kb) * kBStep, d);
         }
     }
-    finish_row_sums<FMT>(d, acc_g, acc_g8, sum_g, sum_g8);
+    finish_row_sums(d, sum_g, sum_g8);
 }
 
 // Row of the matrix behind row slot r (0..15) of task `task`, clamped into the matrix.
@@ -462,7 +409,7 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
     return min(kQuantTaskRows * task + r, p.rows - 1);
 }
 
-// The load ring. A warp's share of a task is often only 4 k-blocks (16 rows x 4096 q4 columns
+// The load ring. A warp's share of a task is often only 8 k-blocks (16 rows x 4096 columns
 // over 8 warps): loaded into registers, waited for, computed and reduced before the next task's
 // loads went out, the loads stood idle through every compute and reduction. Instead the weights
 // stream through shared memory by cp.async, kQuantStages k-blocks per lane, and a warp keeps
@@ -470,10 +417,6 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
 // copies and later reads only its own slots (cp.async.wait_group makes a thread's own copies
 // visible to it), so the ring needs no barrier:
 //   ring_w [kQuantStages][2 (rows g, g + 8)][threads] uint4: chunk c = 4 kb + t of each row
-//   ring_s [kQuantStages][2][threads] uint32 (q4): the 4-byte-aligned word holding that chunk's
-//          bf16 group scale, in its high half when the scale's index is odd; when it is even
-//          only the scale itself is read (low half) and the high half is zero-filled, so no
-//          copy reads past the scale array.
 // (A 9-deep ring for the 8B shape's 4096-column inputs, same blocks per SM, measured slower:
 // step q4 2.63 vs 2.56 ms, int8 3.07 vs 2.99.)
 constexpr int kQuantStages = 6;
@@ -496,25 +439,18 @@ __device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src
                  : "memory");
 }
 
-__host__ __device__ constexpr int quant_ring_bytes(int format, int stages = kQuantStages,
-                                                   int warps = kQuantWarps) {
-    return stages * 2 * warps * kWarpSize * (16 + (format == OG_WEIGHTS_Q4 ? 4 : 0)) +
-           (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
+__host__ __device__ constexpr int int8_ring_bytes(int stages = kQuantStages, int warps = kQuantWarps) {
+    return stages * 2 * warps * kWarpSize * 16;
 }
-
-// A q4 scale (bf16) from its ring word into the top half of an fp32: __byte_perm selectors
-// taking the word's bytes 2, 3 (the scale is the high half) or 0, 1, and zeros below.
-constexpr uint32_t kScaleHigh = 0x3244u, kScaleLow = 0x1044u;
 
 // At most 80 registers (not __launch_bounds__, which cannot be combined with it): three int8
 // blocks of 8 warps per SM still fit (768 x 80 <= 64K); left to itself ptxas stopped the q4
 // kernels at 64 and spilled the staging registers (8B step with __launch_bounds__ instead:
 // int8 2.61 vs 2.57 ms, q4 2.46 vs 2.35).
-template <int FMT, int MODE, int WARPS, int S>
-__global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
+template <int MODE, int WARPS, int S>
+__global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    constexpr int V = WordPairs<FMT>::kValues, P = WordPairs<FMT>::kPairs;
-    constexpr bool kQ4 = FMT == OG_WEIGHTS_Q4;
+    constexpr int V = kCodesPerWord, P = kPairsPerWord;
     // the staged B (n_kblocks * b_kblock_words(P) words, layout above), then the ring (above)
     extern __shared__ __align__(16) uint32_t x_pairs[];
     __shared__ float scratch[2 * WARPS];
@@ -524,24 +460,17 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
     const int g = lane >> 2, t = lane & 3;
     const int n_words = p.n_kblocks * 16;
     uint4 *ring_w = reinterpret_cast<uint4 *>(x_pairs + (size_t)2 * n_words * P);
-    uint32_t *ring_s = reinterpret_cast<uint32_t *>(ring_w + S * 2 * kThreads);
-    uint32_t *b_zeros = ring_s + S * 2 * kThreads;  // [kBZeroBytes / 4]
-    const uint16_t *scales16 = static_cast<const uint16_t *>(p.scales);
     // This warp's k-blocks of every task: kb = warp, warp + WARPS, ... (n_mine of them).
     const int n_mine = warp < p.n_kblocks ? ceil_div(p.n_kblocks - warp, WARPS) : 0;
-    // A slot's bytes in ring_w / ring_s, and this lane's slot-0 addresses (cp.async takes them).
-    constexpr uint32_t kSlotW = 2 * kThreads * 16, kSlotS = 2 * kThreads * 4;
-    const uint32_t ring_w_lane = smem_address(ring_w + tid), ring_s_lane = smem_address(ring_s + tid);
+    // A slot's bytes in ring_w, and this lane's slot-0 address (cp.async takes it).
+    constexpr uint32_t kSlotW = 2 * kThreads * 16;
+    const uint32_t ring_w_lane = smem_address(ring_w + tid);
 
     // The copy side: the next k-block to copy is k-block copy_kb4 / 4 of task copy_task (a warp
     // without k-blocks copies nothing). The lane's pointers are set when a task starts (chunk t
-    // of rows g and g + 8; q4: the 4-byte-aligned word holding that chunk's scale and how many
-    // of its bytes to read); k-block kb is 4 kb chunks and 4 kb scales further (4 kb is even:
-    // the alignment holds).
+    // of rows g and g + 8); k-block kb is 4 kb chunks further.
     int copy_task = n_mine > 0 ? (int)blockIdx.x : p.n_tasks, copy_kb4 = 4 * warp, copy_slot = 0;
     const uint4 *copy_w_g = nullptr, *copy_w_g8 = nullptr;
-    const uint16_t *copy_s_g = nullptr, *copy_s_g8 = nullptr;
-    int copy_bytes_g = 0, copy_bytes_g8 = 0;
     auto issue = [&]() {
         if (copy_task < p.n_tasks) {
             if (copy_kb4 == 4 * warp) {
@@ -549,25 +478,12 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
                 const int row_g8 = quant_task_row<MODE>(p, copy_task, g + 8);
                 copy_w_g = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g * p.row_bytes) + t;
                 copy_w_g8 = reinterpret_cast<const uint4 *>(p.weight + (size_t)row_g8 * p.row_bytes) + t;
-                if (kQ4) {
-                    const int64_t i_g = (int64_t)row_g * p.scales_per_row + t;
-                    const int64_t i_g8 = (int64_t)row_g8 * p.scales_per_row + t;
-                    copy_s_g = scales16 + (i_g & ~int64_t(1));
-                    copy_s_g8 = scales16 + (i_g8 & ~int64_t(1));
-                    copy_bytes_g = i_g & 1 ? 4 : 2;
-                    copy_bytes_g8 = i_g8 & 1 ? 4 : 2;
-                }
             }
             const bool ok = copy_kb4 + t < p.n_chunks;
             const int off = ok ? copy_kb4 : 0;  // past the row: nothing is read (zero fill)
             const uint32_t dst_w = ring_w_lane + copy_slot * kSlotW;
             copy_weight_chunk(dst_w, copy_w_g + off, ok);
             copy_weight_chunk(dst_w + kThreads * 16, copy_w_g8 + off, ok);
-            if (kQ4) {
-                const uint32_t dst_s = ring_s_lane + copy_slot * kSlotS;
-                cp_async_4(dst_s, copy_s_g + off, ok ? copy_bytes_g : 0);
-                cp_async_4(dst_s + kThreads * 4, copy_s_g8 + off, ok ? copy_bytes_g8 : 0);
-            }
             copy_slot = copy_slot + 1 == S ? 0 : copy_slot + 1;
             copy_kb4 += 4 * WARPS;
             if (copy_kb4 >= 4 * p.n_kblocks) {
@@ -706,43 +622,25 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
         }
         store_split_word(v, wi, x_pairs);
     }
-    if (kQ4)
-        for (int i = tid; i < kBZeroBytes / 4; i += kThreads) b_zeros[i] = 0u;
     __syncthreads();
 
-    // B: lane (g, t) supplies column g (hi: g < 4, lo: g >= 4); q4: non-zero only where t == g % 4.
-    const uint32_t *b_first = b_lane_base(FMT, x_pairs, b_zeros, g, t);
-    const int b_step = b_lane_step(FMT, g, t);
-    b_first += warp * b_step;  // this warp's first k-block
-    // q4: the columns this lane's D registers hold come from chunk lanes (2t) % 4, (2t+1) % 4.
-    const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
+    // B: lane (g, t) supplies column g (hi: g < 4, lo: g >= 4).
+    const uint32_t *b_first = b_lane_base(x_pairs, g, t) + warp * kBStep;  // this warp's first k-block
 
     int slot = 0;  // the ring slot of the next k-block to compute
     for (int task = blockIdx.x; task < p.n_tasks; task += gridDim.x) {
-        // q4: where the scale sits in its ring word (high half when its index row * scales_per_row
-        // + 4 kb + t is odd), as the byte_perm selector that moves it into an fp32's top half.
-        const int row_g = quant_task_row<MODE>(p, task, g), row_g8 = quant_task_row<MODE>(p, task, g + 8);
-        const uint32_t sel_g = ((row_g & p.scales_per_row) ^ t) & 1 ? kScaleHigh : kScaleLow;
-        const uint32_t sel_g8 = ((row_g8 & p.scales_per_row) ^ t) & 1 ? kScaleHigh : kScaleLow;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};  // int8: the rows' sums
-        float acc_g = 0.f, acc_g8 = 0.f;     // q4: scaled group sums
+        float d[4] = {0.f, 0.f, 0.f, 0.f};  // the rows' hi and lo sums
         const uint32_t *b_kb = b_first;
         for (int i = 0; i < n_mine; ++i) {
             issue();                    // k-block S - 1 ahead, into the slot computed last
             cp_async_wait<S - 1>();     // this one has landed
             const uint4 *slot_w = ring_w + slot * 2 * kThreads + tid;
-            float sc_g = 0.f, sc_g8 = 0.f;
-            if (kQ4) {
-                const uint32_t *slot_s = ring_s + slot * 2 * kThreads + tid;
-                sc_g = __uint_as_float(__byte_perm(slot_s[0], 0u, sel_g));
-                sc_g8 = __uint_as_float(__byte_perm(slot_s[kThreads], 0u, sel_g8));
-            }
-            mma_kblock<FMT>(slot_w[0], slot_w[kThreads], sc_g, sc_g8, b_kb, src0, src1, d, acc_g, acc_g8);
-            b_kb += WARPS * b_step;
+            mma_kblock(slot_w[0], slot_w[kThreads], b_kb, d);
+            b_kb += WARPS * kBStep;
             slot = slot + 1 == S ? 0 : slot + 1;
         }
         float sum_g, sum_g8;
-        finish_row_sums<FMT>(d, acc_g, acc_g8, sum_g, sum_g8);
+        finish_row_sums(d, sum_g, sum_g8);
         if (t == 0) {
             partial[warp][g] = sum_g;
             partial[warp][g + 8] = sum_g8;
@@ -753,10 +651,7 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
                 float s = 0.f;
 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) s += partial[w][r];
-                s *= down;
-                if (FMT == OG_WEIGHTS_INT8)
-                    s *= static_cast<const float *>(p.scales)[quant_task_row<MODE>(p, task, r)];
-                return s;
+                return s * down * p.scales[quant_task_row<MODE>(p, task, r)];
             };
             if (MODE == kGemvNormSwiglu || MODE == kQuantMoeGateUp) {
                 const int j = MODE == kQuantMoeGateUp ? task / p.tasks_per_expert : 0;
@@ -779,7 +674,7 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
     cp_async_wait<0>();  // only empty groups remain; nothing is left in flight at exit
 }
 
-// ---- MoE down for int8 / q4 experts -------------------------------------------------------
+// ---- MoE down for int8 experts -------------------------------------------------------
 // x[r] += sum over j in selection order of w_j * (down_e[r] . act_j), e = selected[j]: the
 // same tensor-core dot products, with B = the top_k act vectors side by side (each expert's
 // columns padded to whole k-blocks, so a k-block never spans two experts) and the warps
@@ -788,20 +683,19 @@ __global__ void __maxnreg__(80) gemv_quant_kernel(const QuantGemvParams p) {
 // the bf16 kernel and the reference do.
 struct QuantMoeDownParams {
     const uint8_t *weight;      // [E * H rows, row_bytes(I)]
-    const void *scales;         // [E * H, scales_per_row(I)]
+    const float *scales;        // [E * H] row scales
     const float *act;           // [top_k, I]
     const int32_t *selected;    // [top_k]
     const float *sel_weights;   // [top_k]
     float *x;                   // [H], += the weighted sum
-    int top_k, hidden, inter, n_chunks, n_kblocks, scales_per_row;  // n_*: per expert row
+    int top_k, hidden, inter, n_chunks, n_kblocks;  // n_*: per expert row
     int64_t row_bytes;
 };
 constexpr int kMoeMaxTopK = 32;
 
-template <int FMT>
-__global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel(const QuantMoeDownParams p) {
+__global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_int8_kernel(const QuantMoeDownParams p) {
     constexpr int kThreads = kQuantWarps * kWarpSize;
-    constexpr int V = WordPairs<FMT>::kValues;
+    constexpr int V = kCodesPerWord;
     extern __shared__ uint32_t x_pairs[];  // staged B: expert j at k-blocks j n_kblocks ..
     __shared__ float scratch[kQuantWarps];
     __shared__ float partial[kMoeMaxTopK][kQuantTaskRows];
@@ -848,15 +742,9 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
         }
         store_split_word(v, wi, x_pairs);
     }
-    constexpr int P = WordPairs<FMT>::kPairs;
-    uint32_t *b_zeros = x_pairs + 2 * n_words * P;  // [kBZeroBytes / 4] for q4
-    if (FMT == OG_WEIGHTS_Q4)
-        for (int i = tid; i < kBZeroBytes / 4; i += kThreads) b_zeros[i] = 0u;
     __syncthreads();
 
-    const uint32_t *b_base = b_lane_base(FMT, x_pairs, b_zeros, g, t);
-    const int b_step = b_lane_step(FMT, g, t);
-    const int src0 = 4 * g + ((2 * t) & 3), src1 = 4 * g + ((2 * t + 1) & 3);
+    const uint32_t *b_base = b_lane_base(x_pairs, g, t);
     const int n_tasks = ceil_div(p.hidden, kQuantTaskRows);
     for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
         const int r_g = min(kQuantTaskRows * task + g, p.hidden - 1);
@@ -865,19 +753,12 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
             const size_t row_g = (size_t)expert_of[j] * p.hidden + r_g;
             const size_t row_g8 = (size_t)expert_of[j] * p.hidden + r_g8;
             float sum_g, sum_g8;
-            mma_rows_dot<FMT, kQuantKBlocks>(
-                reinterpret_cast<const uint4 *>(p.weight + row_g * p.row_bytes),
-                reinterpret_cast<const uint4 *>(p.weight + row_g8 * p.row_bytes),
-                static_cast<const uint16_t *>(p.scales) + row_g * p.scales_per_row,
-                static_cast<const uint16_t *>(p.scales) + row_g8 * p.scales_per_row, p.n_kblocks,
-                p.n_chunks, b_base, b_step, j * p.n_kblocks, t, src0, src1, sum_g, sum_g8);
+            mma_rows_dot<kQuantKBlocks>(reinterpret_cast<const uint4 *>(p.weight + row_g * p.row_bytes),
+                                        reinterpret_cast<const uint4 *>(p.weight + row_g8 * p.row_bytes),
+                                        p.n_kblocks, p.n_chunks, b_base, j * p.n_kblocks, t, sum_g, sum_g8);
             if (t == 0) {
-                sum_g *= down;
-                sum_g8 *= down;
-                if (FMT == OG_WEIGHTS_INT8) {
-                    sum_g *= static_cast<const float *>(p.scales)[row_g];
-                    sum_g8 *= static_cast<const float *>(p.scales)[row_g8];
-                }
+                sum_g = sum_g * down * p.scales[row_g];
+                sum_g8 = sum_g8 * down * p.scales[row_g8];
                 partial[j][g] = sum_g;
                 partial[j][g + 8] = sum_g8;
             }
@@ -895,35 +776,30 @@ __global__ void __launch_bounds__(kQuantWarps * kWarpSize) moe_down_quant_kernel
 }
 
 
-template <int FMT, int WARPS, int S>
-const void *quant_kernel_for(GemvMode mode) {
+template <int WARPS, int S>
+const void *int8_kernel_for(GemvMode mode) {
     switch (mode) {
-        case kGemvPlain: return (const void *)gemv_quant_kernel<FMT, kGemvPlain, WARPS, S>;
-        case kGemvNorm: return (const void *)gemv_quant_kernel<FMT, kGemvNorm, WARPS, S>;
-        case kGemvResidual: return (const void *)gemv_quant_kernel<FMT, kGemvResidual, WARPS, S>;
-        case kGemvNormSwiglu: return (const void *)gemv_quant_kernel<FMT, kGemvNormSwiglu, WARPS, S>;
+        case kGemvPlain: return (const void *)gemv_int8_kernel<kGemvPlain, WARPS, S>;
+        case kGemvNorm: return (const void *)gemv_int8_kernel<kGemvNorm, WARPS, S>;
+        case kGemvResidual: return (const void *)gemv_int8_kernel<kGemvResidual, WARPS, S>;
+        case kGemvNormSwiglu: return (const void *)gemv_int8_kernel<kGemvNormSwiglu, WARPS, S>;
     }
     return nullptr;
 }
-template <int FMT>
-const void *quant_kernel_for(GemvMode mode, int warps, int stages) {
-    if (warps == kQuantWarps && stages == kQuantStages) return quant_kernel_for<FMT, kQuantWarps, kQuantStages>(mode);
+// The int8 kernel for a mode, block size and ring depth (nullptr for other ones).
+const void *int8_kernel_for(GemvMode mode, int warps, int stages) {
+    if (warps == kQuantWarps && stages == kQuantStages) return int8_kernel_for<kQuantWarps, kQuantStages>(mode);
     if (warps == kQuantWideWarps && stages == kQuantWideStages)
-        return quant_kernel_for<FMT, kQuantWideWarps, kQuantWideStages>(mode);
+        return int8_kernel_for<kQuantWideWarps, kQuantWideStages>(mode);
     return nullptr;
 }
-// The quantized kernel for a mode, format, block size and ring depth (nullptr for other ones).
-const void *quant_kernel_for(GemvMode mode, int warps, int format, int stages) {
-    return format == OG_WEIGHTS_Q4 ? quant_kernel_for<OG_WEIGHTS_Q4>(mode, warps, stages)
-                                   : quant_kernel_for<OG_WEIGHTS_INT8>(mode, warps, stages);
-}
 
-// Launch the quantized kernel of the plan (the one gemv_plan sized through quant_kernel_for).
-cudaError_t launch_quant(GemvMode mode, const GemvPlan &plan, cudaStream_t stream, bool pdl,
-                         const QuantGemvParams &p) {
+// Launch the int8 kernel of the plan (the one gemv_plan sized through int8_kernel_for).
+cudaError_t launch_int8(GemvMode mode, const GemvPlan &plan, cudaStream_t stream, bool pdl,
+                        const QuantGemvParams &p) {
     if (mode < kGemvPlain || mode > kGemvNormSwiglu) return cudaErrorInvalidValue;
-    using QuantKernel = void (*)(QuantGemvParams);
-    const auto kernel = (QuantKernel)quant_kernel_for(mode, plan.warps, plan.format, plan.stages);
+    using Int8Kernel = void (*)(QuantGemvParams);
+    const auto kernel = (Int8Kernel)int8_kernel_for(mode, plan.warps, plan.stages);
     if (kernel == nullptr) return cudaErrorInvalidConfiguration;
     return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), plan.smem_bytes,
                          stream, pdl, p);
@@ -959,8 +835,8 @@ const void *gemv_kernel_for(GemvMode mode, int unroll) {
 }
 
 const void *gemv_kernel_for(GemvMode mode, int warps, int format, int unroll) {
-    if (format == OG_WEIGHTS_INT8 || format == OG_WEIGHTS_Q4)
-        return quant_kernel_for(mode, warps, format, kQuantStages);  // the default; gemv_plan may widen
+    if (format == OG_WEIGHTS_INT8)
+        return int8_kernel_for(mode, warps, kQuantStages);  // the default; gemv_plan may widen
     if (format != OG_WEIGHTS_BF16) return nullptr;
     switch (warps) {
         case 2: return gemv_kernel_for<2>(mode, unroll);
@@ -1014,7 +890,7 @@ size_t gemv_input_smem_bytes(int cols, int format) {
     if (format == OG_WEIGHTS_BF16) return (size_t)round_up(cols, kRowAlignElems) * sizeof(float);
     // hi + lo fp16 per column, whole k-blocks (4 chunks), then the load ring
     return (size_t)round_up(cols, 4 * weight_values_per_chunk(format)) * 2 * sizeof(__half) +
-           quant_ring_bytes(format);
+           int8_ring_bytes();
 }
 
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
@@ -1042,10 +918,10 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
     if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     if (format != OG_WEIGHTS_BF16) {
         // A configuration's blocks per SM (0 where it does not fit or the opt-in is refused).
-        const size_t input_smem = smem_bytes - quant_ring_bytes(format);
+        const size_t input_smem = smem_bytes - int8_ring_bytes();
         auto blocks_of = [&](int w, int s, size_t *smem) {
-            *smem = input_smem + quant_ring_bytes(format, s, w);
-            const void *k = quant_kernel_for(mode, w, format, s);
+            *smem = input_smem + int8_ring_bytes(s, w);
+            const void *k = int8_kernel_for(mode, w, s);
             int blocks = 0;
             if (allow_dynamic_smem(k, *smem) != cudaSuccess ||
                 cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, w * kWarpSize, *smem) != cudaSuccess)
@@ -1064,7 +940,7 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
             stages = kQuantWideStages;
             smem_bytes = wide_smem;
         }
-        kernel = quant_kernel_for(mode, warps, format, stages);
+        kernel = int8_kernel_for(mode, warps, stages);
         OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem_bytes));
         OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
             &blocks_per_sm, kernel, warps * kWarpSize, smem_bytes));
@@ -1081,13 +957,12 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
 }
 
 namespace {
-// A quantized matrix's row layout for `cols` columns (quant.cuh), into either kernel's params.
+// An int8 matrix's row layout for `cols` columns (quant.cuh), into either kernel's params.
 template <typename Params>
-void set_quant_row_layout(Params &q, int format, int cols) {
-    q.n_chunks = ceil_div(cols, weight_values_per_chunk(format));
+void set_int8_row_layout(Params &q, int cols) {
+    q.n_chunks = ceil_div(cols, weight_values_per_chunk(OG_WEIGHTS_INT8));
     q.n_kblocks = ceil_div(q.n_chunks, 4);
-    q.scales_per_row = (int)weight_scales_per_row(format, cols);
-    q.row_bytes = weight_row_bytes(format, cols);
+    q.row_bytes = weight_row_bytes(OG_WEIGHTS_INT8, cols);
 }
 }  // namespace
 
@@ -1100,20 +975,20 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         if (args.scales == nullptr) return cudaErrorInvalidValue;
         QuantGemvParams q;
         q.weight = static_cast<const uint8_t *>(args.weight);
-        q.scales = args.scales;
+        q.scales = static_cast<const float *>(args.scales);
         q.x = args.x;
         q.norm_weight = args.norm_weight;
         q.y = args.y;
         q.normed_out = args.normed_out;
         q.rows = args.rows;
         q.cols = args.cols;
-        set_quant_row_layout(q, args.format, args.cols);
+        set_int8_row_layout(q, args.cols);
         q.n_tasks = gemv_tasks(mode, args.rows, args.format);
         q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
         q.eps = args.eps;
         q.selected = nullptr;
         q.tasks_per_expert = 0;
-        return launch_quant(mode, plan, stream, pdl, q);
+        return launch_int8(mode, plan, stream, pdl, q);
     }
     GemvParams p;
     p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
@@ -1136,24 +1011,6 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
     return cudaErrorInvalidConfiguration;
 }
 
-namespace {
-template <int FMT>
-cudaError_t launch_moe_gate_up_format(const QuantGemvParams &q, int grid, size_t smem,
-                                      cudaStream_t stream, bool pdl) {
-    const auto kernel = gemv_quant_kernel<FMT, kQuantMoeGateUp, kQuantWarps, kQuantStages>;
-    // The staged input and the load ring pass the 48 KB default: opt in once per device (the
-    // attribute is per device), not with a driver call on every launch.
-    static std::atomic<int> opted_in_device{-1};
-    int device = 0;
-    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
-    if (opted_in_device.load() != device) {
-        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
-        opted_in_device.store(device);
-    }
-    return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
-}
-}  // namespace
-
 cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void *scales,
                                      const float *x_normed, const int32_t *selected, int top_k,
                                      int hidden, int inter, float *act, cudaStream_t stream,
@@ -1167,12 +1024,12 @@ cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void
                                      stream, pdl);
     QuantGemvParams q = {};
     q.weight = static_cast<const uint8_t *>(weights);
-    q.scales = scales;
+    q.scales = static_cast<const float *>(scales);
     q.x = x_normed;
     q.y = act;
     q.rows = 2 * inter;  // per expert
     q.cols = hidden;
-    set_quant_row_layout(q, format, hidden);
+    set_int8_row_layout(q, hidden);
     q.tasks_per_expert = ceil_div(inter, 8);
     q.n_tasks = top_k * q.tasks_per_expert;
     q.out_rows = inter;
@@ -1181,10 +1038,18 @@ cudaError_t launch_moe_gate_up_quant(int format, const void *weights, const void
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     // Two blocks per SM fit (registers); more would only queue, and the grid strides anyway.
     const int grid = q.n_tasks < 2 * sm_count ? q.n_tasks : 2 * sm_count;
-    const size_t smem = gemv_input_smem_bytes(hidden, format);
-    if (format == OG_WEIGHTS_INT8)
-        return launch_moe_gate_up_format<OG_WEIGHTS_INT8>(q, grid, smem, stream, pdl);
-    return launch_moe_gate_up_format<OG_WEIGHTS_Q4>(q, grid, smem, stream, pdl);
+    const size_t smem = gemv_input_smem_bytes(hidden, OG_WEIGHTS_INT8);
+    const auto kernel = gemv_int8_kernel<kQuantMoeGateUp, kQuantWarps, kQuantStages>;
+    // The staged input and the load ring pass the 48 KB default: opt in once per device (the
+    // attribute is per device), not with a driver call on every launch.
+    static std::atomic<int> opted_in_device{-1};
+    int device = 0;
+    OG_CUDA_RETURN_IF(cudaGetDevice(&device));
+    if (opted_in_device.load() != device) {
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+        opted_in_device.store(device);
+    }
+    return launch_kernel(kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
 }
 
 cudaError_t launch_moe_down_quant(int format, const void *weights, const void *scales,
@@ -1200,7 +1065,7 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
                                   stream, pdl);
     QuantMoeDownParams q = {};
     q.weight = static_cast<const uint8_t *>(weights);
-    q.scales = scales;
+    q.scales = static_cast<const float *>(scales);
     q.act = act;
     q.selected = selected;
     q.sel_weights = sel_weights;
@@ -1208,22 +1073,15 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
     q.top_k = top_k;
     q.hidden = hidden;
     q.inter = inter;
-    set_quant_row_layout(q, format, inter);
+    set_int8_row_layout(q, inter);
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     const int tasks = ceil_div(hidden, kQuantTaskRows);
     const int grid = tasks < 2 * sm_count ? tasks : 2 * sm_count;
     // hi + lo fp16 per column of every expert's k-block-padded row
-    const size_t smem = (size_t)top_k * q.n_kblocks * 4 * weight_values_per_chunk(format) * 4 +
-                        (format == OG_WEIGHTS_Q4 ? kBZeroBytes : 0);
-    const void *kernel = format == OG_WEIGHTS_INT8 ? (const void *)moe_down_quant_kernel<OG_WEIGHTS_INT8>
-                                                   : (const void *)moe_down_quant_kernel<OG_WEIGHTS_Q4>;
-    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
-    if (format == OG_WEIGHTS_INT8)
-        return launch_kernel(moe_down_quant_kernel<OG_WEIGHTS_INT8>, dim3(grid),
-                             dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
-    return launch_kernel(moe_down_quant_kernel<OG_WEIGHTS_Q4>, dim3(grid),
-                         dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
+    const size_t smem = (size_t)top_k * q.n_kblocks * 4 * weight_values_per_chunk(OG_WEIGHTS_INT8) * 4;
+    if (smem > 32 * 1024) OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)moe_down_int8_kernel, smem));
+    return launch_kernel(moe_down_int8_kernel, dim3(grid), dim3(kQuantWarps * kWarpSize), smem, stream, pdl, q);
 }
 
 }  // namespace og

@@ -1,7 +1,8 @@
 // quant.cuh — quantized weight matrices on the device (int8 per row, q4 in groups of 32): the
-// layouts, and the dequantization of a 32-bit word of codes into exact fp16 pairs, which the
-// quantized GEMV's tensor-core kernel (gemv.cu: dense projections and MoE experts) feeds to
-// mma.sync as its A operand.
+// layouts, the dequantization of a 32-bit word of int8 codes into exact fp16 pairs, which the
+// int8 GEMV's tensor-core kernel (gemv.cu: dense projections and MoE experts) feeds to
+// mma.sync as its A operand, and the streaming weight load both quantized GEMVs use (q4 codes
+// meet the int8-quantized input in dp4a instead: gemv_q4.cu).
 //
 // Device layouts (the rules that produce them: onegraph.h "weight formats", runtime/quant.py):
 //   OG_WEIGHTS_BF16  data [rows, round_up(cols, 8)] bf16                   scales none
@@ -13,10 +14,8 @@
 //
 // Dequantizing without integer-to-float conversions: one LOP3 lays two codes into the mantissas
 // of an fp16 pair with the exponent of 1024, where the fp16 spacing is exactly 1, then one
-// packed fp16 subtract (or fma, for codes sitting four bits up) removes the offset exactly:
-//   int8:  (w & 0x00FF00FF) ^ 0x64806480 = half2(1024 + 128 + q0, 1024 + 128 + q2); - 1152 -> q
-//   q4:    (w & 0x000F000F) ^ 0x64086408 = half2(1024 + 8 + q0, 1024 + 8 + q4);     - 1032 -> q
-//          (w & 0x00F000F0) ^ 0x64806480 = half2(1024 + 16 (8 + q1), ...); * 1/16 - 72 -> q
+// packed fp16 subtract removes the offset exactly:
+//   (w & 0x00FF00FF) ^ 0x64806480 = half2(1024 + 128 + q0, 1024 + 128 + q2); - 1152 -> q
 // (flipping the code's sign bit with the xor turns two's complement into offset binary). Every
 // step is exact, so each fp16 value is the integer code itself.
 #pragma once
@@ -64,23 +63,11 @@ __device__ __forceinline__ uint32_t word_of(const uint4 &v, int k) {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
-// The codes of one 32-bit word as exact fp16 pairs (low half first):
-//   int8: (q0, q2), (q1, q3);   q4: (q0, q4), (q1, q5), (q2, q6), (q3, q7)
-// where q4 byte j holds code 2j in its low nibble and 2j + 1 in its high nibble.
-__device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[2]) {  // int8
+// The codes of one 32-bit word of int8 codes as exact fp16 pairs (low half first): (q0, q2), (q1, q3).
+__device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[2]) {
     const __half2 offset = half2_bits(0x64806480u);                        // 1152, 1152
     h[0] = __hsub2(as_half2(and_xor(w, 0x00FF00FFu, 0x64806480u)), offset);
     h[1] = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);
-}
-__device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[4]) {  // q4
-    const __half2 offset = half2_bits(0x64086408u);                        // 1032, 1032
-    const __half2 sixteenth = half2_bits(0x2C002C00u);                     // 1/16
-    const __half2 minus72 = half2_bits(0xD480D480u);                       // -72
-    const uint32_t w8 = w >> 8;
-    h[0] = __hsub2(as_half2(and_xor(w, 0x000F000Fu, 0x64086408u)), offset);
-    h[1] = __hfma2(as_half2(and_xor(w, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
-    h[2] = __hsub2(as_half2(and_xor(w8, 0x000F000Fu, 0x64086408u)), offset);
-    h[3] = __hfma2(as_half2(and_xor(w8, 0x00F000F0u, 0x64806480u)), sixteenth, minus72);
 }
 
 // Weights are read once per token: no L1 allocation, 256-byte L2 fetches (rows stream).
@@ -90,10 +77,6 @@ __device__ __forceinline__ uint4 load_weight_chunk(const uint4 *p) {
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
     return r;
-}
-// A bf16 q4 group scale as fp32.
-__device__ __forceinline__ float load_bf16_scale(const uint16_t *p) {
-    return __uint_as_float((uint32_t)__ldg(p) << 16);
 }
 
 }  // namespace og

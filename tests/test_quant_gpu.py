@@ -8,17 +8,15 @@ U * sum|terms|, the first-order bound of an fp32 sum with at most `depth` roundi
 U = 2^-24, against float64 on the same dequantized weights (w' = q * scale). Every code is exact
 in fp16 and fp32, so the only errors are roundings; depth follows each kernel's summation.
 
-Dense GEMV (gemv.cu, tensor cores): x * 2^e is split into fp16 hi + lo (|error| <= 2^-22 = 4U
+int8 dense GEMV (gemv.cu, tensor cores): x * 2^e is split into fp16 hi + lo (|error| <= 2^-22 = 4U
 relative, plus at most 2^-25 * 2^-e absolute where lo is subnormal, 2^-e <= max|x| 2^-14); the
 mma accumulates in fp32, counted as 2 roundings (truncation) per mma in a chain. The plan splits
-a row's k-blocks over W warps (8, or 16 for one wide block per SM: og_test_gemv_quant_split);
-int8: one chain of 4 mmas per k-block over the warp's ceil(k-blocks / W) k-blocks (every lane's
-B is active, so one D column holds a row's whole hi sum and another its lo sum), then hi + lo,
-the W warps' partials and the row scale; q4: per k-block (= per group) a chain of 8 mmas from
-zero, one fma with the group scale per k-block, the butterfly and the W partials.
-MoE gate/up runs on the same kernel (same depth); MoE down too, with one warp per expert (all
-of an expert row's k-blocks in one chain), then w_j * s_j, the chain over the experts in
-selection order and the residual add.
+a row's k-blocks over W warps (8, or 16 for one wide block per SM: og_test_gemv_quant_split):
+one chain of 4 mmas per k-block over the warp's ceil(k-blocks / W) k-blocks (every lane's B is
+active, so one D column holds a row's whole hi sum and another its lo sum), then hi + lo, the W
+warps' partials and the row scale. MoE gate/up runs on the same kernel (same depth); MoE down
+too, with one warp per expert (all of an expert row's k-blocks in one chain), then w_j * s_j,
+the chain over the experts in selection order and the residual add.
 
 q4 (gemv_q4.cu, w4a8): the input is quantized to int8 per group of 32 first, by the rule of
 quant.quantize_input_q8, which these tests apply to the same fp32 input (the GPU's own normed
@@ -56,12 +54,10 @@ def _gpu():
     ct.load()
 
 
-def warp_depth(fmt: str, k_blocks: int) -> int:
-    """One warp's sum over k_blocks k-blocks of a row on the tensor cores (see the docstring),
-    up to and including the row scale."""
-    if fmt == "int8":
-        return 4 + 2 * (4 * k_blocks + 1) + 1 + 1
-    return 4 + 2 * (8 + 1) + k_blocks + 1 + 2
+def warp_depth(k_blocks: int) -> int:
+    """One warp's sum over k_blocks k-blocks of an int8 row on the tensor cores (see the
+    docstring), up to and including the row scale."""
+    return 4 + 2 * (4 * k_blocks + 1) + 1 + 1
 
 
 def q4_depth(slots: int, scale_roundings: int = 1) -> int:
@@ -75,7 +71,7 @@ def gemv_depth(fmt: str, cols: int, warps: int = 8) -> int:
     if fmt == "q4":
         return q4_depth(math.ceil(cols / 32))
     k_blocks = math.ceil(math.ceil(cols / VALUES_PER_CHUNK[fmt]) / 4)
-    return warp_depth(fmt, math.ceil(k_blocks / warps)) + warps
+    return warp_depth(math.ceil(k_blocks / warps)) + warps
 
 
 def split_floor(w: np.ndarray, x: np.ndarray, fmt: str = "int8") -> np.ndarray:
@@ -267,7 +263,7 @@ def test_moe_down_weighted_residual(fmt, H, I, top_k, E):
         # per expert: a warp's whole row (gemv_depth with all k-blocks in one warp), the row
         # scale, w_j * s_j, then the chain over the experts and the residual add
         k_blocks = math.ceil(math.ceil(I / VALUES_PER_CHUNK[fmt]) / 4)
-        depth = warp_depth(fmt, k_blocks) + 1 + top_k + 1 + SLACK
+        depth = warp_depth(k_blocks) + 1 + top_k + 1 + SLACK
         weighted = np.abs(rows * sw.astype(np.float64)[:, None, None]).sum(axis=(0, 2))
         floor = 2.0 ** -39 * np.abs(act).max() * weighted
     tol = depth * U * (np.abs(terms).sum(axis=(0, 2)) + np.abs(x0)) + floor
