@@ -41,6 +41,10 @@ NEAR_TIE_LOGITS = 0.05
 # apart (a rounding boundary between the two values): the flipped-step bound of
 # tests/test_quant_gpu.py (H200: 1.2e-2 and 1.4e-2 here).
 Q4_TOKEN_LOGITS_BOUND = 5e-2
+# ... and such a move (rel. L2 up to Q4_TOKEN_LOGITS_BOUND of logits with rms ~LOGIT_STD = 4,
+# ~0.2 per logit) shifts a top-two margin by up to about twice that: q4's near tie (H200: the
+# tiny-moe continuation parted from the reference at a margin of 0.22).
+Q4_NEAR_TIE_LOGITS = 2 * Q4_TOKEN_LOGITS_BOUND * 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,10 +74,10 @@ def _reference_greedy(ref, prompt, n):
     return tokens, margins, first_logits
 
 
-def _assert_greedy_agrees(got, want, margins):
+def _assert_greedy_agrees(got, want, margins, near_tie=NEAR_TIE_LOGITS):
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            assert margins[i] < NEAR_TIE_LOGITS, (
+            assert margins[i] < near_tie, (
                 f"step {i}: GPU chose {g}, the reference {w} with a top-two margin of {margins[i]:.4f}")
             return
     assert len(got) == len(want)
@@ -417,7 +421,7 @@ def test_quantized_weights_take_the_batched_prefill(preset, weights):
                              weights=weights) as engine:
         got = engine.generate(prompt, n, stop_token_ids=())
         assert engine.stats()["prefill_tokens"] == len(prompt)
-    _assert_greedy_agrees(got, want, margins)
+    _assert_greedy_agrees(got, want, margins, Q4_NEAR_TIE_LOGITS if weights == "q4" else NEAR_TIE_LOGITS)
 
 
 def test_engine_refusals_before_the_library():
