@@ -22,11 +22,7 @@
 //   weight: [rows, groups * 16] bytes (quant.cuh), byte j of a group holds column 2j in its low
 //           nibble and 2j + 1 in its high nibble, as 4-bit two's complement codes;
 //           scales [rows, groups] bf16.
-//   staged input (shared memory): codes_lo [groups] uint4 (words 0-3 of each group), codes_hi
-//           [groups] uint4 (words 4-7) and Q8Group [groups]; lane l reads group c = base + l, so
-//           a warp's 16-byte loads of one half are contiguous (with a group's 8 words together,
-//           32 bytes apart, every load was a 2-way bank conflict: ncu counted short-scoreboard
-//           waits on shared memory as 48-62% of the stalls). Word 2k of a
+//   staged input (shared memory): codes [groups][8] uint32 and Q8Group [groups]. Word 2k of a
 //           group holds the codes of columns 8k, 8k+2, 8k+4, 8k+6 (bytes low to high), word
 //           2k + 1 those of 8k+1, 8k+3, 8k+5, 8k+7: the low and the high nibbles of weight word
 //           k, so each weight word meets its two input words with no shuffling of bytes.
@@ -145,7 +141,7 @@ __device__ __forceinline__ Q8Item load_q8_item(const float *v, int item, int n_i
 // Item `item` (values a, normalized in norm modes with norm weights nw) into the staged input.
 // Every lane of the warp calls it (the quad shuffles), items past n_items store nothing.
 __device__ __forceinline__ void quantize_q8_item(Q8Item a, bool norm, const Q8Item &nw, float inv_rms, int item,
-                                                 int n_items, int cols, uint4 *codes_lo, uint4 *codes_hi, Q8Group *gq,
+                                                 int n_items, int cols, uint2 *codes, Q8Group *gq,
                                                  float *normed_out) {
     if (norm) {
 #pragma unroll
@@ -176,10 +172,7 @@ __device__ __forceinline__ void quantize_q8_item(Q8Item a, bool norm, const Q8It
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     sum += __shfl_xor_sync(kFullMask, sum, 2);
     if (item < n_items) {
-        // part p of group g: words 2p, 2p + 1 of the group, in codes_lo (p < 2) or codes_hi
-        const int g = item / 4, part = item % 4;
-        reinterpret_cast<uint2 *>(part < 2 ? codes_lo : codes_hi)[2 * g + (part & 1)] =
-            make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
+        codes[item] = make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
         if ((item & 3) == 0) gq[item / 4] = Q8Group{finite ? amax / 127.f : __int_as_float(0x7fffffff), 8 * sum};
     }
 }
@@ -205,10 +198,9 @@ struct Q8Stager {
             for (int k = 0; k < kCached; ++k)
                 nw[k] = load_q8_item(norm_weight, threadIdx.x + k * NT, n_items, cols, vec);
     }
-    // After it: x (normalized: RMSNorm with eps when norm_weight is not NULL) into the codes and gq.
+    // After it: x (normalized: RMSNorm with eps when norm_weight is not NULL) into codes / gq.
     __device__ __forceinline__ void stage(const float *x_in, const float *norm_weight, float eps, int cols,
-                                          uint4 *codes_lo, uint4 *codes_hi, Q8Group *gq, float *normed_out,
-                                          float *scratch) {
+                                          uint2 *codes, Q8Group *gq, float *normed_out, float *scratch) {
 #pragma unroll
         for (int k = 0; k < kCached; ++k) x[k] = load_q8_item(x_in, threadIdx.x + k * NT, n_items, cols, vec);
         float inv_rms = 1.f;
@@ -228,7 +220,7 @@ struct Q8Stager {
 #pragma unroll
         for (int k = 0; k < kCached; ++k)
             quantize_q8_item(x[k], norm_weight != nullptr, nw[k], inv_rms, threadIdx.x + k * NT,
-                             n_items, cols, codes_lo, codes_hi, gq, normed_out);
+                             n_items, cols, codes, gq, normed_out);
         // Whole warps per round beyond the cached items (the quad shuffles need every lane).
         const int lane = threadIdx.x % kWarpSize;
         for (int base = threadIdx.x - lane + kCached * NT; base < n_items; base += NT) {
@@ -236,7 +228,7 @@ struct Q8Stager {
             const bool norm = norm_weight != nullptr;
             const Q8Item w = norm ? load_q8_item(norm_weight, item, n_items, cols, vec) : Q8Item{};
             quantize_q8_item(load_q8_item(x_in, item, n_items, cols, vec), norm, w, inv_rms, item, n_items,
-                             cols, codes_lo, codes_hi, gq, normed_out);
+                             cols, codes, gq, normed_out);
         }
     }
 };
@@ -283,9 +275,9 @@ template <int MODE, int WARPS, int U>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
     constexpr int kThreads = WARPS * kWarpSize;
     constexpr bool kNorm = q4_mode_has_norm(MODE);
-    extern __shared__ __align__(16) uint4 q4_smem[];  // codes_lo, codes_hi [groups] uint4, Q8Group [groups]
-    uint4 *codes_lo = q4_smem, *codes_hi = q4_smem + p.groups;
-    Q8Group *gq = reinterpret_cast<Q8Group *>(codes_hi + p.groups);
+    extern __shared__ __align__(16) uint4 q4_smem[];  // codes [groups * 2] uint4, then Q8Group [groups]
+    uint4 *codes = q4_smem;
+    Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -309,7 +301,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
     pdl_launch_dependents();
-    stager.stage(p.x, norm_weight, p.eps, p.cols, codes_lo, codes_hi, gq, normed_out, scratch);
+    stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     __syncthreads();
 
     for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
@@ -321,7 +313,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
             for (int u = 0; u < U; ++u) {
                 const int c = base + u * kWarpSize;
                 if (c < p.groups) {
-                    const uint4 xa = codes_lo[c], xb = codes_hi[c];
+                    const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
                     const Q8Group g = gq[c];
                     acc0 = fmaf((float)q4_group_dot(r.w0[u], xa, xb, g.offset), r.s0[u] * g.scale, acc0);
                     acc1 = fmaf((float)q4_group_dot(r.w1[u], xa, xb, g.offset), r.s1[u] * g.scale, acc1);
@@ -363,10 +355,10 @@ struct Q4MoeDownParams {
 template <int U>
 __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kernel(const Q4MoeDownParams p) {
     constexpr int kThreads = kQ4MoeDownWarps * kWarpSize;
-    extern __shared__ __align__(16) uint4 q4_smem[];  // codes_lo, codes_hi [slots], Q8Group [slots], int2 [slots]
+    extern __shared__ __align__(16) uint4 q4_smem[];  // codes [slots * 2], Q8Group [slots], int2 [slots]
     const int n_slots = p.top_k * p.gpe;
-    uint4 *codes_lo = q4_smem, *codes_hi = q4_smem + n_slots;
-    Q8Group *gq = reinterpret_cast<Q8Group *>(codes_hi + n_slots);
+    uint4 *codes = q4_smem;
+    Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * n_slots);
     int2 *slot_of = reinterpret_cast<int2 *>(gq + n_slots);  // (first row of expert e: e * H, group)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 
@@ -376,7 +368,7 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
         Q8Stager<kThreads, 1> stager;
         stager.prepare(p.act + (size_t)j * p.inter, nullptr, nullptr, p.inter);
         stager.stage(p.act + (size_t)j * p.inter, nullptr, 0.f, p.inter,
-                     codes_lo + j * p.gpe, codes_hi + j * p.gpe, gq + j * p.gpe, nullptr, nullptr);
+                     reinterpret_cast<uint2 *>(codes + 2 * j * p.gpe), gq + j * p.gpe, nullptr, nullptr);
     }
     __syncthreads();
     for (int f = threadIdx.x; f < n_slots; f += kThreads) {
@@ -411,7 +403,7 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
             for (int u = 0; u < U; ++u) {
                 const int f = base + u * kWarpSize;
                 if (f < n_slots) {
-                    const uint4 xa = codes_lo[f], xb = codes_hi[f];
+                    const uint4 xa = codes[2 * f], xb = codes[2 * f + 1];
                     const Q8Group g = gq[f];
                     acc0 = fmaf((float)q4_group_dot(w0[u], xa, xb, g.offset), s0[u] * g.scale, acc0);
                     acc1 = fmaf((float)q4_group_dot(w1[u], xa, xb, g.offset), s1[u] * g.scale, acc1);
