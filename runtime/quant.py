@@ -40,9 +40,10 @@ the norm-fused GEMVs) in the same groups of 32 columns as the weight row, symmet
     q[c]     = rint(x[c] * (127 / amax))          (fp32 division, then fp32 product; 0 where amax = 0)
   so |q| <= 127 and a group's dot product is scale_w[r, g] * scale[g] * sum_c q_w[r, c] q[c],
   the integer sum exact. A group holding a NaN or an infinity gets scale NaN (the GEMV's output
-  is then NaN, as with unquantized inputs). The relative error this adds to a GEMV is about
-  1/127/sqrt(3) of a group's largest input per element (~0.3% of a typical output for Gaussian
-  inputs, tests/test_quant.py measures it), against ~10% from the q4 weights themselves.
+  is then NaN, as with unquantized inputs). The rounding is uniform in +-scale/2 per element
+  (rms scale / sqrt(12), scale = max / 127 of the group): a GEMV's output moves by ~0.5%
+  relative (rel. L2) on Gaussian data, against ~10% from the q4 weights themselves
+  (tests/test_quant.py measures both: 0.56% and 10.3%).
 
 What is quantized (``quantize``): "dense" = attention q/k/v/o and the dense FFN gate/up/down;
 "experts" = the MoE experts' gate/up/down; "all" = both. The embedding table, the norms and the
