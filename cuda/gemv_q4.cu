@@ -3,11 +3,12 @@
 // on the integer dot-product instruction: dp4a multiplies 4 weight codes by 4 input codes and
 // adds them in one instruction.
 //
-// Why: batch-1 decode reads every weight once, so a q4 weight (0.5625 bytes with its scale)
-// leaves ~3.5x fewer instruction slots per weight than bf16 before instruction issue, not DRAM,
-// bounds the kernel. Dequantizing to fp16 for the tensor cores costs 9 instructions per 8
-// weights before the mma (gemv.cu's int8 kernel still does that: int8 has twice the bytes per
-// weight). Here 8 weights cost 2 LOP3 + 2 dp4a, with no conversion at all.
+// Why: batch-1 decode reads every weight once, and a q4 weight is 0.5625 bytes with its scale,
+// so at DRAM speed a q4 GEMV has ~3.5x fewer instruction slots per weight than a bf16 one.
+// Dequantizing to fp16 for the tensor cores costs 9 instructions per 8 weights before the mma
+// (gemv.cu's int8 kernel still does that: int8 has twice the bytes per weight), which left the
+// q4 GEMVs bound by instruction issue (8B q4 step 2.37 ms, bench/PERF_NOTES.md). Here 8
+// weights cost 2 LOP3 + 2 dp4a, with no conversion at all.
 //
 // Numerics (the reference's gemv on a q4 matrix does the same, runtime/reference.py): the input
 // x (normalized first in the norm modes) is quantized per group g of 32 columns, the groups of
@@ -36,14 +37,15 @@
 // lane l takes groups l, l + 32, ... of both rows, U of each in flight, and accumulates
 // isum * (scale_w * scale_x) in fp32 in group order; the warp then sums its lanes with shuffles
 // (fixed order: graph replays are bit-identical). Before waiting on the previous kernel (PDL)
-// each warp loads its first U groups of both rows: they do not depend on earlier kernels.
+// each warp loads its first U groups of both rows: they do not depend on earlier kernels (the
+// experts' rows do: the top-k kernel picks them, so the MoE mode loads them in the task loop).
 #include "kernels.cuh"
 #include "quant.cuh"
 
 namespace og {
 namespace {
 
-constexpr int kQ4MaxWarps = 16;  // per block: one block per SM stages the input once
+constexpr int kQ4MaxWarps = 16;  // the largest block: one per SM stages the input once for all
 constexpr int kQ4MoeGateUp = 4;  // a mode beside GemvMode's four: the MoE experts' gate/up + SwiGLU
 constexpr int kQ4MaxTopK = 32;
 constexpr int kQ4MoeDownWarps = 8;
@@ -452,10 +454,10 @@ const void *q4_kernel_for_mode(int mode, int unroll) {
 }
 const void *q4_kernel_for(int mode, int warps, int unroll) {
     switch (warps) {
-        case 16: return q4_kernel_for_mode<16>(mode, unroll);
         case 2: return q4_kernel_for_mode<2>(mode, unroll);
         case 4: return q4_kernel_for_mode<4>(mode, unroll);
         case 8: return q4_kernel_for_mode<8>(mode, unroll);
+        case 16: return q4_kernel_for_mode<16>(mode, unroll);
     }
     return nullptr;
 }

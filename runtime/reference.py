@@ -307,7 +307,7 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
     def f32(name: str) -> np.ndarray:
         return np.ascontiguousarray(_fp32(tensors[name]))
 
-    def fused(*names: str) -> "np.ndarray | Q4Weights":  # a GEMV weight (q4: Q4Weights)
+    def gemv_weight(*names: str) -> "np.ndarray | Q4Weights":  # rows of names stacked (q4: Q4Weights)
         return _matrix([tensors[n] for n in names])
 
     layers = []
@@ -315,11 +315,11 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
         p = f"model.layers.{layer}."
         w = LayerWeights(
             input_layernorm=f32(p + "input_layernorm.weight"),
-            qkv_proj=fused(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+            qkv_proj=gemv_weight(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                            p + "self_attn.v_proj.weight"),
             q_norm=f32(p + "self_attn.q_norm.weight") if config.has_qk_norm else None,
             k_norm=f32(p + "self_attn.k_norm.weight") if config.has_qk_norm else None,
-            o_proj=fused(p + "self_attn.o_proj.weight"),
+            o_proj=gemv_weight(p + "self_attn.o_proj.weight"),
             post_attention_layernorm=f32(p + "post_attention_layernorm.weight"),
         )
         if config.is_moe_layer(layer):
@@ -332,13 +332,13 @@ def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], expert
                 gate_up, down = [gate_up[e] for e in range(E)], [down[e] for e in range(E)]
             w.experts_gate_up, w.experts_down = gate_up, down
         else:
-            w.gate_up_proj = fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            w.down_proj = fused(p + "mlp.down_proj.weight")
+            w.gate_up_proj = gemv_weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            w.down_proj = gemv_weight(p + "mlp.down_proj.weight")
         layers.append(w)
     embed_tokens = f32("model.embed_tokens.weight")                        # [vocab, hidden]
     # A tied model's quantized lm_head is a separate tensor (quant.quantize_stream makes it).
     tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
-    lm_head = embed_tokens if tied else fused("lm_head.weight")       # [vocab, hidden]
+    lm_head = embed_tokens if tied else gemv_weight("lm_head.weight")       # [vocab, hidden]
     return embed_tokens, layers, f32("model.norm.weight"), lm_head
 
 
