@@ -43,10 +43,6 @@ struct GemvParams {
     float eps;
 };
 
-__host__ __device__ constexpr bool mode_has_norm(int mode) {
-    return mode == kGemvNorm || mode == kGemvNormSwiglu;
-}
-
 __device__ __forceinline__ float dot8(uint4 w, float4 xa, float4 xb, float acc) {
     acc = fmaf(bf16_lo(w.x), xa.x, acc);
     acc = fmaf(bf16_hi(w.x), xa.y, acc);

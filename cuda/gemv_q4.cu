@@ -68,10 +68,6 @@ struct Q4Params {
     const int32_t *selected;  // kQ4MoeGateUp: the experts chosen for this token [top_k]
 };
 
-__host__ __device__ constexpr bool q4_mode_has_norm(int mode) {
-    return mode == kGemvNorm || mode == kGemvNormSwiglu;
-}
-
 // d = c + dot(4 unsigned bytes of a, 4 signed bytes of b).
 __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
     int d;
@@ -158,24 +154,24 @@ __device__ __forceinline__ void quantize_q8_item(Q8Item a, bool norm, const Q8It
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         amax = fmaxf(amax, fabsf(a.v[k]));
-        finite &= fabsf(a.v[k]) <= 3.402823466e38f;  // false for inf and NaN
+        finite &= q8_finite(a.v[k]);
     }
     amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
     finite &= __shfl_xor_sync(kFullMask, finite, 1);
     finite &= __shfl_xor_sync(kFullMask, finite, 2);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float inv = q8_inverse(amax);
     int q[8], sum = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        q[k] = __float2int_rn(__fmul_rn(a.v[k], inv));
+        q[k] = q8_code(a.v[k], inv);
         sum += q[k];
     }
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     sum += __shfl_xor_sync(kFullMask, sum, 2);
     if (item < n_items) {
         codes[item] = make_uint2(pack_codes(q[0], q[2], q[4], q[6]), pack_codes(q[1], q[3], q[5], q[7]));
-        if ((item & 3) == 0) gq[item / 4] = Q8Group{finite ? amax / 127.f : __int_as_float(0x7fffffff), 8 * sum};
+        if ((item & 3) == 0) gq[item / 4] = Q8Group{q8_scale(amax, finite), 8 * sum};
     }
 }
 
@@ -276,7 +272,7 @@ __device__ __forceinline__ void load_q4_groups(Q4Regs<U> &r, const Q4Params &p, 
 template <int MODE, int WARPS, int U>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    constexpr bool kNorm = q4_mode_has_norm(MODE);
+    constexpr bool kNorm = mode_has_norm(MODE);
     extern __shared__ __align__(16) uint4 q4_smem[];  // codes [groups * 2] uint4, then Q8Group [groups]
     uint4 *codes = q4_smem;
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);

@@ -38,6 +38,10 @@ enum GemvMode : int {
     // y[i] = silu(W[i] . n) * (W[I + i] . n) for i < I, silu(g) = g / (1 + exp(-g)).
     kGemvNormSwiglu = 3,
 };
+// The modes that RMSNorm their input first.
+__host__ __device__ constexpr bool mode_has_norm(int mode) {
+    return mode == kGemvNorm || mode == kGemvNormSwiglu;
+}
 
 struct GemvArgs {
     const void *weight;           // format's layout (quant.cuh); bf16: [rows, padded_cols(cols)]

@@ -74,10 +74,8 @@ __global__ void __launch_bounds__(kRowThreads)
 // past the row pass 0): rint(v * (127 / max|v|)) * (max|v| / 127), NaN for a non-finite group.
 __device__ __forceinline__ float q8_round_group(float v) {
     const float amax = warp_max(fabsf(v));
-    const bool finite = __all_sync(kFullMask, fabsf(v) <= 3.402823466e38f);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    const float scale = finite ? amax / 127.f : __int_as_float(0x7fffffff);
-    return __fmul_rn((float)__float2int_rn(__fmul_rn(v, inv)), scale);
+    const bool finite = __all_sync(kFullMask, q8_finite(v));
+    return __fmul_rn((float)q8_code(v, q8_inverse(amax)), q8_scale(amax, finite));
 }
 
 // q8: round each group of 32 columns as the q4 GEMV does (the next GEMM has q4 weights), in

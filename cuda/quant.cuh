@@ -70,6 +70,18 @@ __device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[2]) {
     h[1] = __hsub2(as_half2(and_xor(w >> 8, 0x00FF00FFu, 0x64806480u)), offset);
 }
 
+// ---- the q4 GEMV's input rule (runtime/quant.py quantize_input_q8) ------------------------
+// Per group of 32 input values with max |v| = amax: code rint(v * (127 / amax)) (0 where amax
+// = 0), scale amax / 127, NaN when the group holds an inf or NaN. gemv_q4.cu (the decode GEMV)
+// and prefill.cu (the batched GEMMs' q4 inputs) both round with these, so the two paths and the
+// numpy reference give the same codes for the same fp32 values.
+__device__ __forceinline__ bool q8_finite(float v) { return fabsf(v) <= 3.402823466e38f; }  // false for inf, NaN
+__device__ __forceinline__ float q8_inverse(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }
+__device__ __forceinline__ int q8_code(float v, float inverse) { return __float2int_rn(__fmul_rn(v, inverse)); }
+__device__ __forceinline__ float q8_scale(float amax, bool finite) {
+    return finite ? amax / 127.f : __int_as_float(0x7fffffff);
+}
+
 // Weights are read once per token: no L1 allocation, 256-byte L2 fetches (rows stream).
 __device__ __forceinline__ uint4 load_weight_chunk(const uint4 *p) {
     uint4 r;

@@ -77,7 +77,6 @@ size_t kv_elem_bytes(int kv_dtype) {
     return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1;
 }
 
-bool mode_needs_norm(GemvMode mode) { return mode == kGemvNorm || mode == kGemvNormSwiglu; }
 
 // A contiguous cache [n_kv, max_seq_len, hd] as the paged kernels see it: one block whose
 // page holds max_seq_len rows, a one-entry block table {0}.
@@ -233,7 +232,7 @@ og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int
                       const float *x, const float *norm_weight, float eps, float *y,
                       int y_len, float *normed) {
     if (weight == nullptr || x == nullptr || y == nullptr || rows <= 0 || cols <= 0 ||
-        (mode_needs_norm(mode) && norm_weight == nullptr))
+        (mode_has_norm(mode) && norm_weight == nullptr))
         return set_error(OG_E_INVALID_ARGUMENT, "%s: NULL array or non-positive size", fn);
     OG_TRY(require_device());
     DeviceBuffer d_w, d_x, d_norm, d_y, d_normed;
@@ -277,7 +276,7 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
         mode > kGemvNormSwiglu)
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_quant: format=%d mode=%d", format, mode);
     if (weight == nullptr || scales == nullptr || x == nullptr || y == nullptr || rows <= 0 ||
-        cols <= 0 || (mode_needs_norm(m) && norm_weight == nullptr) ||
+        cols <= 0 || (mode_has_norm(m) && norm_weight == nullptr) ||
         (m == kGemvNormSwiglu && rows % 2 != 0))
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_quant: NULL array or bad size");
     OG_TRY(require_device());
