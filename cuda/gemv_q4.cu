@@ -32,13 +32,22 @@
 //   16. dp4a (unsigned x signed bytes) sums them against the input codes, and
 //     isum = lo + (hi >> 4) - 8 * sum(q_x)        (the offset removed per group, exactly)
 //
-// Work split (as the bf16 kernel in gemv.cu): a warp owns a task = two rows (r, r+1), or for
-// SwiGLU (gate row i, up row I + i), or for the MoE gate/up (expert j's gate and up row i);
-// lane l takes groups l, l + 32, ... of both rows, U of each in flight, and accumulates
-// isum * (scale_w * scale_x) in fp32 in group order; the warp then sums its lanes with shuffles
-// (fixed order: graph replays are bit-identical). Before waiting on the previous kernel (PDL)
-// each warp loads its first U groups of both rows: they do not depend on earlier kernels (the
-// experts' rows do: the top-k kernel picks them, so the MoE mode loads them in the task loop).
+// Work split. A warp owns a task = two rows (r, r+1), or for SwiGLU (gate row i, up row I + i),
+// or for the MoE gate/up (expert j's gate and up row i); lane l takes groups l, l + 32, ... of
+// both rows and accumulates isum * (scale_w * scale_x) in fp32 in group order; the warp then
+// sums its lanes with shuffles (fixed order: graph replays are bit-identical). Warps stride
+// over the tasks.
+//
+// The load pipeline. A warp's work is one stream of chunks: chunk c of a task is the lane's
+// groups 2c and 2c + 1 (groups 64c + l and 64c + 32 + l) of both rows, 4 x 16 bytes of
+// weights and 4 scales a lane. Two register slots
+// take the chunks in turn, and a slot is refilled with the chunk after next as soon as it has
+// been folded in, across task boundaries: the warp always has one to two chunks in flight and
+// never stops to wait for a whole round of loads. (Loading a task's U groups, folding them, and
+// only then loading the next task left DRAM idle between rounds, in lockstep over the GPU: the
+// 8B q4 step 2.03 -> 1.80 ms with this pipeline, bench/PERF_NOTES.md.) The weights do not
+// depend on earlier kernels, so both slots are filled before the PDL wait (not for the MoE
+// gate/up: the top-k kernel picks its experts' rows).
 #include "kernels.cuh"
 #include "quant.cuh"
 
@@ -49,6 +58,8 @@ constexpr int kQ4MaxWarps = 16;  // the largest block: one per SM stages the inp
 constexpr int kQ4MoeGateUp = 4;  // a mode beside GemvMode's four: the MoE experts' gate/up + SwiGLU
 constexpr int kQ4MaxTopK = 32;
 constexpr int kQ4MoeDownWarps = 8;
+constexpr int kQ4ChunkGroups = 2;  // lane groups per row in a chunk
+constexpr int kQ4Slots = 2;        // chunks a warp has in flight (register slots)
 
 // One staged group of the input: scale_x and 8 * the sum of its codes.
 struct Q8Group {
@@ -247,89 +258,122 @@ __device__ __forceinline__ void q4_task_rows(const Q4Params &p, int task, int &r
     }
 }
 
-// U groups of rows r0 and r1 for lane groups base, base + 32, ... (zeros past the row).
-template <int U>
-struct Q4Regs {
-    uint4 w0[U], w1[U];
-    float s0[U], s1[U];
+// A register slot: chunk `chunk` of task `task` (lane groups chunk * H .. chunk * H + H - 1 of
+// both rows), loaded.
+struct Q4Slot {
+    uint4 w0[kQ4ChunkGroups], w1[kQ4ChunkGroups];
+    float s0[kQ4ChunkGroups], s1[kQ4ChunkGroups];
+    int task, chunk, r0, r1;
 };
-template <int U>
-__device__ __forceinline__ void load_q4_groups(Q4Regs<U> &r, const Q4Params &p, int r0, int r1, int base) {
-    const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.groups * 16);
-    const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.groups * 16);
-    const uint16_t *s0 = p.scales + (size_t)r0 * p.groups, *s1 = p.scales + (size_t)r1 * p.groups;
+template <int MODE>
+__device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task, int chunk, int lane) {
+    constexpr int H = kQ4ChunkGroups;
+    s.task = task;
+    s.chunk = chunk;
+    if (task >= p.n_tasks) return;
+    q4_task_rows<MODE>(p, task, s.r0, s.r1);
+    const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)s.r0 * p.groups * 16);
+    const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)s.r1 * p.groups * 16);
+    const uint16_t *s0 = p.scales + (size_t)s.r0 * p.groups, *s1 = p.scales + (size_t)s.r1 * p.groups;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int c = base + u * kWarpSize;
+    for (int h = 0; h < H; ++h) {
+        const int c = lane + (chunk * H + h) * kWarpSize;
         const bool ok = c < p.groups;
-        r.w0[u] = ok ? load_weight_chunk(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
-        r.w1[u] = ok ? load_weight_chunk(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
-        r.s0[u] = ok ? load_q4_scale(s0 + c) : 0.f;
-        r.s1[u] = ok ? load_q4_scale(s1 + c) : 0.f;
+        s.w0[h] = ok ? load_weight_chunk(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
+        s.w1[h] = ok ? load_weight_chunk(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
+        s.s0[h] = ok ? load_q4_scale(s0 + c) : 0.f;
+        s.s1[h] = ok ? load_q4_scale(s1 + c) : 0.f;
+    }
+}
+// Fold a slot into its task's running sums (acc0, acc1); at the task's last chunk the warp sums
+// its lanes, lane 0 writes the outputs and the sums restart.
+template <int MODE>
+__device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, const uint4 *codes,
+                                          const Q8Group *gq, int chunks, int lane, float &acc0, float &acc1) {
+    constexpr int H = kQ4ChunkGroups;
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+        const int c = lane + (s.chunk * H + h) * kWarpSize;
+        if (c < p.groups) {
+            const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
+            const Q8Group g = gq[c];
+            acc0 = fmaf((float)q4_group_dot(s.w0[h], xa, xb, g.offset), s.s0[h] * g.scale, acc0);
+            acc1 = fmaf((float)q4_group_dot(s.w1[h], xa, xb, g.offset), s.s1[h] * g.scale, acc1);
+        }
+    }
+    if (s.chunk == chunks - 1) {
+        float a0 = warp_sum(acc0), a1 = warp_sum(acc1);
+        if (lane == 0) {
+            if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
+                p.y[s.task] = a0 / (1.0f + expf(-a0)) * a1;
+            } else if (MODE == kGemvResidual) {
+                p.y[s.r0] += a0;
+                if (s.r1 != s.r0) p.y[s.r1] += a1;
+            } else {
+                p.y[s.r0] = a0;
+                if (s.r1 != s.r0) p.y[s.r1] = a1;
+            }
+        }
+        acc0 = acc1 = 0.f;
     }
 }
 
-template <int MODE, int WARPS, int U>
+template <int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
-    constexpr int kThreads = WARPS * kWarpSize;
+    constexpr int kThreads = WARPS * kWarpSize, H = kQ4ChunkGroups, S = kQ4Slots;
     constexpr bool kNorm = mode_has_norm(MODE);
-    extern __shared__ __align__(16) uint4 q4_smem[];  // codes [groups * 2] uint4, then Q8Group [groups]
+    extern __shared__ __align__(16) uint4 q4_smem[];
     uint4 *codes = q4_smem;
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int task_stride = gridDim.x * WARPS;
-    int task = blockIdx.x * WARPS + warp;
-
-    // The weights do not depend on earlier kernels (the experts' rows do: the top-k kernel
-    // picks them): load this warp's first U groups of its first task before the wait.
-    Q4Regs<U> r;
-    int r0 = 0, r1 = 0;
-    const bool preloaded = MODE != kQ4MoeGateUp && task < p.n_tasks;
-    if (preloaded) {
-        q4_task_rows<MODE>(p, task, r0, r1);
-        load_q4_groups<U>(r, p, r0, r1, lane);
+    const int chunks = ceil_div(ceil_div(p.groups, kWarpSize), H);
+    int ld_task = blockIdx.x * WARPS + warp, ld_chunk = 0;
+    auto advance = [&]() {
+        if (++ld_chunk == chunks) {
+            ld_chunk = 0;
+            ld_task += task_stride;
+        }
+    };
+    // The weights do not depend on earlier kernels: both slots are filled before the wait (the
+    // MoE gate/up's rows do: the top-k kernel picks the experts).
+    Q4Slot slot[S];
+    if (MODE != kQ4MoeGateUp) {
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            advance();
+        }
     }
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
-    // Items held in registers: a norm mode's 4096 columns are two per thread of 8 warps; the
-    // down projection's 12288 three per thread of 16 warps.
-    Q8Stager<kThreads, kNorm ? 2 : 3> stager;
+    // Items held in registers: a norm mode's 4096 columns are one per thread of 16 warps (two of
+    // 8: registers at the wait are the slots' plus these); the down projection's 12288 three.
+    Q8Stager<kThreads, kNorm ? (WARPS >= 16 ? 1 : 2) : 3> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
     pdl_launch_dependents();
+    if (MODE == kQ4MoeGateUp) {
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            advance();
+        }
+    }
     stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     __syncthreads();
 
-    for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
-        if (!preloaded || !first) q4_task_rows<MODE>(p, task, r0, r1);
-        float acc0 = 0.f, acc1 = 0.f;
-        for (int base = lane; base < p.groups; base += kWarpSize * U) {
-            if (!preloaded || !first || base != lane) load_q4_groups<U>(r, p, r0, r1, base);
+    // The slots in turn: fold one, refill it with the chunk after the other slot's.
+    float acc0 = 0.f, acc1 = 0.f;
+    for (;;) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = base + u * kWarpSize;
-                if (c < p.groups) {
-                    const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
-                    const Q8Group g = gq[c];
-                    acc0 = fmaf((float)q4_group_dot(r.w0[u], xa, xb, g.offset), r.s0[u] * g.scale, acc0);
-                    acc1 = fmaf((float)q4_group_dot(r.w1[u], xa, xb, g.offset), r.s1[u] * g.scale, acc1);
-                }
-            }
-        }
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (lane == 0) {
-            if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
-                p.y[task] = acc0 / (1.0f + expf(-acc0)) * acc1;  // MoE: task = j * I + i
-            } else if (MODE == kGemvResidual) {
-                p.y[r0] += acc0;
-                if (r1 != r0) p.y[r1] += acc1;
-            } else {
-                p.y[r0] = acc0;
-                if (r1 != r0) p.y[r1] = acc1;
-            }
+        for (int k = 0; k < S; ++k) {
+            if (slot[k].task >= p.n_tasks) return;  // chunks come in order: none left
+            fold_slot<MODE>(slot[k], p, codes, gq, chunks, lane, acc0, acc1);
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            advance();
         }
     }
 }
@@ -418,82 +462,51 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
 }
 
 // ---- dispatch ------------------------------------------------------------------------------
-// Groups per lane in flight (2, 4, 6 or 8): a row's per_lane groups in the fewest rounds of at
-// most 8, split evenly (12288 columns: 12 groups a lane = 2 x 6).
-int q4_unroll(int groups) {
-    const int per_lane = ceil_div(groups, kWarpSize);
-    const int rounds = ceil_div(per_lane, 8);
-    const int even = ceil_div(ceil_div(per_lane, rounds), 2) * 2;
-    return even < 2 ? 2 : even;
-}
-
-template <int MODE, int WARPS>
-const void *q4_kernel_for_unroll(int unroll) {
-    switch (unroll) {
-        case 2: return (const void *)gemv_q4_kernel<MODE, WARPS, 2>;
-        case 4: return (const void *)gemv_q4_kernel<MODE, WARPS, 4>;
-        case 6: return (const void *)gemv_q4_kernel<MODE, WARPS, 6>;
-        case 8: return (const void *)gemv_q4_kernel<MODE, WARPS, 8>;
-    }
-    return nullptr;
-}
 template <int WARPS>
-const void *q4_kernel_for_mode(int mode, int unroll) {
+const void *q4_kernel_for_mode(int mode) {
     switch (mode) {
-        case kGemvPlain: return q4_kernel_for_unroll<kGemvPlain, WARPS>(unroll);
-        case kGemvNorm: return q4_kernel_for_unroll<kGemvNorm, WARPS>(unroll);
-        case kGemvResidual: return q4_kernel_for_unroll<kGemvResidual, WARPS>(unroll);
-        case kGemvNormSwiglu: return q4_kernel_for_unroll<kGemvNormSwiglu, WARPS>(unroll);
-        case kQ4MoeGateUp: return q4_kernel_for_unroll<kQ4MoeGateUp, WARPS>(unroll);
+        case kGemvPlain: return (const void *)gemv_q4_kernel<kGemvPlain, WARPS>;
+        case kGemvNorm: return (const void *)gemv_q4_kernel<kGemvNorm, WARPS>;
+        case kGemvResidual: return (const void *)gemv_q4_kernel<kGemvResidual, WARPS>;
+        case kGemvNormSwiglu: return (const void *)gemv_q4_kernel<kGemvNormSwiglu, WARPS>;
+        case kQ4MoeGateUp: return (const void *)gemv_q4_kernel<kQ4MoeGateUp, WARPS>;
     }
     return nullptr;
 }
-const void *q4_kernel_for(int mode, int warps, int unroll) {
+const void *q4_kernel_for(int mode, int warps) {
     switch (warps) {
-        case 2: return q4_kernel_for_mode<2>(mode, unroll);
-        case 4: return q4_kernel_for_mode<4>(mode, unroll);
-        case 8: return q4_kernel_for_mode<8>(mode, unroll);
-        case 16: return q4_kernel_for_mode<16>(mode, unroll);
+        case 2: return q4_kernel_for_mode<2>(mode);
+        case 4: return q4_kernel_for_mode<4>(mode);
+        case 8: return q4_kernel_for_mode<8>(mode);
+        case 16: return q4_kernel_for_mode<16>(mode);
     }
     return nullptr;
 }
 
 int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 
-// Plan for `tasks` two-row tasks. A warp's tasks run one after another, so the step takes as
-// many rounds as the most loaded warp has tasks: the block size (16, 8, 4 or 2 warps) is the one
-// whose resident warps (occupancy x SMs) finish the tasks in the fewest rounds, the larger on a
-// tie (a block stages the input once for all its warps). The 8B shapes: QKV (3072 tasks) 8
-// warps x 3 blocks per SM in one round, where 16-warp blocks need two; the down projection 16.
+// Plan for `tasks` two-row tasks: the largest block (16, 8, 4 or 2 warps) of which the tasks
+// still fill one block per SM, so that each SM stages the input once and the task stride
+// spreads rows over every SM; the grid is at most what is resident at once. (With the pipeline
+// a warp's rounds no longer cost a load round trip each, so more, smaller blocks for fewer
+// rounds lost: on the 8B q4 step, 16-warp blocks everywhere 1.840 ms against 1.917 with the
+// fewest-rounds choice of 4- and 8-warp blocks, bench/PERF_NOTES.md.)
 cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    const int unroll = q4_unroll(q4_groups(cols));
     const size_t smem = gemv_q4_smem_bytes(cols);
-    int best_warps = 0, best_blocks = 0, best_rounds = 0;
-    for (int warps = kQ4MaxWarps; warps >= 2; warps /= 2) {
-        const void *kernel = q4_kernel_for(mode, warps, unroll);
-        if (kernel == nullptr) return cudaErrorInvalidValue;
-        int blocks_per_sm = 0;
-        if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, warps * kWarpSize, smem) !=
-                cudaSuccess)
-            blocks_per_sm = 0;
-        (void)cudaGetLastError();  // a refused configuration is not an error
-        if (blocks_per_sm <= 0) continue;
-        const int rounds = ceil_div(tasks, blocks_per_sm * sm_count * warps);
-        if (best_warps == 0 || rounds < best_rounds) {
-            best_warps = warps;
-            best_blocks = blocks_per_sm;
-            best_rounds = rounds;
-        }
-    }
-    if (best_warps == 0) return cudaErrorInvalidConfiguration;
-    const int warps = best_warps, blocks_per_sm = best_blocks;
+    int warps = kQ4MaxWarps;
+    while (warps > 2 && ceil_div(tasks, warps) < sm_count) warps /= 2;
+    const void *kernel = q4_kernel_for(mode, warps);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    int blocks_per_sm = 0;
+    OG_CUDA_RETURN_IF(allow_dynamic_smem(kernel, smem));
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, warps * kWarpSize, smem));
+    if (blocks_per_sm <= 0) return cudaErrorInvalidConfiguration;
     const int needed = ceil_div(tasks, warps);
     plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     plan->warps = warps;
-    plan->unroll = unroll;
+    plan->unroll = kQ4ChunkGroups;
     plan->stages = 0;
     plan->smem_bytes = (int)smem;
     plan->format = OG_WEIGHTS_Q4;
@@ -512,7 +525,7 @@ Q4Params q4_params(int rows, int cols, const void *weight, const void *scales) {
 
 cudaError_t launch_q4(int mode, const GemvPlan &plan, const Q4Params &q, cudaStream_t stream, bool pdl) {
     using Kernel = void (*)(Q4Params);
-    const auto kernel = (Kernel)q4_kernel_for(mode, plan.warps, plan.unroll);
+    const auto kernel = (Kernel)q4_kernel_for(mode, plan.warps);
     if (kernel == nullptr) return cudaErrorInvalidConfiguration;
     return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), plan.smem_bytes,
                          stream, pdl, q);
