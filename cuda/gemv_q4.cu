@@ -486,17 +486,19 @@ const void *q4_kernel_for(int mode, int warps) {
 int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 
 // Plan for `tasks` two-row tasks: the largest block (16, 8, 4 or 2 warps) of which the tasks
-// still fill one block per SM, so that each SM stages the input once and the task stride
-// spreads rows over every SM; the grid is at most what is resident at once. (With the pipeline
-// a warp's rounds no longer cost a load round trip each, so more, smaller blocks for fewer
-// rounds lost: on the 8B q4 step, 16-warp blocks everywhere 1.840 ms against 1.917 with the
-// fewest-rounds choice of 4- and 8-warp blocks, bench/PERF_NOTES.md.)
+// still give at least half the SMs a block, so that each SM stages the input once (a 16-warp
+// block stages 12288 columns in one round trip to L2, an 8-warp block in two) and the task
+// stride spreads rows over the SMs; the grid is at most what is resident at once. (With the
+// pipeline a warp's rounds no longer cost a load round trip each, so more, smaller blocks for
+// fewer rounds lost: on the 8B q4 step, 16-warp blocks everywhere 1.840 ms against 1.917 with
+// the fewest-rounds choice of 4- and 8-warp blocks; the O and down projections' 2048 tasks on
+// 128 blocks of 16 warps rather than 256 of 8: 1.79-1.82 against 1.85-1.86, bench/PERF_NOTES.md.)
 cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     const size_t smem = gemv_q4_smem_bytes(cols);
     int warps = kQ4MaxWarps;
-    while (warps > 2 && ceil_div(tasks, warps) < sm_count) warps /= 2;
+    while (warps > 2 && 2 * ceil_div(tasks, warps) < sm_count) warps /= 2;
     const void *kernel = q4_kernel_for(mode, warps);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     int blocks_per_sm = 0;
