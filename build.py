@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build libonegraph.so from cuda/*.cu with nvcc (no CMake, no torch).
 
-    python build.py [--arch sm_90|native|...] [--debug] [--out DIR] [--force] [--verbose]
+    python build.py [--arch sm_90|native|...] [--debug] [--trace] [--out DIR] [--force] [--verbose]
 
 Importable: ``build_library(out_dir=None, arch=None, debug=False) -> str | None`` returns
 the path of the library, or None when nvcc is not installed (the Python package then
@@ -10,7 +10,8 @@ falls back to the CPU path). A failed compile raises BuildError with nvcc's outp
 Target GPU architecture, first match wins: the ``arch`` argument; ``$ONEGRAPH_CUDA_ARCH``;
 the compute capability nvidia-smi reports for GPU 0; sm_90 (H100/H200). Machine code for
 that architecture is embedded together with its PTX, so newer GPUs can JIT it.
-``--debug`` (or ``$ONEGRAPH_DEBUG=1``) builds with ``-G -lineinfo`` for compute-sanitizer.
+``--debug`` (or ``$ONEGRAPH_DEBUG=1``) builds with ``-G -lineinfo`` for compute-sanitizer;
+``--trace`` adds per-block timestamps to the q4 GEMV (``scripts/q4_trace.py``).
 Never ``--use_fast_math``: the numerics contract relies on IEEE division and sqrt.
 
 The .cu files (nvcc) and .c files (the host C compiler) compile in parallel and link into one shared library with the CUDA runtime
@@ -103,10 +104,12 @@ def gencode_flags(arch: str) -> list[str]:
             "-gencode", f"arch=compute_{number},code=compute_{number}"]
 
 
-def compile_flags(arch: str, debug: bool) -> list[str]:
+def compile_flags(arch: str, debug: bool, trace: bool = False) -> list[str]:
     flags = ["-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
              "-I", str(CUDA_DIR)]
     flags += ["-G", "-lineinfo", "-O0"] if debug else ["-O3", "-lineinfo"]
+    if trace:
+        flags += ["-DOG_Q4_TRACE"]
     if os.environ.get("ONEGRAPH_PTXAS_VERBOSE") == "1":
         flags += ["-Xptxas", "-v"]
     return flags + gencode_flags(arch)
@@ -164,8 +167,9 @@ def _run(cmd: list[str], verbose: bool) -> str:
 
 def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = None,
                   debug: bool = False, *, force: bool = False, verbose: bool = False,
-                  jobs: int | None = None) -> str | None:
-    """Compile cuda/*.cu into out_dir/libonegraph.so; return its path, or None without nvcc."""
+                  jobs: int | None = None, trace: bool = False) -> str | None:
+    """Compile cuda/*.cu into out_dir/libonegraph.so; return its path, or None without nvcc.
+    trace: the diagnostic build with per-block timestamps in the q4 GEMV (scripts/q4_trace.py)."""
     nvcc = find_nvcc()
     if nvcc is None:
         print("onegraph: nvcc not found (install the CUDA toolkit or set CUDA_HOME); "
@@ -178,14 +182,14 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
     out.mkdir(parents=True, exist_ok=True)
     lib = out / LIB_NAME
     stamp = out / (LIB_NAME + ".flags")
-    flags = compile_flags(arch, debug)
+    flags = compile_flags(arch, debug, trace)
     srcs = sources()
     cc = find_host_cc() if any(src.suffix == ".c" for src in srcs) else None
     flags_text = " ".join([nvcc] + flags + [str(cc)] + c_flags(debug) + [s.name for s in srcs])
     if not force and _up_to_date(lib, stamp, flags_text):
         return str(lib)
 
-    obj_dir = out / ("obj-debug" if debug else "obj")
+    obj_dir = out / ("obj-debug" if debug else "obj-trace" if trace else "obj")
     obj_dir.mkdir(parents=True, exist_ok=True)
     objects = [obj_dir / (src.name + ".o") for src in srcs]
     commands = [compile_command(nvcc, cc, src, obj, flags, debug) for src, obj in zip(srcs, objects)]
@@ -223,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build libonegraph.so with nvcc.")
     parser.add_argument("--arch", help="sm_90, 90, 9.0, native, ... (default: the GPU's own, else sm_90)")
     parser.add_argument("--debug", action="store_true", help="-G -lineinfo, for compute-sanitizer")
+    parser.add_argument("--trace", action="store_true",
+                        help="-DOG_Q4_TRACE: per-block timestamps in the q4 GEMV (scripts/q4_trace.py); "
+                             "use with --out")
     parser.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     parser.add_argument("--verbose", "-v", action="store_true", help="print the nvcc commands")
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         lib = build_library(args.out, args.arch, args.debug, force=args.force,
-                            verbose=args.verbose, jobs=args.jobs)
+                            verbose=args.verbose, jobs=args.jobs, trace=args.trace)
     except (BuildError, ValueError) as e:
         print(f"onegraph: build failed: {e}", file=sys.stderr)
         return 1

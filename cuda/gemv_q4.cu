@@ -318,6 +318,49 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
     }
 }
 
+// ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py) -------------
+// A diagnostic build: every block of the dense q4 GEMV records %globaltimer when it starts,
+// when the PDL wait returns, when its input is staged and when its last warp is done, into a
+// ring of records read with og_q4_trace_read(). The normal build has none of it.
+#ifdef OG_Q4_TRACE
+struct Q4TraceRecord {
+    unsigned long long weight, t_start, t_wait, t_staged, t_end;  // weight: identifies the launch
+    int mode, rows, cols, block, sm, warps;
+};
+constexpr unsigned kQ4TraceRecords = 1u << 16;
+__device__ Q4TraceRecord g_q4_trace[kQ4TraceRecords];
+__device__ unsigned g_q4_trace_count;
+__device__ __forceinline__ unsigned long long trace_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ int trace_sm() {
+    int s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+#define Q4_TRACE_START() \
+    const unsigned long long trace_start = trace_now(); \
+    __shared__ unsigned trace_slot
+#define Q4_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
+#define Q4_TRACE_STAGED()                                                                                    \
+    if (threadIdx.x == 0) {                                                                                  \
+        trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kQ4TraceRecords;                                     \
+        g_q4_trace[trace_slot] = Q4TraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,        \
+                                               trace_now(), 0ull, MODE, p.rows, p.cols, (int)blockIdx.x,     \
+                                               trace_sm(), WARPS};                                           \
+    }                                                                                                        \
+    __syncthreads()
+#define Q4_TRACE_END() \
+    if (lane == 0) atomicMax(&g_q4_trace[trace_slot].t_end, trace_now())
+#else
+#define Q4_TRACE_START() (void)0
+#define Q4_TRACE_WAITED() (void)0
+#define Q4_TRACE_STAGED() (void)0
+#define Q4_TRACE_END() (void)0
+#endif
+
 template <int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
     constexpr int kThreads = WARPS * kWarpSize, H = kQ4ChunkGroups, S = kQ4Slots;
@@ -326,6 +369,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     uint4 *codes = q4_smem;
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
+    Q4_TRACE_START();
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int task_stride = gridDim.x * WARPS;
@@ -354,6 +398,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     Q8Stager<kThreads, kNorm ? (WARPS >= 16 ? 1 : 2) : 3> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
+    Q4_TRACE_WAITED();
     pdl_launch_dependents();
     if (MODE == kQ4MoeGateUp) {
 #pragma unroll
@@ -364,18 +409,21 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     }
     stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     __syncthreads();
+    Q4_TRACE_STAGED();
 
     // The slots in turn: fold one, refill it with the chunk after the other slot's.
     float acc0 = 0.f, acc1 = 0.f;
     for (;;) {
 #pragma unroll
         for (int k = 0; k < S; ++k) {
-            if (slot[k].task >= p.n_tasks) return;  // chunks come in order: none left
+            if (slot[k].task >= p.n_tasks) goto done;  // chunks come in order: none left
             fold_slot<MODE>(slot[k], p, codes, gq, chunks, lane, acc0, acc1);
             load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
             advance();
         }
     }
+done:
+    Q4_TRACE_END();
 }
 
 // ---- MoE down ------------------------------------------------------------------------------
@@ -623,3 +671,22 @@ cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const fl
 }
 
 }  // namespace og
+
+#ifdef OG_Q4_TRACE
+// The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
+extern "C" __attribute__((visibility("default"))) int og_q4_trace_read(void *records, int max_records) {
+    unsigned count = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpyFromSymbol(&count, og::g_q4_trace_count, sizeof count) != cudaSuccess)
+        return -1;
+    int n = (int)(count < og::kQ4TraceRecords ? count : og::kQ4TraceRecords);
+    if (n > max_records) n = max_records;
+    if (cudaMemcpyFromSymbol(records, og::g_q4_trace, (size_t)n * sizeof(og::Q4TraceRecord)) != cudaSuccess)
+        return -1;
+    return n;
+}
+extern "C" __attribute__((visibility("default"))) int og_q4_trace_reset(void) {
+    const unsigned zero = 0;
+    return cudaMemcpyToSymbol(og::g_q4_trace_count, &zero, sizeof zero) == cudaSuccess ? 0 : -1;
+}
+#endif

@@ -1,0 +1,128 @@
+"""Where a q4 GEMV's time goes inside the captured decode graph: per-block timestamps.
+
+    python3 build.py --trace --out build/trace --arch sm_90
+    ONEGRAPH_LIB=$PWD/build/trace/libonegraph.so python3 scripts/q4_trace.py --preset qwen3-8b
+
+The trace build (-DOG_Q4_TRACE, cuda/gemv_q4.cu) has every block of the dense q4 GEMV record
+%globaltimer when it starts, when the PDL wait returns, when its input is staged and when its
+last warp is done. This script decodes at a pinned context, replays the graph a few times,
+then once more with the trace cleared, and groups the records by launch (a launch's weight
+pointer is unique within a step). Per launch, in µs from the step's first block:
+
+  start   first block's start        wait    first block past the PDL wait
+  staged  median block's input staged  end_med median block done    end  last block done
+  hand-over = wait - the previous GEMV's end (QKV -> O: the attention kernel lies between)
+
+and the medians over the layers per kind: stage = staged - wait, stream = end_med - staged,
+tail = end - end_med, landed = wait - start (how long blocks sat loaded before the wait).
+"""
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_staged", "u8"),
+                   ("t_end", "u8"), ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"),
+                   ("sm", "i4"), ("warps", "i4")])
+MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe"}
+
+
+def kind(launch: dict, vocab: int, hidden: int) -> str:
+    if launch["rows"] == vocab:
+        return "lm_head"
+    if launch["mode"] == 1:
+        return "qkv"
+    if launch["mode"] == 3:
+        return "gate_up"
+    if launch["mode"] == 2:
+        return "o_proj" if launch["cols"] <= hidden else "down"
+    return MODES.get(launch["mode"], "?")
+
+
+def trace(args) -> tuple[np.ndarray, object]:
+    from runtime import bench
+    from runtime.engine import Engine
+    target = bench.preset_target(args.preset, None, 0)
+    engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
+                    device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
+    with engine:
+        gpu = engine._gpu
+        if not hasattr(gpu.lib, "og_q4_trace_read"):
+            raise SystemExit("this library has no trace: build it with build.py --trace and point "
+                             "ONEGRAPH_LIB at it")
+        gpu.lib.og_q4_trace_read.restype = ctypes.c_int
+        gpu.lib.og_q4_trace_reset.restype = ctypes.c_int
+        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
+        with bench.pinned_position(engine, args.context - 1):
+            for _ in range(5):
+                gpu.begin(0)
+                gpu.capture().replay()
+                gpu.end()
+            if gpu.lib.og_q4_trace_reset() != 0:
+                raise SystemExit("og_q4_trace_reset failed")
+            gpu.begin(0)
+            gpu.capture().replay()
+            gpu.end()
+            records = np.zeros(1 << 16, RECORD)
+            n = gpu.lib.og_q4_trace_read(records.ctypes.data_as(ctypes.c_void_p), len(records))
+        if n < 0:
+            raise SystemExit("og_q4_trace_read failed")
+        return records[:n], target.config
+
+
+def launches(records: np.ndarray) -> list[dict]:
+    base = int(records["t_start"].min())
+    us = lambda t: (float(t) - base) / 1e3
+    out = []
+    for weight in np.unique(records["weight"]):
+        r = records[records["weight"] == weight]
+        out.append({"mode": int(r["mode"][0]), "rows": int(r["rows"][0]), "cols": int(r["cols"][0]),
+                    "blocks": len(r), "warps": int(r["warps"][0]),
+                    "start": us(r["t_start"].min()), "wait": us(r["t_wait"].min()),
+                    "staged": us(np.median(r["t_staged"])), "end_med": us(np.median(r["t_end"])),
+                    "end": us(r["t_end"].max())})
+    return sorted(out, key=lambda d: d["wait"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-8b", help="a preset, or preset:layers")
+    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
+    p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
+    p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
+    args = p.parse_args(argv)
+    records, config = trace(args)
+    rows = launches(records)
+    first, last = (int(v) for v in args.show_layers.split(","))
+    print(f"{len(records)} block records, {len(rows)} launches, step {max(d['end'] for d in rows):.1f} µs")
+    print(f"{'kind':8} {'blocks':>6} {'warps':>5} {'start':>8} {'wait':>8} {'staged':>8} {'end_med':>8} "
+          f"{'end':>8} {'hand-over':>9}")
+    per_kind: dict = {}
+    prev_end = None
+    for i, d in enumerate(rows):
+        k = kind(d, config.vocab_size, config.hidden_size)
+        handover = d["wait"] - prev_end if prev_end is not None else float("nan")
+        prev_end = d["end"]
+        s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": []})
+        if handover == handover:
+            s["hand-over"].append(handover)
+        s["stage"].append(d["staged"] - d["wait"])
+        s["stream"].append(d["end_med"] - d["staged"])
+        s["tail"].append(d["end"] - d["end_med"])
+        s["landed"].append(d["wait"] - d["start"])
+        if first * 4 <= i < last * 4 or k == "lm_head":
+            print(f"{k:8} {d['blocks']:>6} {d['warps']:>5} {d['start']:8.1f} {d['wait']:8.1f} "
+                  f"{d['staged']:8.1f} {d['end_med']:8.1f} {d['end']:8.1f} {handover:9.2f}")
+    print("median per kind, µs:")
+    for k, s in per_kind.items():
+        print(f"  {k:8} " + "  ".join(f"{m} {statistics.median(v):.2f}" for m, v in s.items() if v))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
