@@ -39,15 +39,14 @@
 // over the tasks.
 //
 // The load pipeline. A warp's work is one stream of chunks: chunk c of a task is the lane's
-// groups 2c and 2c + 1 (groups 64c + l and 64c + 32 + l) of both rows, 4 x 16 bytes of
-// weights and 4 scales a lane. Two register slots
-// take the chunks in turn, and a slot is refilled with the chunk after next as soon as it has
-// been folded in, across task boundaries: the warp always has one to two chunks in flight and
-// never stops to wait for a whole round of loads. (Loading a task's U groups, folding them, and
-// only then loading the next task left DRAM idle between rounds, in lockstep over the GPU: the
-// 8B q4 step 2.03 -> 1.80 ms with this pipeline, bench/PERF_NOTES.md.) The weights do not
-// depend on earlier kernels, so both slots are filled before the PDL wait (not for the MoE
-// gate/up: the top-k kernel picks its experts' rows).
+// groups 2c and 2c + 1 (groups 64c + l and 64c + 32 + l) of both rows, 4 x 16 bytes of weights
+// and 4 scales a lane. Two register slots take the chunks in turn, and a slot is refilled with
+// the chunk after next as soon as it has been folded in, across task boundaries: the warp
+// always has one to two chunks in flight and never stops to wait for a whole round of loads.
+// (Loading a task's U groups, folding them, and only then loading the next task left DRAM idle
+// between rounds, in lockstep over the GPU: the 8B q4 step 2.03 -> 1.80 ms with this pipeline,
+// bench/PERF_NOTES.md.) The weights do not depend on earlier kernels, so both slots are filled
+// before the PDL wait (not for the MoE gate/up: the top-k kernel picks its experts' rows).
 #include "kernels.cuh"
 #include "quant.cuh"
 
