@@ -238,3 +238,28 @@ def test_kernel_entry_points_without_gpu(lib, has_gpu):
         capi_testing.gemv(w, np.ones(5, np.float32))
     assert err.value.status == capi.OG_E_NO_DEVICE
     assert "no CUDA device" in str(err.value)
+
+
+@pytest.mark.slow
+def test_trace_build_of_the_q4_gemv_compiles(tmp_path):
+    """build.py --trace (-DOG_Q4_TRACE, scripts/q4_trace.py) is a diagnostic build that nothing
+    else compiles: gemv_q4.cu with the define must still compile, and export the trace readers
+    (the normal build exports none)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    import build
+
+    nvcc = build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    flags = build.compile_flags("sm_90", False, trace=True)
+    assert "-DOG_Q4_TRACE" in flags and "-DOG_Q4_TRACE" not in build.compile_flags("sm_90", False)
+    src = ROOT / "cuda" / "gemv_q4.cu"
+    obj = tmp_path / "gemv_q4_trace.o"
+    done = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True)
+    if symbols.returncode == 0:
+        assert "og_q4_trace_read" in symbols.stdout
