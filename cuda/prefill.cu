@@ -99,40 +99,42 @@ __global__ void __launch_bounds__(kRowThreads)
     }
 }
 
-// Rows of an fp32 matrix (src [rows, src_ld], cols used) split into hi / lo [rows, ld], zeros in
-// the pad columns; q8 as rmsnorm_rows_split_kernel. One warp per (row, 32 columns).
-__global__ void __launch_bounds__(kRowThreads)
-    split_rows_kernel(const float *src, int src_ld, int cols, int rows, __nv_bfloat16 *out,
-                      __nv_bfloat16 *out_lo, int ld, bool q8) {
+// The row kernels below: one warp per (row, 32 columns) of a [rows, ld] output, over a
+// grid-strided range. value(row, i) gives column i's fp32 value (0 in the pad columns); q8
+// rounds it as rmsnorm_rows_split_kernel does (a group per warp), then it is split into hi / lo.
+template <class Value>
+__device__ __forceinline__ void split_row_slabs(int rows, int ld, bool q8, __nv_bfloat16 *out,
+                                                __nv_bfloat16 *out_lo, Value value) {
     const int slabs = ceil_div(ld, kWarpSize), lane = threadIdx.x % kWarpSize;
     const int64_t total = (int64_t)rows * slabs;
     for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
          item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
         const int row = (int)(item / slabs), i = (int)(item % slabs) * kWarpSize + lane;
-        float v = i < cols ? src[(size_t)row * src_ld + i] : 0.f;
+        float v = value(row, i);
         if (q8) v = q8_round_group(v);
         if (i < ld) store_split(v, out + (size_t)row * ld + i, out_lo + (size_t)row * ld + i);
     }
 }
 
+// Rows of an fp32 matrix (src [rows, src_ld], cols used) split into hi / lo [rows, ld].
+__global__ void __launch_bounds__(kRowThreads)
+    split_rows_kernel(const float *src, int src_ld, int cols, int rows, __nv_bfloat16 *out,
+                      __nv_bfloat16 *out_lo, int ld, bool q8) {
+    split_row_slabs(rows, ld, q8, out, out_lo, [=](int row, int i) {
+        return i < cols ? src[(size_t)row * src_ld + i] : 0.f;
+    });
+}
+
+// silu(gate) * up of gate_up [n_rows, 2 * inter] split into hi / lo [n_rows, ld].
 __global__ void __launch_bounds__(kRowThreads)
     swiglu_rows_kernel(const float *gate_up, int inter, int n_rows, __nv_bfloat16 *out,
                        __nv_bfloat16 *out_lo, int ld, bool q8) {
-    // one warp per (row, 32 columns): q8 (as rmsnorm_rows_split_kernel) rounds a group per warp
-    const int slabs = ceil_div(ld, kWarpSize), lane = threadIdx.x % kWarpSize;
-    const int64_t total = (int64_t)n_rows * slabs;
-    for (int64_t item = ((int64_t)blockIdx.x * kRowThreads + threadIdx.x) / kWarpSize; item < total;
-         item += (int64_t)gridDim.x * kRowThreads / kWarpSize) {
-        const int row = (int)(item / slabs), i = (int)(item % slabs) * kWarpSize + lane;
-        float v = 0.f;
-        if (i < inter) {
-            const float gate = gate_up[(size_t)row * 2 * inter + i];
-            const float up = gate_up[(size_t)row * 2 * inter + inter + i];
-            v = gate / (1.0f + expf(-gate)) * up;
-        }
-        if (q8) v = q8_round_group(v);
-        if (i < ld) store_split(v, out + (size_t)row * ld + i, out_lo + (size_t)row * ld + i);
-    }
+    split_row_slabs(n_rows, ld, q8, out, out_lo, [=](int row, int i) {
+        if (i >= inter) return 0.f;
+        const float gate = gate_up[(size_t)row * 2 * inter + i];
+        const float up = gate_up[(size_t)row * 2 * inter + inter + i];
+        return gate / (1.0f + expf(-gate)) * up;
+    });
 }
 
 // ---- MoE over a chunk: entries grouped by expert ---------------------------------------------
