@@ -11,7 +11,7 @@ Target GPU architecture, first match wins: the ``arch`` argument; ``$ONEGRAPH_CU
 the compute capability nvidia-smi reports for GPU 0; sm_90 (H100/H200). Machine code for
 that architecture is embedded together with its PTX, so newer GPUs can JIT it.
 ``--debug`` (or ``$ONEGRAPH_DEBUG=1``) builds with ``-G -lineinfo`` for compute-sanitizer;
-``--trace`` adds per-block timestamps to the q4 GEMV (``scripts/q4_trace.py``).
+``--trace`` adds per-block timestamps to the q4 GEMV and the attention kernel (``scripts/q4_trace.py``).
 Never ``--use_fast_math``: the numerics contract relies on IEEE division and sqrt.
 
 The .cu files (nvcc) and .c files (the host C compiler) compile in parallel and link into one shared library with the CUDA runtime
@@ -169,7 +169,8 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
                   debug: bool = False, *, force: bool = False, verbose: bool = False,
                   jobs: int | None = None, trace: bool = False) -> str | None:
     """Compile cuda/*.cu into out_dir/libonegraph.so; return its path, or None without nvcc.
-    trace: the diagnostic build with per-block timestamps in the q4 GEMV (scripts/q4_trace.py)."""
+    trace: the diagnostic build with per-block timestamps in the q4 GEMV and the attention kernel
+    (scripts/q4_trace.py)."""
     nvcc = find_nvcc()
     if nvcc is None:
         print("onegraph: nvcc not found (install the CUDA toolkit or set CUDA_HOME); "
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", help="sm_90, 90, 9.0, native, ... (default: the GPU's own, else sm_90)")
     parser.add_argument("--debug", action="store_true", help="-G -lineinfo, for compute-sanitizer")
     parser.add_argument("--trace", action="store_true",
-                        help="-DOG_Q4_TRACE: per-block timestamps in the q4 GEMV (scripts/q4_trace.py); "
+                        help="-DOG_Q4_TRACE: per-block timestamps in the q4 GEMV and attention (scripts/q4_trace.py); "
                              "use with --out")
     parser.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")

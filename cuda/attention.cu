@@ -453,6 +453,38 @@ __device__ __forceinline__ int next_tile(int &n, int b, int n_blocks, int chunk_
     }
 }
 
+// ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py) -------------
+// The diagnostic build also has every working block of the attention kernel record
+// %globaltimer when it starts, when the PDL wait returns, when its query heads are ready, when
+// its rows are folded in and when it is done. The normal build has none of it.
+#ifdef OG_Q4_TRACE
+struct AttnTraceRecord {
+    unsigned long long layer, t_start, t_wait, t_prologue, t_rows, t_end;  // layer: its K pages
+    int block_x, block_y, sm, n_active;
+};
+constexpr unsigned kAttnTraceRecords = 1u << 14;
+__device__ AttnTraceRecord g_attn_trace[kAttnTraceRecords];
+__device__ unsigned g_attn_trace_count;
+__device__ __forceinline__ unsigned long long attn_trace_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define ATTN_TRACE(var) const unsigned long long var = attn_trace_now()
+#define ATTN_TRACE_END()                                                                              \
+    if (tid == 0) {                                                                                   \
+        int sm_id;                                                                                    \
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_id));                                           \
+        const unsigned slot = atomicAdd(&g_attn_trace_count, 1u) % kAttnTraceRecords;                \
+        g_attn_trace[slot] = AttnTraceRecord{(unsigned long long)a.kv.k, trace_start, trace_wait,     \
+                                             trace_prologue, trace_rows, attn_trace_now(),            \
+                                             (int)blockIdx.x, (int)blockIdx.y, sm_id, n_active};      \
+    }
+#else
+#define ATTN_TRACE(var) (void)0
+#define ATTN_TRACE_END() (void)0
+#endif
+
 template <int KV, int HD, int HG>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
     using L = AttnLayout<KV, HD>;
@@ -474,6 +506,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     const int head0 = kv_head * group + hg * HG;
     const int heads_here = min(HG, group - hg * HG);
     const int C = p.chunk, B = p.n_blocks;
+    ATTN_TRACE(trace_start);
 
     // The step record is written before the body's first kernel, and the rows below `position`
     // by earlier steps: both may be read before waiting on the previous kernel.
@@ -531,6 +564,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     }
 
     pdl_wait();
+    ATTN_TRACE(trace_wait);
     pdl_launch_dependents();
 
     const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes);
@@ -585,6 +619,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             a.table_update[(size_t)step->seq_slot * kv.max_blocks_per_seq + page_index] = row_block;
     }
     __syncthreads();
+    ATTN_TRACE(trace_prologue);
 
     float *o_s = smem + lay.o;       // [warps, HG, hd]
     float *m_s = smem + lay.m;       // [warps, HG]
@@ -620,6 +655,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         row0 = row1;
     }
 
+    ATTN_TRACE(trace_rows);
     // ---- the warp's state over its row groups, then the block's warps in order --------
     constexpr int LPR = L::kLanesPerRow;
 #pragma unroll
@@ -692,7 +728,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             partial_l[head * B + b] = stats[stats_stride + j];
         }
     }
-    if (n_active == 1) return;
+    if (n_active == 1) {
+        ATTN_TRACE_END();
+        return;
+    }
 
     // ---- publish the partial; the last block of this KV head combines -------------------
     __threadfence();
@@ -702,7 +741,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         is_last_block = previous + 1u == (unsigned)n_active;
     }
     __syncthreads();
-    if (!is_last_block) return;
+    if (!is_last_block) {
+        ATTN_TRACE_END();
+        return;
+    }
     __threadfence();
 
     // factors[j, s] = exp(m_s - M); stats[stride + j] = L = sum_s l_s * factors[j, s]
@@ -732,6 +774,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         a.out[head * hd + d] = o / stats[stats_stride + j];
     }
     if (tid == 0) a.counters[blockIdx.x] = 0u;
+    ATTN_TRACE_END();
 }
 
 using AttnKernel = void (*)(AttnParams);
@@ -871,3 +914,22 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
 }
 
 }  // namespace og
+
+#ifdef OG_Q4_TRACE
+// The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
+extern "C" __attribute__((visibility("default"))) int og_attn_trace_read(void *records, int max_records) {
+    unsigned count = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpyFromSymbol(&count, og::g_attn_trace_count, sizeof count) != cudaSuccess)
+        return -1;
+    int n = (int)(count < og::kAttnTraceRecords ? count : og::kAttnTraceRecords);
+    if (n > max_records) n = max_records;
+    if (cudaMemcpyFromSymbol(records, og::g_attn_trace, (size_t)n * sizeof(og::AttnTraceRecord)) != cudaSuccess)
+        return -1;
+    return n;
+}
+extern "C" __attribute__((visibility("default"))) int og_attn_trace_reset(void) {
+    const unsigned zero = 0;
+    return cudaMemcpyToSymbol(og::g_attn_trace_count, &zero, sizeof zero) == cudaSuccess ? 0 : -1;
+}
+#endif

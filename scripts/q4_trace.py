@@ -15,6 +15,8 @@ pointer is unique within a step). Per launch, in µs from the step's first block
 
 and the medians over the layers per kind: stage = staged - wait, stream = end_med - staged,
 tail = end - end_med, landed = wait - start (how long blocks sat loaded before the wait).
+The attention kernel between each QKV and O projection records its working blocks too
+(cuda/attention.cu): its phases are summed up last (attention_summary).
 """
 import argparse
 import ctypes
@@ -30,6 +32,9 @@ RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_st
                    ("t_end", "u8"), ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"),
                    ("sm", "i4"), ("warps", "i4")])
 MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe"}
+ATTN_RECORD = np.dtype([("layer", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_prologue", "u8"),
+                        ("t_rows", "u8"), ("t_end", "u8"), ("block_x", "i4"), ("block_y", "i4"),
+                        ("sm", "i4"), ("n_active", "i4")])
 
 
 def kind(launch: dict, vocab: int, hidden: int) -> str:
@@ -57,22 +62,26 @@ def trace(args) -> tuple[np.ndarray, object]:
                              "ONEGRAPH_LIB at it")
         gpu.lib.og_q4_trace_read.restype = ctypes.c_int
         gpu.lib.og_q4_trace_reset.restype = ctypes.c_int
+        gpu.lib.og_attn_trace_read.restype = ctypes.c_int
+        gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
         with bench.pinned_position(engine, args.context - 1):
             for _ in range(5):
                 gpu.begin(0)
                 gpu.capture().replay()
                 gpu.end()
-            if gpu.lib.og_q4_trace_reset() != 0:
-                raise SystemExit("og_q4_trace_reset failed")
+            if gpu.lib.og_q4_trace_reset() != 0 or gpu.lib.og_attn_trace_reset() != 0:
+                raise SystemExit("og_q4_trace_reset / og_attn_trace_reset failed")
             gpu.begin(0)
             gpu.capture().replay()
             gpu.end()
             records = np.zeros(1 << 16, RECORD)
             n = gpu.lib.og_q4_trace_read(records.ctypes.data_as(ctypes.c_void_p), len(records))
-        if n < 0:
-            raise SystemExit("og_q4_trace_read failed")
-        return records[:n], target.config
+            attn = np.zeros(1 << 14, ATTN_RECORD)
+            n_attn = gpu.lib.og_attn_trace_read(attn.ctypes.data_as(ctypes.c_void_p), len(attn))
+        if n < 0 or n_attn < 0:
+            raise SystemExit("og_q4_trace_read / og_attn_trace_read failed")
+        return records[:n], attn[:n_attn], target.config
 
 
 def launches(records: np.ndarray) -> list[dict]:
@@ -96,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
     args = p.parse_args(argv)
-    records, config = trace(args)
+    records, attn, config = trace(args)
     rows = launches(records)
     first, last = (int(v) for v in args.show_layers.split(","))
     print(f"{len(records)} block records, {len(rows)} launches, step {max(d['end'] for d in rows):.1f} µs")
@@ -121,7 +130,32 @@ def main(argv=None) -> int:
     print("median per kind, µs:")
     for k, s in per_kind.items():
         print(f"  {k:8} " + "  ".join(f"{m} {statistics.median(v):.2f}" for m, v in s.items() if v))
+    if len(attn):
+        attention_summary(attn, rows, config, int(records["t_start"].min()))
     return 0
+
+
+def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> None:
+    """The attention kernel between each QKV and O projection, medians over the layers, µs:
+    in = its first wait's return - the QKV's last block; prologue = query heads ready - wait
+    (median block); rows = rows folded in - prologue; combine = done - rows; out = the O
+    projection's wait - the attention's last block."""
+    us = lambda t: (float(t) - base) / 1e3
+    kinds = [kind(d, config.vocab_size, config.hidden_size) for d in rows]
+    qkv = [d for d, k in zip(rows, kinds) if k == "qkv"]
+    o_proj = [d for d, k in zip(rows, kinds) if k == "o_proj"]
+    layers = sorted(np.unique(attn["layer"]), key=lambda l: attn["t_wait"][attn["layer"] == l].min())
+    parts = {"in": [], "prologue": [], "rows": [], "combine": [], "out": [], "blocks": []}
+    for i, layer in enumerate(layers[:min(len(qkv), len(o_proj))]):
+        r = attn[attn["layer"] == layer]
+        parts["in"].append(us(r["t_wait"].min()) - qkv[i]["end"])
+        parts["prologue"].append(float(np.median(r["t_prologue"] - r["t_wait"])) / 1e3)
+        parts["rows"].append(float(np.median(r["t_rows"] - r["t_prologue"])) / 1e3)
+        parts["combine"].append(float(np.median(r["t_end"] - r["t_rows"])) / 1e3)
+        parts["out"].append(o_proj[i]["wait"] - us(r["t_end"].max()))
+        parts["blocks"].append(len(r))
+    print("attention, median over layers, µs: " +
+          "  ".join(f"{m} {statistics.median(v):.2f}" for m, v in parts.items() if v))
 
 
 if __name__ == "__main__":

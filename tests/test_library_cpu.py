@@ -241,10 +241,12 @@ def test_kernel_entry_points_without_gpu(lib, has_gpu):
 
 
 @pytest.mark.slow
-def test_trace_build_of_the_q4_gemv_compiles(tmp_path):
+@pytest.mark.parametrize("source, reader", [("gemv_q4.cu", "og_q4_trace_read"),
+                                            ("attention.cu", "og_attn_trace_read")])
+def test_trace_build_compiles(tmp_path, source, reader):
     """build.py --trace (-DOG_Q4_TRACE, scripts/q4_trace.py) is a diagnostic build that nothing
-    else compiles: gemv_q4.cu with the define must still compile, and export the trace readers
-    (the normal build exports none)."""
+    else compiles: the q4 GEMV and the attention kernel with the define must still compile, and
+    export their trace readers (the normal build exports none)."""
     import subprocess
     import sys
 
@@ -256,10 +258,10 @@ def test_trace_build_of_the_q4_gemv_compiles(tmp_path):
         pytest.skip("nvcc not installed")
     flags = build.compile_flags("sm_90", False, trace=True)
     assert "-DOG_Q4_TRACE" in flags and "-DOG_Q4_TRACE" not in build.compile_flags("sm_90", False)
-    src = ROOT / "cuda" / "gemv_q4.cu"
-    obj = tmp_path / "gemv_q4_trace.o"
+    src = ROOT / "cuda" / source
+    obj = tmp_path / "trace.o"
     done = subprocess.run([nvcc, *flags, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True)
     if symbols.returncode == 0:
-        assert "og_q4_trace_read" in symbols.stdout
+        assert reader in symbols.stdout
