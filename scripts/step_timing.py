@@ -1,0 +1,109 @@
+"""Graph step time at pinned contexts, one engine, optionally over variants of the environment.
+
+    python3 scripts/step_timing.py --preset qwen3-8b --weights q4 --quantize-lm-head --contexts 64,2048,8192
+    ONEGRAPH_LIB=build/other/libonegraph.so python3 scripts/step_timing.py ... --label other
+    python3 scripts/step_timing.py ... --variant OG_KNOB=0 --variant OG_KNOB=1
+
+A step is Engine.step as the bench takes it (begin, graph replay, end with the logits copy,
+np.argmax) on the session directly, at a pinned position (bench.pinned_position: the KV rows
+below it are allocated, their content unspecified), so a long context costs no prefill. Per
+context, each variant's graph is captured anew (settings an experimental build reads from the
+environment at launch take effect there) and timed over --steps replays (median), the variants
+in turn --repeats times; the table gives the median over the rounds. The first variant's
+logits at the first context are the reference the others are compared with (max |diff|).
+
+The whole step moves by a few percent from one engine to the next (placement of the weights),
+more than many of the effects worth measuring: compare variants inside one engine where a
+setting can be read at capture, and libraries (ONEGRAPH_LIB) over several processes each.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def timed_steps(gpu, steps: int) -> tuple[float, np.ndarray]:
+    """(median ms of `steps` steps, the last logits), after three untimed ones (capture, warm-up)."""
+    for _ in range(3):
+        gpu.begin(0)
+        gpu.capture().replay()
+        logits = gpu.end()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        gpu.begin(0)
+        gpu.capture().replay()
+        logits = gpu.end()
+        int(np.argmax(logits))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), logits
+
+
+def set_variant(variant: str) -> None:
+    for item in filter(None, variant.split(",")):
+        name, _, value = item.partition("=")
+        os.environ[name] = value
+
+
+def measure(args) -> dict:
+    from runtime import bench
+    from runtime.engine import Engine
+    target = bench.preset_target(args.preset, None, 0)
+    quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
+                                                "quantize_lm_head": args.quantize_lm_head}
+    engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=max(args.contexts) + 16,
+                    graph=True, device="gpu", **quant)
+    ms = {(c, v): [] for c in args.contexts for v in args.variants}
+    diffs = {}
+    with engine:
+        gpu = engine._gpu
+        engine.prefill(bench.make_prompt(target.config, min(args.contexts) - 1, 0))
+        for context in args.contexts:
+            with bench.pinned_position(engine, context - 1):
+                for _ in range(args.repeats):
+                    for v in args.variants:
+                        set_variant(v)
+                        gpu.drop_graph()
+                        step_ms, logits = timed_steps(gpu, args.steps)
+                        ms[(context, v)].append(step_ms)
+                        if context == args.contexts[0]:
+                            ref = diffs.setdefault("reference", logits)
+                            diffs[v] = max(diffs.get(v, 0.0), float(np.max(np.abs(logits - ref))))
+    return {"ms": ms, "diffs": diffs}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-8b", help="a preset, or preset:layers")
+    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "int8", "q4"))
+    p.add_argument("--quantize", default="all", choices=("all", "dense", "experts"))
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--contexts", default="64,2048", help="comma-separated KV rows a step attends over")
+    p.add_argument("--variant", action="append", dest="variants", default=[],
+                   help="NAME=VALUE[,NAME=VALUE...] set before capture (repeatable)")
+    p.add_argument("--steps", type=int, default=64, help="timed replays per variant and round")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the variants")
+    p.add_argument("--label", default="", help="printed before each row (e.g. which library)")
+    args = p.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.variants = args.variants or [""]
+    if min(args.contexts) < 2 or args.steps < 1 or args.repeats < 1:
+        p.error("contexts must be >= 2, --steps and --repeats >= 1")
+    result = measure(args)
+    label = f"{args.label} " if args.label else ""
+    print(f"{label}{args.preset} {args.weights} KV {args.kv}: step ms, median of {args.repeats} rounds "
+          f"of {args.steps} replays")
+    for v in args.variants:
+        row = "  ".join(f"ctx {c}: {statistics.median(result['ms'][(c, v)]):.4f}" for c in args.contexts)
+        print(f"{label}[{v or 'as built'}] {row}  (logits max |diff| {result['diffs'][v]:.3g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
