@@ -51,6 +51,7 @@
 #include "kernels.cuh"
 #include "quant.cuh"
 #include "rope_kv.cuh"
+#include "trace.cuh"
 
 namespace og {
 namespace {
@@ -465,20 +466,13 @@ struct AttnTraceRecord {
 constexpr unsigned kAttnTraceRecords = 1u << 14;
 __device__ AttnTraceRecord g_attn_trace[kAttnTraceRecords];
 __device__ unsigned g_attn_trace_count;
-__device__ __forceinline__ unsigned long long attn_trace_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#define ATTN_TRACE(var) const unsigned long long var = attn_trace_now()
+#define ATTN_TRACE(var) const unsigned long long var = trace_now()
 #define ATTN_TRACE_END()                                                                              \
     if (tid == 0) {                                                                                   \
-        int sm_id;                                                                                    \
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_id));                                           \
         const unsigned slot = atomicAdd(&g_attn_trace_count, 1u) % kAttnTraceRecords;                \
         g_attn_trace[slot] = AttnTraceRecord{(unsigned long long)a.kv.k, trace_start, trace_wait,     \
-                                             trace_prologue, trace_rows, attn_trace_now(),            \
-                                             (int)blockIdx.x, (int)blockIdx.y, sm_id, n_active};      \
+                                             trace_prologue, trace_rows, trace_now(),                 \
+                                             (int)blockIdx.x, (int)blockIdx.y, trace_sm(), n_active}; \
     }
 #else
 #define ATTN_TRACE(var) (void)0
@@ -918,18 +912,9 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
 #ifdef OG_Q4_TRACE
 // The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
 extern "C" __attribute__((visibility("default"))) int og_attn_trace_read(void *records, int max_records) {
-    unsigned count = 0;
-    if (cudaDeviceSynchronize() != cudaSuccess ||
-        cudaMemcpyFromSymbol(&count, og::g_attn_trace_count, sizeof count) != cudaSuccess)
-        return -1;
-    int n = (int)(count < og::kAttnTraceRecords ? count : og::kAttnTraceRecords);
-    if (n > max_records) n = max_records;
-    if (cudaMemcpyFromSymbol(records, og::g_attn_trace, (size_t)n * sizeof(og::AttnTraceRecord)) != cudaSuccess)
-        return -1;
-    return n;
+    return og::trace_ring_read(og::g_attn_trace, og::g_attn_trace_count, records, max_records);
 }
 extern "C" __attribute__((visibility("default"))) int og_attn_trace_reset(void) {
-    const unsigned zero = 0;
-    return cudaMemcpyToSymbol(og::g_attn_trace_count, &zero, sizeof zero) == cudaSuccess ? 0 : -1;
+    return og::trace_ring_reset(og::g_attn_trace_count);
 }
 #endif

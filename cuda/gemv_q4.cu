@@ -49,6 +49,7 @@
 // before the PDL wait (not for the MoE gate/up: the top-k kernel picks its experts' rows).
 #include "kernels.cuh"
 #include "quant.cuh"
+#include "trace.cuh"
 
 namespace og {
 namespace {
@@ -329,16 +330,6 @@ struct Q4TraceRecord {
 constexpr unsigned kQ4TraceRecords = 1u << 16;
 __device__ Q4TraceRecord g_q4_trace[kQ4TraceRecords];
 __device__ unsigned g_q4_trace_count;
-__device__ __forceinline__ unsigned long long trace_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ int trace_sm() {
-    int s;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-    return s;
-}
 #define Q4_TRACE_START() \
     const unsigned long long trace_start = trace_now(); \
     __shared__ unsigned trace_slot
@@ -684,18 +675,9 @@ cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const fl
 #ifdef OG_Q4_TRACE
 // The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
 extern "C" __attribute__((visibility("default"))) int og_q4_trace_read(void *records, int max_records) {
-    unsigned count = 0;
-    if (cudaDeviceSynchronize() != cudaSuccess ||
-        cudaMemcpyFromSymbol(&count, og::g_q4_trace_count, sizeof count) != cudaSuccess)
-        return -1;
-    int n = (int)(count < og::kQ4TraceRecords ? count : og::kQ4TraceRecords);
-    if (n > max_records) n = max_records;
-    if (cudaMemcpyFromSymbol(records, og::g_q4_trace, (size_t)n * sizeof(og::Q4TraceRecord)) != cudaSuccess)
-        return -1;
-    return n;
+    return og::trace_ring_read(og::g_q4_trace, og::g_q4_trace_count, records, max_records);
 }
 extern "C" __attribute__((visibility("default"))) int og_q4_trace_reset(void) {
-    const unsigned zero = 0;
-    return cudaMemcpyToSymbol(og::g_q4_trace_count, &zero, sizeof zero) == cudaSuccess ? 0 : -1;
+    return og::trace_ring_reset(og::g_q4_trace_count);
 }
 #endif

@@ -1,0 +1,40 @@
+// trace.cuh — pieces shared by the diagnostic trace build (build.py --trace, -DOG_Q4_TRACE;
+// scripts/q4_trace.py): the per-block clock and SM id, and the host side that reads and clears
+// a ring of records (a __device__ array and its __device__ counter, in the including file).
+#pragma once
+#ifdef OG_Q4_TRACE
+#include <cuda_runtime.h>
+
+namespace og {
+
+__device__ __forceinline__ unsigned long long trace_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ int trace_sm() {
+    int s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+
+// Copy up to max_records of the ring's records (the newest N if it wrapped) to `records`;
+// returns how many, or -1 on a CUDA error.
+template <typename Record, unsigned N>
+int trace_ring_read(const Record (&ring)[N], const unsigned &count_symbol, void *records, int max_records) {
+    unsigned count = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpyFromSymbol(&count, count_symbol, sizeof count) != cudaSuccess)
+        return -1;
+    int n = (int)(count < N ? count : N);
+    if (n > max_records) n = max_records;
+    if (cudaMemcpyFromSymbol(records, ring, (size_t)n * sizeof(Record)) != cudaSuccess) return -1;
+    return n;
+}
+inline int trace_ring_reset(const unsigned &count_symbol) {
+    const unsigned zero = 0;
+    return cudaMemcpyToSymbol(count_symbol, &zero, sizeof zero) == cudaSuccess ? 0 : -1;
+}
+
+}  // namespace og
+#endif
