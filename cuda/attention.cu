@@ -773,12 +773,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
 
 using AttnKernel = void (*)(AttnParams);
 
-// Head-group sizes compiled: 2, 4 and 8 for head_dim 128 (where the real models are), the
+// Head-group sizes compiled: 1, 2, 4 and 8 for head_dim 128 (where the real models are), the
 // largest the registers allow for the other head dims.
 template <int KV, int HD>
 AttnKernel kernel_for_group(int head_group) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
     if constexpr (HD == 128) {
+        if (head_group == 1) return attention_kernel<KV, HD, 1>;
         if (head_group == 2) return attention_kernel<KV, HD, 2>;
         if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2)>;
         if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2)>;
@@ -845,9 +846,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     const int group = n_heads / n_kv_heads;
     int head_group = max_group;
     if (head_dim == 128) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
-    const int head_groups = ceil_div(group, head_group);
-    const AttnKernel kernel = kernel_for(kv_dtype, head_dim, head_group);
-    if (kernel == nullptr) return cudaErrorInvalidValue;
+    const bool chosen_split = split_len == 0;
     // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
     // single pass and longer ones spread over blocks.
     if (split_len == 0) split_len = kAttnWarps * tile_rows;
@@ -860,23 +859,49 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     OG_CUDA_RETURN_IF(
         cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    // Blocks per (KV head, head group): one wave of blocks over all of them (at most one per
-    // chunk).
-    size_t smem = (size_t)attn_smem(head_group, head_dim, n_splits, eb).total * 4;
-    if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
-    OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
-    int per_sm = 0;
-    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
-    if (per_sm <= 0) return cudaErrorInvalidConfiguration;
-    int n_blocks = per_sm * sm_count / (n_kv_heads * head_groups);
-    n_blocks = n_blocks < 1 ? 1 : n_blocks > n_splits ? n_splits : n_blocks;
-    smem = (size_t)attn_smem(head_group, head_dim, n_blocks, eb).total * 4;
+    // Blocks per (KV head, head group) for head group hg: one wave of blocks over all of them
+    // (before the cap at one per chunk: *wave).
+    auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
+        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg);
+        if (kernel == nullptr) return cudaErrorInvalidValue;
+        const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb).total * 4;
+        if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+        int per_sm = 0;
+        OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
+        if (per_sm <= 0) return cudaErrorInvalidConfiguration;
+        *wave = per_sm * sm_count / (n_kv_heads * ceil_div(group, hg));
+        return cudaSuccess;
+    };
+    int wave = 0;
+    OG_CUDA_RETURN_IF(blocks_for(head_group, &wave));
+    // A cache whose longest context still fits one chunk per block of a narrower head group
+    // (the engine's chunking, head_dim 128) takes the narrowest such group: with no more chunks
+    // than the wide group has blocks, its blocks beyond the chunks sit idle while each busy one
+    // folds its rows for HG heads one after another; the narrower group puts those heads on
+    // blocks of their own, and no block ever takes a second chunk. Longer caches keep the
+    // widest group, which reads each K/V row the fewest times. (8B q4 at context 64: 1.776 ms
+    // a step with head group 1 against 1.853 with 4; at 2048 rows over 4 blocks a group, head
+    // group 1 was 0.11 ms slower, bench/PERF_NOTES.md.)
+    if (chosen_split && head_dim == 128) {
+        for (int hg = head_group / 2; hg >= 1; hg /= 2) {
+            int narrow_wave = 0;
+            if (blocks_for(hg, &narrow_wave) != cudaSuccess || narrow_wave < n_splits) {
+                (void)cudaGetLastError();
+                break;
+            }
+            head_group = hg;
+            wave = narrow_wave;
+        }
+    }
+    const int head_groups = ceil_div(group, head_group);
+    const int n_blocks = wave < 1 ? 1 : wave > n_splits ? n_splits : wave;
     plan->split_len = split_len;
     plan->n_splits = n_splits;
     plan->n_blocks = n_blocks;
     plan->head_group = head_group;
     plan->head_groups = head_groups;
-    plan->smem_bytes = (int)smem;
+    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb).total * 4;
     return cudaSuccess;
 }
 

@@ -84,6 +84,13 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
                                          int32_t kv_dtype, void *k_cache, void *v_cache,
                                          float *k_scales, float *v_scales);
 
+/* The attention plan the kernels take for this shape (split_len 0: the engine's chunking):
+ * the query heads a block folds together (head_group), blocks per (KV head, head group)
+ * (n_blocks), rows per chunk (split_len_out). */
+OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                       int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
+                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out);
+
 /* Decode attention of one query over the first visible_len rows of a KV cache.
  *   q [n_heads * hd]; caches and scales as for og_test_qk_norm_rope_kv (scales NULL
  *   unless OG_KV_INT8); out [n_heads * hd].

@@ -428,6 +428,27 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
     return OG_OK;
 }
 
+OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                                       int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
+                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out) {
+    if (head_group == nullptr || n_blocks == nullptr || split_len_out == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: NULL output");
+    OG_TRY(require_device());
+    AttentionPlan plan;
+    const cudaError_t err = attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len, &plan);
+    if (err == cudaErrorInvalidValue) {
+        (void)cudaGetLastError();
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: heads=%d kv_heads=%d head_dim=%d "
+                         "max_seq_len=%d kv_dtype=%d split_len=%d", n_heads, n_kv_heads, head_dim,
+                         max_seq_len, kv_dtype, split_len);
+    }
+    OG_CUDA_TRY(err);
+    *head_group = plan.head_group;
+    *n_blocks = plan.n_blocks;
+    *split_len_out = plan.split_len;
+    return OG_OK;
+}
+
 OG_API og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
                                    const float *k_scales, const float *v_scales,
                                    int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,

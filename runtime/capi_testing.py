@@ -89,6 +89,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                                   float *k_scales, float *v_scales);
     fn("og_test_qk_norm_rope_kv", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
        P_f32, c_int32, c_int32, c_int32, c_void_p, c_void_p, P_f32, P_f32)
+    # og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+    #                                  int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
+    #                                  int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out);
+    fn("og_test_attention_plan", c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, P_i32, P_i32, P_i32)
     # og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
     #                             const float *k_scales, const float *v_scales,
     #                             int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
@@ -375,6 +379,15 @@ def qk_norm_rope_kv(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv
                                           _p(v_scales, c_float)),
            "og_test_qk_norm_rope_kv")
     return qkv, k_cache, v_cache, k_scales, v_scales
+
+
+def attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype=OG_KV_F32, split_len=0) -> dict:
+    """The attention plan for this shape: head_group, n_blocks, split_len."""
+    hg, nb, split = c_int32(0), c_int32(0), c_int32(0)
+    _check(load().og_test_attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype, split_len,
+                                         ctypes.byref(hg), ctypes.byref(nb), ctypes.byref(split)),
+           "og_test_attention_plan")
+    return {"head_group": hg.value, "n_blocks": nb.value, "split_len": split.value}
 
 
 def attention(q, k_cache, v_cache, k_scales, v_scales, n_heads, visible_len, split_len=0,
