@@ -16,7 +16,8 @@
 //   GQA: the G = n_heads / n_kv consecutive query heads of a KV head share it, so a block reads
 //   its KV rows once for a group of HG of them (as many as the registers hold: 8 for bf16 KV
 //   at head dim 128, 4 for int8); with G > HG each head group has its own blocks, side by
-//   side over the same chunks, rather than a second pass over the rows.
+//   side over the same chunks, rather than a second pass over the rows. A short cache takes a
+//   narrower group, down to one head a block (attention_plan).
 //
 // Fused prologue (rope_kv.cuh): every block rotates the query heads of its head group (a warp
 // per head; q is tiny). The block that owns the chunk holding row `position` also norms and
