@@ -41,14 +41,29 @@ def median_step_ms(gpu, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure(args) -> dict:
-    from runtime import bench, capi_testing
+def add_engine_args(p: argparse.ArgumentParser, preset: str) -> None:
+    """The model and format flags of the step-timing scripts (this one, step_timing.py)."""
+    p.add_argument("--preset", default=preset, help="a preset, or preset:layers")
+    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "int8", "q4"))
+    p.add_argument("--quantize", default="all", choices=("all", "dense", "experts"))
+    p.add_argument("--quantize-lm-head", action="store_true")
+
+
+def open_engine(args, max_seq_len: int):
+    """(bench target, graph Engine on the GPU) for add_engine_args' flags."""
+    from runtime import bench
     from runtime.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
                                                 "quantize_lm_head": args.quantize_lm_head}
-    engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8,
-                    graph=True, device="gpu", **quant)
+    return target, Engine(target.config, target.source, kv=args.kv, max_seq_len=max_seq_len,
+                          graph=True, device="gpu", **quant)
+
+
+def measure(args) -> dict:
+    from runtime import bench, capi_testing
+    target, engine = open_engine(args, args.context + 8)
     with engine:
         gpu = engine._gpu
         capi_testing.reliability()
@@ -92,11 +107,7 @@ def table(doc: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="qwen3-0.6b", help="a preset, or preset:layers")
-    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
-    p.add_argument("--weights", default="bf16", choices=("bf16", "int8", "q4"))
-    p.add_argument("--quantize", default="all", choices=("all", "dense", "experts"))
-    p.add_argument("--quantize-lm-head", action="store_true")
+    add_engine_args(p, "qwen3-0.6b")
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--steps", type=int, default=64, help="timed replays per variant")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the variants")

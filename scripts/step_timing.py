@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from graph_ablation import add_engine_args, open_engine  # noqa: E402  (scripts/, beside this file)
 
 
 def timed_steps(gpu, steps: int) -> tuple[float, np.ndarray]:
@@ -52,12 +53,7 @@ def set_variant(variant: str) -> None:
 
 def measure(args) -> dict:
     from runtime import bench
-    from runtime.engine import Engine
-    target = bench.preset_target(args.preset, None, 0)
-    quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
-                                                "quantize_lm_head": args.quantize_lm_head}
-    engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=max(args.contexts) + 16,
-                    graph=True, device="gpu", **quant)
+    target, engine = open_engine(args, max(args.contexts) + 16)
     ms = {(c, v): [] for c in args.contexts for v in args.variants}
     diffs, reference = {}, None
     with engine:
@@ -79,11 +75,7 @@ def measure(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="qwen3-8b", help="a preset, or preset:layers")
-    p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
-    p.add_argument("--weights", default="bf16", choices=("bf16", "int8", "q4"))
-    p.add_argument("--quantize", default="all", choices=("all", "dense", "experts"))
-    p.add_argument("--quantize-lm-head", action="store_true")
+    add_engine_args(p, "qwen3-8b")
     p.add_argument("--contexts", default="64,2048", help="comma-separated KV rows a step attends over")
     p.add_argument("--variant", action="append", dest="variants", default=[],
                    help="NAME=VALUE[,NAME=VALUE...] set before capture (repeatable)")
