@@ -797,6 +797,8 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
 
         GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x,
                            nullptr, w.o_proj.scales, w.o_proj.format};
+        // x's last writer is the previous layer's FFN, three kernels back (none when omitted).
+        o_proj.residual_settled = e->test_omit == 0;
         if (keep(OG_TEST_OMIT_O_PROJ)) OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
 
         // ---- FFN block: x += mlp(rmsnorm(x)) ----
@@ -826,6 +828,8 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
                 OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
             GemvArgs down = {w.down.data, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr,
                              w.down.scales, w.down.format};
+            // x's last writer is the O projection, two kernels back (none when omitted).
+            down.residual_settled = e->test_omit == 0;
             if (keep(OG_TEST_OMIT_FFN_OUT))
                 OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
         }

@@ -77,6 +77,7 @@ struct Q4Params {
     int rows, cols, groups, n_tasks, out_rows;
     float eps;
     const int32_t *selected;  // kQ4MoeGateUp: the experts chosen for this token [top_k]
+    int residual_settled;     // kGemvResidual: y may be read before the PDL wait (GemvArgs)
 };
 
 // d = c + dot(4 unsigned bytes of a, 4 signed bytes of b).
@@ -287,9 +288,11 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
 }
 // Fold a slot into its task's running sums (acc0, acc1); at the task's last chunk the warp sums
 // its lanes, lane 0 writes the outputs and the sums restart.
+// settled: the y values of task settled_task, read before the PDL wait (residual mode).
 template <int MODE>
 __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, const uint4 *codes,
-                                          const Q8Group *gq, int chunks, int lane, float &acc0, float &acc1) {
+                                          const Q8Group *gq, int chunks, int lane, float &acc0, float &acc1,
+                                          const float2 &settled, int settled_task) {
     constexpr int H = kQ4ChunkGroups;
 #pragma unroll
     for (int h = 0; h < H; ++h) {
@@ -307,8 +310,9 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
             if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
                 p.y[s.task] = a0 / (1.0f + expf(-a0)) * a1;
             } else if (MODE == kGemvResidual) {
-                p.y[s.r0] += a0;
-                if (s.r1 != s.r0) p.y[s.r1] += a1;
+                const bool pre = s.task == settled_task;
+                p.y[s.r0] = (pre ? settled.x : p.y[s.r0]) + a0;
+                if (s.r1 != s.r0) p.y[s.r1] = (pre ? settled.y : p.y[s.r1]) + a1;
             } else {
                 p.y[s.r0] = a0;
                 if (s.r1 != s.r0) p.y[s.r1] = a1;
@@ -381,6 +385,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
             advance();
         }
     }
+    // A settled residual (GemvArgs::residual_settled): the y of the warp's first task is read
+    // before the wait, so that the task's end does not wait on an L2 round trip (8B q4 step
+    // -60 µs at context 64, -85 µs at 496: bench/PERF_NOTES.md).
+    float2 settled = make_float2(0.f, 0.f);
+    int settled_task = -1;
+    if (MODE == kGemvResidual && p.residual_settled && lane == 0 && slot[0].task < p.n_tasks) {
+        settled = make_float2(__ldcg(p.y + slot[0].r0), __ldcg(p.y + slot[0].r1));
+        settled_task = slot[0].task;
+    }
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     // Items held in registers: a norm mode's 4096 columns are one per thread of 16 warps (two of
@@ -407,7 +420,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
 #pragma unroll
         for (int k = 0; k < S; ++k) {
             if (slot[k].task >= p.n_tasks) goto done;  // chunks come in order: none left
-            fold_slot<MODE>(slot[k], p, codes, gq, chunks, lane, acc0, acc1);
+            fold_slot<MODE>(slot[k], p, codes, gq, chunks, lane, acc0, acc1, settled, settled_task);
             load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
             advance();
         }
@@ -608,6 +621,7 @@ cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &
     q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
     q.n_tasks = mode == kGemvNormSwiglu ? q.out_rows : ceil_div(args.rows, 2);
     q.eps = args.eps;
+    q.residual_settled = mode == kGemvResidual && args.residual_settled;
     return launch_q4(mode, plan, q, stream, pdl);
 }
 

@@ -54,6 +54,9 @@ struct GemvArgs {
     float *normed_out;            // optional [cols] (kGemvNorm)
     const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
     int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
+    // kGemvResidual: no kernel still in flight writes y (its last writer is two or more
+    // kernels back in the stream), so the q4 kernel may read y before its PDL wait.
+    bool residual_settled = false;
 };
 
 // Launch geometry, fixed by the matrix shape: a grid no larger than what is resident at

@@ -45,10 +45,17 @@ def timed_steps(gpu, steps: int) -> tuple[float, np.ndarray]:
     return statistics.median(times), logits
 
 
-def set_variant(variant: str) -> None:
-    for item in filter(None, variant.split(",")):
-        name, _, value = item.partition("=")
-        os.environ[name] = value
+def variant_items(variant: str) -> dict:
+    return dict(item.partition("=")[::2] for item in filter(None, variant.split(",")))
+
+
+def set_variant(variant: str, variants: list) -> None:
+    """The environment of `variant` alone: every name another variant sets is cleared first,
+    so that no setting carries over from the variant before."""
+    for other in variants:
+        for name in variant_items(other):
+            os.environ.pop(name, None)
+    os.environ.update(variant_items(variant))
 
 
 def measure(args) -> dict:
@@ -63,7 +70,7 @@ def measure(args) -> dict:
             with bench.pinned_position(engine, context - 1):
                 for _ in range(args.repeats):
                     for v in args.variants:
-                        set_variant(v)
+                        set_variant(v, args.variants)
                         gpu.drop_graph()
                         step_ms, logits = timed_steps(gpu, args.steps)
                         ms[(context, v)].append(step_ms)
