@@ -54,8 +54,10 @@ struct GemvArgs {
     float *normed_out;            // optional [cols] (kGemvNorm)
     const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
     int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
-    // kGemvResidual: no kernel still in flight writes y (its last writer is two or more
-    // kernels back in the stream), so the q4 kernel may read y before its PDL wait.
+    // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
+    // kernel may read y before its PDL wait. Why that is safe: this kernel's blocks start only
+    // after every block of the kernel right before it has passed its own wait, which returns
+    // once the kernel before that has completed and its writes are visible.
     bool residual_settled = false;
 };
 
