@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     }
     // A settled residual (GemvArgs::residual_settled): the y of the warp's first task is read
     // before the wait, so that the task's end does not wait on an L2 round trip (8B q4 step
-    // -60 µs at context 64, -85 µs at 496: bench/PERF_NOTES.md).
+    // -37 µs at context 64, -76 µs at 496: bench/PERF_NOTES.md).
     float2 settled = make_float2(0.f, 0.f);
     int settled_task = -1;
     if (MODE == kGemvResidual && p.residual_settled && lane == 0 && slot[0].task < p.n_tasks) {

@@ -55,9 +55,10 @@ struct GemvArgs {
     const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
     int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
     // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
-    // kernel may read y before its PDL wait. Why that is safe: this kernel's blocks start only
-    // after every block of the kernel right before it has passed its own wait, which returns
-    // once the kernel before that has completed and its writes are visible.
+    // kernel may read y before its PDL wait. Why that is safe: every kernel of the body
+    // triggers its dependents only after its own wait, so this kernel's blocks start only after
+    // every block of the kernel right before it has passed that wait, which returns once the
+    // kernel before that has completed and its writes are visible.
     bool residual_settled = false;
 };
 
