@@ -137,17 +137,22 @@ def main(argv=None) -> int:
 
 def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> None:
     """The attention kernel between each QKV and O projection, medians over the layers, µs:
-    in = its first wait's return - the QKV's last block; prologue = query heads ready - wait
-    (median block); rows = rows folded in - prologue; combine = done - rows; out = the O
-    projection's wait - the attention's last block."""
+    start = median block's start - the QKV's last block (negative: it landed before the QKV
+    ended); landed = wait - start (median block: how long its first K/V tile loads, issued
+    before the wait, had); in = its first wait's return - the QKV's last block; prologue =
+    query heads ready - wait (median block); rows = rows folded in - prologue; combine = done -
+    rows; out = the O projection's wait - the attention's last block."""
     us = lambda t: (float(t) - base) / 1e3
     kinds = [kind(d, config.vocab_size, config.hidden_size) for d in rows]
     qkv = [d for d, k in zip(rows, kinds) if k == "qkv"]
     o_proj = [d for d, k in zip(rows, kinds) if k == "o_proj"]
     layers = sorted(np.unique(attn["layer"]), key=lambda l: attn["t_wait"][attn["layer"] == l].min())
-    parts = {"in": [], "prologue": [], "rows": [], "combine": [], "out": [], "blocks": []}
+    parts = {"start": [], "landed": [], "in": [], "prologue": [], "rows": [], "combine": [], "out": [],
+             "blocks": []}
     for i, layer in enumerate(layers[:min(len(qkv), len(o_proj))]):
         r = attn[attn["layer"] == layer]
+        parts["start"].append(us(np.median(r["t_start"])) - qkv[i]["end"])
+        parts["landed"].append(float(np.median(r["t_wait"] - r["t_start"])) / 1e3)
         parts["in"].append(us(r["t_wait"].min()) - qkv[i]["end"])
         parts["prologue"].append(float(np.median(r["t_prologue"] - r["t_wait"])) / 1e3)
         parts["rows"].append(float(np.median(r["t_rows"] - r["t_prologue"])) / 1e3)
