@@ -170,6 +170,8 @@ struct og_engine {
     size_t arena_bytes = 0, weight_bytes = 0;
     og_step_record *step_host = nullptr; // pinned
     float *logits_host = nullptr;        // pinned (V)
+    og::NextToken *next_host = nullptr;  // pinned: the greedy result of an OG_OUTPUT_NEXT_TOKEN step
+    int32_t output = OG_OUTPUT_LOGITS;   // og_set_output: what the body copies to the host
 
     // weights
     __nv_bfloat16 *embed_tokens = nullptr;  // (V, ldH)
@@ -188,6 +190,9 @@ struct og_engine {
     float *attn_out = nullptr;           // (q)
     float *act = nullptr;                // (I) silu(gate) * up
     float *logits = nullptr;             // (V)
+    og::NextToken *next_token = nullptr; // the argmax of the logits (OG_OUTPUT_NEXT_TOKEN)
+    og::NextToken *argmax_partials = nullptr;  // (argmax_partials(V)) its per-block candidates
+    unsigned *argmax_ticket = nullptr;   // its last-block counter (0 between steps)
     float *attn_partials = nullptr;      // split-KV scratch
     unsigned *attn_counters = nullptr;   // (n_kv * attention head groups)
     float *router_logits = nullptr;      // (E)
@@ -482,6 +487,9 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->attn_out = a.take<float>(d.q_size);
     e->act = a.take<float>(d.I > 0 ? d.I : 1);
     e->logits = a.take<float>(d.V);
+    e->next_token = a.take<NextToken>(1);
+    e->argmax_partials = a.take<NextToken>(argmax_partials(d.V));
+    e->argmax_ticket = a.take<unsigned>(1);
     e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
     e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention));
     if (d.any_moe) {
@@ -610,6 +618,7 @@ void destroy(og_engine *e) {
     device_free(e->arena);
     pinned_free(e->step_host);
     pinned_free(e->logits_host);
+    pinned_free(e->next_host);
     (void)cudaGetLastError();
     delete e;
 }
@@ -684,6 +693,8 @@ og_status init_engine(og_engine *e) {
     OG_CUDA_TRY(pinned_alloc(&e->logits_host, (size_t)e->d.V * sizeof(float)));
     memset(e->step_host, 0, sizeof(og_step_record));
     memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
+    OG_CUDA_TRY(pinned_alloc(&e->next_host, sizeof(NextToken)));
+    *e->next_host = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
 
     std::vector<float> inv_freq(e->d.hd / 2);
     rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,
@@ -839,8 +850,16 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps,
                         e->logits, nullptr, e->lm_head.scales, e->lm_head.format};
     if (keep(OG_TEST_OMIT_LM_HEAD)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
-    OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream));
+    // ---- the one device->host copy: the logits, or only their argmax (og_set_output) ----
+    if (e->output == OG_OUTPUT_NEXT_TOKEN) {
+        OG_CUDA_TRY(launch_argmax(e->logits, d.V, e->argmax_partials, e->argmax_ticket,
+                                  e->next_token, stream, pdl));
+        OG_CUDA_TRY(cudaMemcpyAsync(e->next_host, e->next_token, sizeof(NextToken),
+                                    cudaMemcpyDeviceToHost, stream));
+    } else {
+        OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream));
+    }
     e->stats.enqueues += 1;
     e->stats.h2d_copies += 1;
     e->stats.d2h_copies += 1;
@@ -1216,6 +1235,25 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size) {
     if (logits == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_logits: logits is NULL");
     *logits = e->logits_host;
     if (vocab_size != nullptr) *vocab_size = e->d.V;
+    return OG_OK;
+}
+
+OG_API og_status og_set_output(og_engine *e, int32_t output) {
+    OG_CHECK_HANDLE(e);
+    if (output != OG_OUTPUT_LOGITS && output != OG_OUTPUT_NEXT_TOKEN)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_set_output: output=%d is neither OG_OUTPUT_LOGITS (%d) nor "
+                         "OG_OUTPUT_NEXT_TOKEN (%d)",
+                         output, OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN);
+    e->output = output;
+    return OG_OK;
+}
+
+OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit) {
+    OG_CHECK_HANDLE(e);
+    if (token == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_next_token: token is NULL");
+    *token = e->next_host->token;
+    if (logit != nullptr) *logit = e->next_host->logit;
     return OG_OK;
 }
 

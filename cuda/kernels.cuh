@@ -10,6 +10,7 @@
 //                 blocks, partials combined by each KV head's last finishing block); in the
 //                 body with QK-norm + RoPE + the new K/V row's write fused in front
 //   kv_blocks.cu  KV block ops: zeroing a list of blocks across every segment of the pool
+//   argmax.cu     the greedy next token: argmax over the logits, on the device
 // Each launcher takes a cudaStream_t and returns the cudaError_t of its launch. `pdl`
 // adds the programmatic-dependent-launch attribute (see common.cuh).
 #pragma once
@@ -221,5 +222,19 @@ struct ZeroBlocksArgs {
 // the block), and nothing outside a page is written. Any byte alignment. No launch when
 // there is nothing to zero.
 cudaError_t launch_zero_blocks(const ZeroBlocksArgs &args, cudaStream_t stream);
+
+// ---- argmax.cu ----------------------------------------------------------------------
+// The step's greedy result, as the body copies it to the host (8 bytes).
+struct NextToken {
+    int32_t token;  // argmax of the logits: the lowest id among equal maxima, a NaN first
+    float logit;    // its logit (NaN when any logit is NaN)
+};
+constexpr int kArgmaxMaxBlocks = 256;
+// Blocks (= NextToken partials) the argmax of n logits takes: at most kArgmaxMaxBlocks.
+int argmax_partials(int n);
+// *out = the argmax of logits[0, n); partials: argmax_partials(n) entries of scratch;
+// ticket: a counter that is 0 before the launch (zeroed memory) and 0 again after it.
+cudaError_t launch_argmax(const float *logits, int n, NextToken *partials, unsigned *ticket, NextToken *out,
+                          cudaStream_t stream, bool pdl);
 
 }  // namespace og

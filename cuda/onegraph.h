@@ -51,10 +51,11 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 4   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+#define OG_ABI_VERSION 5   /* 2: og_config.weights_dense / _experts / _lm_head appended;
                               3: og_config.kv_page_size / _pool_blocks / _max_sequences
                                  appended, og_step_record.seq_slot / row_block, sequences;
-                              4: og_config.prefill_chunk appended, og_prefill */
+                              4: og_config.prefill_chunk appended, og_prefill;
+                              5: og_set_output, og_next_token */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -297,6 +298,24 @@ OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
 
 /* The pinned logits [vocab_size] fp32 the body copies into (stable address). */
 OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
+
+/* What the body's one device->host copy carries (og_set_output). */
+#define OG_OUTPUT_LOGITS     0  /* the logits [vocab_size] fp32 into og_logits() (default)      */
+#define OG_OUTPUT_NEXT_TOKEN 1  /* only their argmax, taken on the device: og_next_token()      */
+
+/* Choose the output of the steps enqueued from now on (og_enqueue, og_run, og_step; og_prefill
+ * always gives logits). OG_OUTPUT_NEXT_TOKEN is greedy decoding without the logits copy: the
+ * body ends with an argmax over the logits on the device (numpy.argmax's rule: the lowest id
+ * among equal maxima, a NaN counting as larger than any number) and copies 8 bytes instead of
+ * 4 * vocab_size; og_logits() then keeps the last logits-output step's values. A graph keeps
+ * the output it was captured with: capture one graph per output. OG_E_INVALID_ARGUMENT for
+ * any other value (the output is unchanged). */
+OG_API og_status og_set_output(og_engine *e, int32_t output);
+
+/* The result of the last completed OG_OUTPUT_NEXT_TOKEN step: the greedy next token and its
+ * logit (NaN when a logit was NaN: the token is then the first NaN's id). Before any such
+ * step: token -1. logit may be NULL. */
+OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit);
 
 /* The engine's own stream (a cudaStream_t), e.g. to capture on it. */
 OG_API og_status og_stream(og_engine *e, void **stream);

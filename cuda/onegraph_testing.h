@@ -27,6 +27,12 @@ extern "C" {
 OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
                                    int32_t token, float *x);
 
+/* The body's greedy argmax (OG_OUTPUT_NEXT_TOKEN) over logits [n], launched `launches` times on
+ * the same buffers (each launch must agree with the first: OG_E_CORRUPTED otherwise): *token,
+ * *logit as og_next_token gives them. */
+OG_API og_status og_test_argmax(const float *logits, int32_t n, int32_t launches, int32_t *token,
+                                float *logit);
+
 /* y[r] = W[r] . x;  W [rows, cols] bf16, x [cols], y [rows]. */
 OG_API og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
                               const float *x, float *y);

@@ -331,6 +331,35 @@ OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t
     return copy_back(x, d_x, (size_t)hidden * 4);
 }
 
+OG_API og_status og_test_argmax(const float *logits, int32_t n, int32_t launches, int32_t *token,
+                                float *logit) {
+    if (logits == nullptr || token == nullptr || logit == nullptr || n <= 0 || launches <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_argmax: NULL array, n=%d or launches=%d < 1", n,
+                         launches);
+    OG_TRY(require_device());
+    DeviceBuffer d_logits, d_partials, d_ticket, d_out;
+    OG_TRY(alloc_copy(d_logits, logits, (size_t)n * 4));
+    OG_TRY(alloc(d_partials, (size_t)argmax_partials(n) * sizeof(NextToken)));
+    OG_TRY(alloc(d_ticket, sizeof(unsigned)));
+    OG_CUDA_TRY(cudaMemset(d_ticket.ptr, 0, sizeof(unsigned)));
+    OG_TRY(alloc(d_out, sizeof(NextToken)));
+    // Every launch must give the same result: the ticket is back at 0 after each.
+    for (int32_t k = 0; k < launches; ++k) {
+        OG_CUDA_TRY(cudaMemset(d_out.ptr, 0xFF, sizeof(NextToken)));
+        OG_TRY(finish_launch(launch_argmax(d_logits.as<float>(), n, d_partials.as<NextToken>(),
+                                           d_ticket.as<unsigned>(), d_out.as<NextToken>(), 0, false),
+                             "launch_argmax"));
+        NextToken out;
+        OG_CUDA_TRY(cudaMemcpy(&out, d_out.ptr, sizeof(out), cudaMemcpyDeviceToHost));
+        if (k > 0 && (out.token != *token || memcmp(&out.logit, logit, sizeof(float)) != 0))
+            return set_error(OG_E_CORRUPTED, "og_test_argmax: launch %d gave token %d, launch 0 gave %d", k,
+                             out.token, *token);
+        *token = out.token;
+        *logit = out.logit;
+    }
+    return OG_OK;
+}
+
 OG_API og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
                               const float *x, float *y) {
     return gemv_common("og_test_gemv", kGemvPlain, weight, rows, cols, x, nullptr, 0.f, y, rows,

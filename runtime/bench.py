@@ -11,7 +11,10 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
 
 - Decode: a prompt of P random tokens (fed token by token; TTFT = until the first token id is
   on the host), then N greedy steps, each timed from feeding a token to holding the next
-  token id (the logits copy and the host argmax included). Graph and non-graph alternate in
+  token id on the host. --step-output next_token (the default, what greedy generate does):
+  the argmax is taken on the device and the step copies 8 bytes out (the peers, too, take
+  their argmax on the device); logits: the step copies the logits out and the host takes
+  the argmax. Graph and non-graph alternate in
   the same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
   there) and is excluded; later repeats swap the order each time. tok/s = N / the sum of
   the N step times, the median over repeats; TBT median and p90 pool every timed step.
@@ -218,6 +221,7 @@ class Settings:
 
     kv_pages: list = field(default_factory=lambda: [0])  # rows per KV block; 0 default, -1 contiguous
     ttft: list = field(default_factory=list)  # prompt lengths of the TTFT comparison
+    step_output: str = "next_token"  # next_token: argmax on the device; logits: on the host
 
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
@@ -263,16 +267,25 @@ def make_prompt(config: ModelConfig, length: int, seed: int) -> list[int]:
 
 # ---- timing -----------------------------------------------------------------------------------
 
-def run_decode(engine, prompt: list[int], n: int) -> dict:
+def greedy_step(engine, step_output: str) -> Callable[[int], int]:
+    """token -> the greedy next token: Engine.step_greedy (argmax on the device) for
+    "next_token", the host argmax of Engine.step's logits for "logits"."""
+    if step_output == "next_token":
+        return engine.step_greedy
+    return lambda token: int(np.argmax(engine.step(token)))
+
+
+def run_decode(engine, prompt: list[int], n: int, step_output: str = "next_token") -> dict:
     """Prompt token by token, then n greedy steps: {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}."""
     engine.reset()
+    step = greedy_step(engine, step_output)
     t0 = time.perf_counter()
     token = int(np.argmax(engine.prefill(prompt)))
     ttft_ms = (time.perf_counter() - t0) * 1e3
     tokens, step_ms = [token], []
     for _ in range(n):
         t = time.perf_counter()
-        token = int(np.argmax(engine.step(token)))
+        token = step(token)
         step_ms.append((time.perf_counter() - t) * 1e3)
         tokens.append(token)
     return {"ttft_ms": ttft_ms, "step_ms": step_ms, "tokens": tokens}
@@ -301,7 +314,8 @@ def _transfer_totals(engine) -> tuple[float, float, int]:
     return s.get("h2d_per_token", 0.0) * steps, s.get("d2h_per_token", 0.0) * steps, steps
 
 
-def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int) -> dict:
+def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int,
+                    step_output: str = "next_token") -> dict:
     """Repeat 0 warms every mode up (the graph is captured there); later repeats run the modes
     in alternating order. Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
     out = {m: {"runs": [], "warmup_s": None, "h2d": 0.0, "d2h": 0.0, "steps": 0} for m in modes}
@@ -310,7 +324,7 @@ def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats
             _set_mode(engine, mode)
             before = _transfer_totals(engine)
             t0 = time.perf_counter()
-            run = run_decode(engine, prompt, n)
+            run = run_decode(engine, prompt, n, step_output)
             if rep == 0:
                 out[mode]["warmup_s"] = time.perf_counter() - t0
                 continue
@@ -347,7 +361,7 @@ def pinned_position(engine, position: int | None):
 
 
 def steps_at_context(engine, modes: list[str], context: int, steps: int, fill: str,
-                     seed: int) -> tuple[dict, float]:
+                     seed: int, step_output: str = "next_token") -> tuple[dict, float]:
     """({mode: step ms [steps]}, fill seconds) with the attention reading `context` rows; the
     modes alternate step by step after one warm-up step each."""
     engine.reset()
@@ -357,12 +371,13 @@ def steps_at_context(engine, modes: list[str], context: int, steps: int, fill: s
         token = int(np.argmax(engine.prefill(make_prompt(engine.config, context - 1, seed))))
     fill_s = time.perf_counter() - t0
     times = {m: [] for m in modes}
+    step = greedy_step(engine, step_output)
     with pinned_position(engine, context - 1 if fill == "position" else None):
         for i in range(steps + 1):
             for mode in modes:
                 _set_mode(engine, mode)
                 t = time.perf_counter()
-                token = int(np.argmax(engine.step(token)))
+                token = step(token)
                 if i > 0:
                     times[mode].append((time.perf_counter() - t) * 1e3)
     engine.reset()
@@ -401,7 +416,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     page_size = getattr(engine, "kv_page_size", None)
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
-        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats)
+        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
         sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt)
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
@@ -410,7 +425,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         r = empty_result(target, f"onegraph-{mode}", kv, s, label)
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
                  h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt,
-                 kv_page_size=page_size)
+                 kv_page_size=page_size, step_output=s.step_output)
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
         results.append(r)
     for r in sweep:
@@ -423,7 +438,7 @@ def sweep_contexts(engine, modes: list[str], target: Target, kv: str, s: Setting
     fill = s.context_fill if engine.backend != "cpu" else "prefill"  # pinning needs the GPU path
     records = []
     for context in usable_contexts(target.config, s.contexts):
-        times, fill_s = steps_at_context(engine, modes, context, s.context_steps, fill, s.seed)
+        times, fill_s = steps_at_context(engine, modes, context, s.context_steps, fill, s.seed, s.step_output)
         records += [context_record(target, kv, mode, context, step_ms, fill, fill_s, bandwidth, fmt,
                                    s.quantize, s.lm_head_fmt(fmt))
                     for mode, step_ms in times.items()]
@@ -592,7 +607,7 @@ DOC_FIELDS = {
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
     "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
-                "quantize, quantize_lm_head, kv_pages (-1: contiguous)",
+                "quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "ttft": "one record per (model, runtime, prompt) of --ttft: TTFT_FIELDS",
@@ -626,6 +641,8 @@ RESULT_FIELDS = {
     "device_bytes": "device memory held (onegraph: the library's allocation; peers: torch peak allocated)",
     "h2d_per_token": "host-to-device copies per token (onegraph only)",
     "d2h_per_token": "device-to-host copies per token (onegraph only)",
+    "step_output": "what a onegraph step copies to the host: next_token (the argmax, taken on the device) | "
+                   "logits (the host takes the argmax); null for peers (they take it on the device)",
     "bytes_per_token": "{weights: {part: bytes, total}, weight_format, kv_read, context, total, "
                        "embedding_table_not_read}: what one step reads at the mean decode context",
     "floor_ms": "bytes_per_token.total / copy bandwidth",
@@ -810,6 +827,9 @@ def parse_args(argv):
     p.add_argument("--ttft", default="",
                    help="comma-separated prompt lengths, e.g. 128,512,2048,8192: time to first token, batched "
                         "prefill vs token by token (and --peers)")
+    p.add_argument("--step-output", choices=["next_token", "logits"], default="next_token",
+                   help="what a decode step copies to the host: the greedy token (argmax on the device, as "
+                        "greedy generate does) or the logits (argmax on the host)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -827,7 +847,7 @@ def settings_from(args) -> Settings:
                     context_steps=args.context_steps, context_fill=args.context_fill,
                     weights=args.weights or ["bf16"], quantize=args.quantize,
                     quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
-                    ttft=_csv(args.ttft, int))
+                    ttft=_csv(args.ttft, int), step_output=args.step_output)
 
 
 def targets_from(args) -> list[Target]:

@@ -12,7 +12,7 @@ import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
 # The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -42,6 +42,9 @@ OG_DTYPE_F32, OG_DTYPE_BF16, OG_DTYPE_I8, OG_DTYPE_Q4 = 0, 1, 2, 3
 OG_WEIGHTS_BF16, OG_WEIGHTS_INT8, OG_WEIGHTS_Q4 = 0, 1, 2
 WEIGHT_FORMATS = {"bf16": OG_WEIGHTS_BF16, "int8": OG_WEIGHTS_INT8, "q4": OG_WEIGHTS_Q4}
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = 0, 1, 2
+# og_set_output: what a step copies to the host
+OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN = 0, 1
+OUTPUTS = {"logits": OG_OUTPUT_LOGITS, "next_token": OG_OUTPUT_NEXT_TOKEN}
 KV_DTYPES = {"fp32": OG_KV_F32, "bf16": OG_KV_BF16, "int8": OG_KV_INT8}
 
 
@@ -208,6 +211,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_step_record_ptr", c_int32, Handle, POINTER(POINTER(OgStepRecord)))
     # og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
     fn("og_logits", c_int32, Handle, POINTER(POINTER(c_float)), POINTER(c_int32))
+    # og_status og_set_output(og_engine *e, int32_t output);
+    fn("og_set_output", c_int32, Handle, c_int32)
+    # og_status og_next_token(og_engine *e, int32_t *token, float *logit);
+    fn("og_next_token", c_int32, Handle, POINTER(c_int32), POINTER(c_float))
     # og_status og_stream(og_engine *e, void **stream);
     fn("og_stream", c_int32, Handle, POINTER(c_void_p))
     # og_status og_get_stats(og_engine *e, og_stats *stats);

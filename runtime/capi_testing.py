@@ -46,6 +46,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     # og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t hidden,
     #                             int32_t token, float *x);
     fn("og_test_embedding", P_u16, c_int32, c_int32, c_int32, P_f32)
+    # og_status og_test_argmax(const float *logits, int32_t n, int32_t launches, int32_t *token,
+    #                          float *logit);
+    fn("og_test_argmax", P_f32, c_int32, c_int32, POINTER(c_int32), P_f32)
     # og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
     #                        const float *x, float *y);
     fn("og_test_gemv", P_u16, c_int32, c_int32, P_f32, P_f32)
@@ -210,6 +213,15 @@ def embedding(table_bits: np.ndarray, token: int) -> np.ndarray:
     _check(load().og_test_embedding(_p(table_bits, c_uint16), vocab, hidden, token, _p(x, c_float)),
            "og_test_embedding")
     return x
+
+
+def argmax(logits: np.ndarray, launches: int = 1) -> tuple[int, float]:
+    """(token, logit) of the body's device argmax over logits [n]."""
+    logits = _array(logits, np.float32)
+    token, logit = c_int32(), c_float()
+    _check(load().og_test_argmax(_p(logits, c_float), logits.size, launches, ctypes.byref(token),
+                                 ctypes.byref(logit)), "og_test_argmax")
+    return token.value, logit.value
 
 
 def gemv(weight_bits: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -6,8 +6,9 @@
 
 GPU path: the library (cuda/onegraph.h through runtime/capi.py) holds every weight, the
 KV cache and all intermediates on the device; a token costs one host->device copy (the
-step record) and one device->host copy (the logits). With graph=True the body is
-captured once (runtime/graph.py) and replayed for every token.
+step record) and one device->host copy (the logits; for step_greedy, and so for greedy
+generate, only their argmax, taken on the device). With graph=True the body is captured once
+per output (runtime/graph.py) and replayed for every token.
 
 CPU path: the numpy reference decoder (runtime/reference.py), used when no GPU or no
 library is usable, or when the hit-only precheck fails (a weight is not resident). The
@@ -136,7 +137,8 @@ class GpuSession:
         cfg.prefill_chunk = prefill_chunk
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.pool = DevicePool(self.lib, self.handle)
-        self.graph = None
+        self.output = "logits"              # og_set_output: what a step copies to the host
+        self._graphs = {}                   # output -> its captured DecodeGraph
         self.capture_mode = "thread_local"  # see runtime/graph.py
         self.captures = 0                   # graphs captured successfully
         self.graph_copies = None            # memcpy nodes of the last captured graph
@@ -220,9 +222,27 @@ class GpuSession:
     def run_nongraph(self) -> None:
         capi.check(self.lib.og_run(self.handle), "og_run")
 
-    def end(self) -> np.ndarray:
+    def set_output(self, output: str) -> None:
+        """"logits" (the step copies the logits [vocab]) or "next_token" (only their argmax,
+        taken on the device: og_set_output). Each output has its own graph."""
+        if output != self.output:
+            capi.check(self.lib.og_set_output(self.handle, capi.OUTPUTS[output]), "og_set_output")
+            self.output = output
+
+    def end(self):
+        """og_end_step; the logits [vocab] (a copy), or for output "next_token" the pair
+        (token, its logit)."""
         capi.check(self.lib.og_end_step(self.handle), "og_end_step")
-        return self.logits_view.copy()
+        if self.output == "logits":
+            return self.logits_view.copy()
+        token, logit = ctypes.c_int32(), ctypes.c_float()
+        capi.check(self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit)), "og_next_token")
+        return token.value, logit.value
+
+    @property
+    def graph(self):
+        """The captured graph of the current output (None before its first capture)."""
+        return self._graphs.get(self.output)
 
     def capture(self):
         from .graph import DecodeGraph
@@ -230,22 +250,23 @@ class GpuSession:
         def enqueue(stream: int) -> None:
             capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
 
-        if self.graph is None:
-            self.graph = DecodeGraph(enqueue, mode=self.capture_mode)
+        graph = self._graphs.get(self.output)
+        if graph is None:
+            graph = self._graphs[self.output] = DecodeGraph(enqueue, mode=self.capture_mode)
             self.captures += 1
-        return self.graph
+        return graph
 
     def drop_graph(self) -> None:
-        """Discard the graph after a failure: wait for anything it launched, then free it."""
-        if self.graph is None:
-            return
-        try:
-            self.graph_copies = self.graph.memcpy_directions()
-            self.graph.synchronize()
-        except Exception:  # the failure being handled may make these fail too
-            pass
-        self.graph.close()
-        self.graph = None
+        """Discard the graphs after a failure: wait for anything they launched, then free them."""
+        for output, graph in list(self._graphs.items()):
+            try:
+                if output == self.output:
+                    self.graph_copies = graph.memcpy_directions()
+                graph.synchronize()
+            except Exception:  # the failure being handled may make these fail too
+                pass
+            graph.close()
+        self._graphs.clear()
 
     def precheck(self) -> None:
         capi.check(self.lib.og_precheck(self.handle), "og_precheck")
@@ -276,9 +297,9 @@ class GpuSession:
         return bytes(buf)
 
     def close(self) -> None:
-        if self.graph is not None:
-            self.graph.close()
-            self.graph = None
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
         if self.handle:
             capi.check(self.lib.og_free(self.handle), "og_free")
             self.handle = capi.Handle()
@@ -509,27 +530,49 @@ class Engine:
     # ---- decoding --------------------------------------------------------------------
     def step(self, token: int) -> np.ndarray:
         """Feed one token; return the fp32 logits [vocab_size] for the next position."""
+        return self._step(token, "logits")
+
+    def step_greedy(self, token: int) -> int:
+        """Feed one token; return the greedy next token: the argmax of the logits (the lowest id
+        among equal maxima), as int(np.argmax(step(token))) would. On the GPU the argmax is taken
+        on the device and the step copies 8 bytes to the host instead of the logits (608 KB for
+        Qwen3's vocabulary). ValueError when the logits hold a NaN (the step has been fed, as
+        with step() followed by sampling.sample())."""
+        token, logit = self._step(token, "next_token")
+        if np.isnan(logit):
+            raise ValueError("logits contain NaN")
+        return token
+
+    def _step(self, token: int, output: str):
+        """One step; output "logits" returns the logits, "next_token" (token, logit)."""
         self._validate(token)
         t0 = time.perf_counter()
         if self._gpu is not None:
             try:
-                logits = self._gpu_step(int(token))
+                result = self._gpu_step(int(token), output)
             except capi.LibraryError as e:
                 if e.status != capi.OG_E_MISSING_WEIGHT:
                     raise self._refusal(e) from e
                 self._switch_to_cpu(f"hit-only precheck failed ({e}); the GPU state was left unchanged")
-                logits = self._cpu.step(int(token))
-                self._timing["cpu_steps"] += 1
+                result = self._cpu_step(int(token), output)
         else:
-            logits = self._cpu.step(int(token))
-            self._timing["cpu_steps"] += 1
+            result = self._cpu_step(int(token), output)
         self._history.append(int(token))
         self._timing["tokens"] += 1
         self._timing["seconds"] += time.perf_counter() - t0
-        return logits
+        return result
 
-    def _gpu_step(self, token: int) -> np.ndarray:
+    def _cpu_step(self, token: int, output: str):
+        logits = self._cpu.step(token)
+        self._timing["cpu_steps"] += 1
+        if output == "logits":
+            return logits
+        best = int(np.argmax(logits))
+        return best, float(logits[best])
+
+    def _gpu_step(self, token: int, output: str = "logits"):
         gpu = self._gpu
+        gpu.set_output(output)
         gpu.begin(token)  # validates and prechecks; on error nothing has changed
         if self.use_graph and self._graph_retry_in <= 0:
             try:
@@ -614,7 +657,8 @@ class Engine:
         self._reserve(len(prompt_ids) + max(0, max_new_tokens - 1))
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
-                         stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill)
+                         stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill,
+                         greedy_step_fn=self.step_greedy)
 
     def _reserve(self, n_tokens: int) -> None:
         """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not

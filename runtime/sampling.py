@@ -80,7 +80,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
 def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], max_new_tokens: int,
              params: SamplingParams = SamplingParams(), stop_token_ids: Iterable[int] = (),
              on_token: Callable[[int], None] | None = None,
-             prefill_fn: Callable[[list[int]], np.ndarray] | None = None) -> list[int]:
+             prefill_fn: Callable[[list[int]], np.ndarray] | None = None,
+             greedy_step_fn: Callable[[int], int] | None = None) -> list[int]:
     """Feed the prompt, then sample up to max_new_tokens tokens; returns the new tokens.
 
     step_fn(token) -> logits [vocab] decodes one token. prefill_fn(tokens) -> logits of the last
@@ -88,7 +89,9 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
     lm_head of all but the last token). Generation stops after a token of stop_token_ids (it is
     included in the result) or after max_new_tokens. on_token(token) is called for each new
     token as it is chosen. The last new token is not fed back to step_fn: the model state then
-    holds the prompt and all but the last new token.
+    holds the prompt and all but the last new token. greedy_step_fn(token) -> the greedy next
+    token, if given, replaces step_fn + sample for greedy params after the prompt (an engine
+    takes the argmax on the device; it must raise ValueError on NaN logits as sample() does).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -105,12 +108,16 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
             logits = step_fn(token)
 
     new_tokens: list[int] = []
-    while len(new_tokens) < max_new_tokens:
-        token = sample(logits, params, rng)
+    if max_new_tokens == 0:
+        return new_tokens
+    token = sample(logits, params, rng)
+    while True:
         new_tokens.append(token)
         if on_token is not None:
             on_token(token)
         if token in stop or len(new_tokens) == max_new_tokens:
-            break
-        logits = step_fn(token)
-    return new_tokens
+            return new_tokens
+        if params.greedy and greedy_step_fn is not None:
+            token = int(greedy_step_fn(token))
+        else:
+            token = sample(step_fn(token), params, rng)

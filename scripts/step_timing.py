@@ -4,8 +4,9 @@
     ONEGRAPH_LIB=build/other/libonegraph.so python3 scripts/step_timing.py ... --label other
     python3 scripts/step_timing.py ... --variant OG_KNOB=0 --variant OG_KNOB=1
 
-A step is Engine.step as the bench takes it (begin, graph replay, end with the logits copy,
-np.argmax) on the session directly, at a pinned position (bench.pinned_position: the KV rows
+A step is a greedy step as the bench takes it (begin, graph replay, end with the logits copy,
+np.argmax; or with the variant item OUTPUT=next_token the device argmax and its 8-byte copy)
+on the session directly, at a pinned position (bench.pinned_position: the KV rows
 below it are allocated, their content unspecified), so a long context costs no prefill. Per
 context, each variant's graph is captured anew (settings an experimental build reads from the
 environment at launch take effect there) and timed over --steps replays (median), the variants
@@ -28,21 +29,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graph_ablation import add_engine_args, open_engine  # noqa: E402  (scripts/, beside this file)
 
 
-def timed_steps(gpu, steps: int) -> tuple[float, np.ndarray]:
-    """(median ms of `steps` steps, the last logits), after three untimed ones (capture, warm-up)."""
+def timed_steps(gpu, steps: int):
+    """(median ms of `steps` steps, the last result: logits, or (token, logit) for the output
+    next_token), after three untimed ones (capture, warm-up)."""
     for _ in range(3):
         gpu.begin(0)
         gpu.capture().replay()
-        logits = gpu.end()
+        result = gpu.end()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         gpu.begin(0)
         gpu.capture().replay()
-        logits = gpu.end()
-        int(np.argmax(logits))
+        result = gpu.end()
+        if gpu.output == "logits":
+            int(np.argmax(result))
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), logits
+    return statistics.median(times), result
 
 
 def variant_items(variant: str) -> dict:
@@ -56,6 +59,7 @@ def set_variant(variant: str, variants: list) -> None:
         for name in variant_items(other):
             os.environ.pop(name, None)
     os.environ.update(variant_items(variant))
+    os.environ.pop("OUTPUT", None)  # not an environment setting: the session's output
 
 
 def measure(args) -> dict:
@@ -72,9 +76,12 @@ def measure(args) -> dict:
                     for v in args.variants:
                         set_variant(v, args.variants)
                         gpu.drop_graph()
+                        gpu.set_output(variant_items(v).get("OUTPUT", "logits"))
                         step_ms, logits = timed_steps(gpu, args.steps)
                         ms[(context, v)].append(step_ms)
-                        if context == args.contexts[0]:
+                        if isinstance(logits, tuple):
+                            diffs.setdefault(v, float("nan"))
+                        elif context == args.contexts[0]:
                             reference = logits if reference is None else reference
                             diffs[v] = max(diffs.get(v, 0.0), float(np.max(np.abs(logits - reference))))
     return {"ms": ms, "diffs": diffs}

@@ -295,6 +295,7 @@ class FakeGpuEngine:
         self.kv_page_size = kv_page_size or 64  # what the library reports
         self.counts = {"graph_steps": 0, "nongraph_steps": 0}
         self.seen = []  # (mode, position read by the body) per step
+        self.outputs = []  # what each step handed out: "logits" | "next_token"
 
         class Session:
             step_record = type("Record", (), {"position": 0})()
@@ -315,12 +316,16 @@ class FakeGpuEngine:
     def reset(self):
         self.inner.reset()
 
-    def step(self, token):
+    def step(self, token, output="logits"):
         mode = "graph" if self.use_graph else "nongraph"
         self._gpu.begin(token)
         self.seen.append((mode, self._gpu.step_record.position))
+        self.outputs.append(output)
         self.counts[f"{mode}_steps"] += 1
         return self.inner.step(token)
+
+    def step_greedy(self, token):
+        return int(np.argmax(self.step(token, "next_token")))
 
     def prefill(self, tokens):
         return [self.step(t) for t in tokens][-1]
@@ -335,14 +340,16 @@ class FakeGpuEngine:
         self.inner.close()
 
 
-def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch):
+@pytest.mark.parametrize("step_output", ["next_token", "logits"])
+def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output):
     engines = []
     def make_engine(*args, **kwargs):
         engines.append(FakeGpuEngine(*args, **kwargs))
         return engines[-1]
 
     monkeypatch.setattr("runtime.engine.Engine", make_engine)
-    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2)
+    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2,
+                       step_output=step_output)
     target = bench.preset_target("tiny-dense", None, seed=0)
     results, sweep = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
     bench.compare_tokens(results)
@@ -365,6 +372,11 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch):
         (100, "onegraph-graph", "position", 2), (100, "onegraph-nongraph", "position", 2)]
     assert engines[0].inner.position == 0  # the sweep leaves a reset engine
     assert all(r["kv_page_size"] == 64 for r in results + sweep)
+    assert all(r["step_output"] == step_output for r in results)
+    # The prompt's steps give logits; every timed decode step and every sweep step the chosen output.
+    outputs = engines[0].outputs
+    assert all(outputs[i] == ("logits" if i % run < 3 else step_output) for i in range(3 * 2 * run))
+    assert set(outputs[3 * 2 * run:]) == {step_output}
 
 
 def test_kv_page_option():

@@ -31,6 +31,21 @@ def test_cpu_engine_generates_the_reference_tokens(tiny):
         assert st["tokens"] == len(PROMPT) + 15 and st["cpu_steps"] == st["tokens"]
 
 
+def test_step_greedy_is_the_argmax_of_step(tiny):
+    config, tensors = tiny
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as a, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as b:
+        token_a = token_b = PROMPT[0]
+        for _ in range(12):
+            token_a = a.step_greedy(token_a)
+            token_b = int(np.argmax(b.step(token_b)))
+            assert token_a == token_b
+        assert a.position == b.position == 12
+        with pytest.raises(EngineError, match="outside the vocabulary"):
+            a.step_greedy(config.vocab_size)
+        assert a.position == 12
+
+
 def test_auto_device_without_gpu_falls_back_with_a_reason(tiny):
     usable, _ = library_status()
     if usable:

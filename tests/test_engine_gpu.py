@@ -1,5 +1,7 @@
 """End-to-end decode on the GPU against the numpy reference, graph vs non-graph, transfers,
 and the hit-only contract. Skipped without a usable GPU and library."""
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,68 @@ def test_one_copy_each_way_per_token():
         assert graph.memcpy_directions() == {"HostToDevice": 1, "DeviceToHost": 1}
         st = engine.stats()
         assert st["h2d_per_token"] == 1.0 and st["d2h_per_token"] == 1.0
+
+
+def _d2h_bytes(graph) -> list[int]:
+    """The sizes of the captured device-to-host copies."""
+    from runtime.graph import _check
+    rt, sizes = graph._rt, []
+    for node, kind in graph._typed_nodes():
+        if kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+            params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
+            if params.kind == rt.cudaMemcpyKind.cudaMemcpyDeviceToHost:
+                sizes.append(int(params.extent.width * params.extent.height * params.extent.depth))
+    return sizes
+
+
+@pytest.mark.parametrize("preset,weights", [("tiny-dense", "bf16"), ("tiny-dense", "q4"), ("tiny-moe", "bf16")])
+def test_step_greedy_is_the_argmax_of_step_graph_and_nongraph(preset, weights):
+    config, tensors = synthetic(preset)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu",
+                             weights=weights) as engine:
+        for graph in (True, False):
+            engine.set_graph(graph)
+            engine.reset()
+            want, _ = _decode(engine.step, PROMPT, 32)
+            engine.reset()
+            for t in PROMPT[:-1]:
+                engine.step(t)
+            got = [engine.step_greedy(PROMPT[-1])]
+            for _ in range(31):
+                got.append(engine.step_greedy(got[-1]))
+            assert got == want, f"graph={graph}"
+        # One graph per output, each with one copy each way; the token output copies 8 bytes.
+        graphs = engine._gpu._graphs
+        assert set(graphs) == {"logits", "next_token"} and engine._gpu.captures == 2
+        assert _d2h_bytes(graphs["logits"]) == [4 * config.vocab_size]
+        assert _d2h_bytes(graphs["next_token"]) == [8]
+        for g in graphs.values():
+            assert g.memcpy_directions() == {"HostToDevice": 1, "DeviceToHost": 1}
+
+
+def test_next_token_output_gives_the_token_and_its_logit_and_refuses_bad_values():
+    config, tensors = synthetic("tiny-dense")
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=64)
+    try:
+        lib, h = session.lib, session.handle
+        token, logit = ctypes.c_int32(7), ctypes.c_float()
+        capi.check(lib.og_next_token(h, ctypes.byref(token), ctypes.byref(logit)))
+        assert token.value == -1  # no next-token step yet
+        assert lib.og_set_output(h, 2) == capi.OG_E_INVALID_ARGUMENT and "output=2" in capi.last_error()
+        assert lib.og_next_token(h, None, None) == capi.OG_E_INVALID_ARGUMENT
+        session.begin(5)
+        session.run_nongraph()
+        logits = session.end()  # the refused og_set_output left the logits output in place
+        assert logits.shape == (config.vocab_size,)
+        session.reset()
+        session.set_output("next_token")
+        session.begin(5)
+        session.run_nongraph()
+        token, logit = session.end()
+        assert token == int(np.argmax(logits)) and np.float32(logit) == logits[token]
+        assert session.stats()["d2h_copies"] == 2
+    finally:
+        session.close()
 
 
 def test_hit_only_missing_weight_changes_nothing_then_cpu_fallback_matches():

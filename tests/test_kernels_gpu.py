@@ -98,6 +98,40 @@ def test_embedding_gather_is_exact(hidden):
         np.testing.assert_array_equal(x, values[token].astype(np.float32))
 
 
+# ---- greedy argmax (OG_OUTPUT_NEXT_TOKEN) ---------------------------------------------------
+def argmax_cases(n, rng):
+    """Logit vectors of length n whose argmax tests one rule each (numpy.argmax decides)."""
+    base = rng.standard_normal(n).astype(np.float32)
+    cases = {"random": base}
+    if n > 1:
+        tied = base.copy()  # equal maxima far apart (other blocks): the lowest id wins
+        for i in (n - 1, n // 2, n // 3 + 1):
+            tied[i] = 9.0
+        cases["ties"] = tied
+        last = base.copy()
+        last[-1] = 50.0
+        cases["last"] = last
+        nan = base.copy()  # NaN counts as the largest: the first NaN wins, even against +inf
+        nan[0] = np.inf
+        nan[n - 1] = np.nan
+        nan[(2 * n) // 3] = np.nan
+        cases["nan"] = nan
+    cases["all -inf"] = np.full(n, -np.inf, np.float32)
+    cases["all equal"] = np.full(n, -3.5, np.float32)
+    cases["signed zeros"] = np.where(np.arange(n) % 2 == 0, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 2, 255, 2047, 2048, 2049, 151936, 256 * 2048 + 77])
+def test_argmax_matches_numpy(n):
+    rng = rng_for("argmax", n)
+    for name, logits in argmax_cases(n, rng).items():
+        token, logit = ct.argmax(logits, launches=3)  # the ticket must reset between launches
+        want = int(np.argmax(logits))
+        assert token == want, f"{name}: token {token}, numpy {want}"
+        assert np.array_equal(np.float32(logit), logits[want], equal_nan=True), name
+
+
 # ---- GEMV ------------------------------------------------------------------------------------
 GEMV_SHAPES = [  # (rows, cols)
     (1, 1), (1, 7), (2, 8), (3, 13), (17, 100), (64, 257), (1000, 1000), (5, 4100),

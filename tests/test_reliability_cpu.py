@@ -269,6 +269,10 @@ class _FakeSession:
         self.token = None
         self.logits = None
         self.enqueues = 0
+        self.output = "logits"
+
+    def set_output(self, output):
+        self.output = output
 
     def begin(self, token):
         self.token = token
@@ -293,7 +297,10 @@ class _FakeSession:
         self.logits = self.ref.step(self.token)
 
     def end(self):
-        return self.logits.copy()
+        if self.output == "logits":
+            return self.logits.copy()
+        best = int(np.argmax(self.logits))
+        return best, float(self.logits[best])
 
     def reset(self):
         self.ref.reset()
@@ -366,3 +373,38 @@ def test_graph_failure_other_than_graph_or_library_errors_propagates(tiny):
     with pytest.raises(KeyError):
         engine.step(PROMPT[0])
     assert engine.position == 0
+
+
+def test_greedy_steps_take_the_next_token_output(tiny):
+    # Engine.step_greedy asks the session for output "next_token" (the device argmax) and returns
+    # the token: the same tokens as the logits path.
+    config, tensors = tiny
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    logits = [ref.step(t) for t in PROMPT]
+    want = [int(np.argmax(l)) for l in logits]
+    engine = _engine_on_fake_gpu(config, tensors)
+    outputs = []
+    set_output = engine._gpu.set_output
+    engine._gpu.set_output = lambda output: (outputs.append(output), set_output(output))
+    assert [engine.step_greedy(t) for t in PROMPT] == want
+    assert set(outputs) == {"next_token"}
+    engine.reset()
+    np.testing.assert_array_equal(engine.step(PROMPT[0]), logits[0])  # back to the logits output
+    assert outputs[-1] == "logits"
+
+
+
+def test_greedy_step_refuses_nan_logits(tiny):
+    config, tensors = tiny
+    engine = _engine_on_fake_gpu(config, tensors)
+    fake = engine._gpu
+    run = fake.run_nongraph
+
+    def nan_logits():
+        run()
+        fake.logits[5] = np.nan
+
+    fake.run_nongraph = nan_logits
+    with pytest.raises(ValueError, match="NaN"):
+        engine.step_greedy(PROMPT[0])
+    assert engine.position == 1  # the step was fed, as step() followed by sample() would have

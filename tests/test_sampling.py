@@ -168,3 +168,30 @@ def test_validation_errors():
         sample(np.array([0.0, np.nan]), SamplingParams())
     with pytest.raises(ValueError, match="vector"):
         sample(np.zeros((2, 2)), SamplingParams())
+
+
+def test_generate_greedy_takes_the_greedy_step_after_the_prompt():
+    # greedy_step_fn replaces step_fn + argmax for every new token after the first (which comes
+    # from the prompt's logits); the tokens are the same as without it.
+    step, greedy_fed = Recorder(), []
+
+    def greedy_step(token):
+        greedy_fed.append(token)
+        return int(np.argmax(step(token)))
+
+    seen = []
+    out = generate(step, [3, 4, 5], 4, on_token=seen.append, greedy_step_fn=greedy_step)
+    assert out == [6, 7, 8, 9] == seen == generate(Recorder(), [3, 4, 5], 4)
+    assert greedy_fed == [6, 7, 8]
+    assert step.fed == [3, 4, 5, 6, 7, 8]
+    assert generate(Recorder(), [3], 10, stop_token_ids=[6], greedy_step_fn=lambda t: t + 1) == [4, 5, 6]
+    assert generate(Recorder(), [3], 0, greedy_step_fn=lambda t: 1 / 0) == []
+
+
+def test_generate_sampling_ignores_the_greedy_step():
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def never(token):
+        raise AssertionError("a greedy step while sampling")
+
+    assert generate(Recorder(), [1, 2], 6, params, greedy_step_fn=never) == generate(Recorder(), [1, 2], 6, params)

@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 4;
+pub const OG_ABI_VERSION: i32 = 5;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -112,6 +112,8 @@ extern "C" {
     pub fn og_get_position(e: *mut og_engine, position: *mut i32) -> og_status;
     pub fn og_step_record_ptr(e: *mut og_engine, record: *mut *mut og_step_record) -> og_status;
     pub fn og_logits(e: *mut og_engine, logits: *mut *mut f32, vocab_size: *mut i32) -> og_status;
+    pub fn og_set_output(e: *mut og_engine, output: i32) -> og_status;
+    pub fn og_next_token(e: *mut og_engine, token: *mut i32, logit: *mut f32) -> og_status;
     pub fn og_stream(e: *mut og_engine, stream: *mut *mut c_void) -> og_status;
     pub fn og_get_stats(e: *mut og_engine, stats: *mut og_stats) -> og_status;
     pub fn og_copy_kv_cache(e: *mut og_engine, host_dst: *mut c_void, capacity_bytes: u64) -> og_status;
