@@ -112,22 +112,31 @@ int main(int argc, char **argv)
     if (st != OG_OK) return fail("og_open_packed", st);
     double t_start = now_s();
 
-    /* Prompt, then greedy tokens; the logits of a step choose the next token. */
-    const float *logits = NULL;
-    int32_t vocab = 0, steps = 0;
-    float *pinned_logits;  /* only its length is needed: og_step hands out the pointer */
-    if ((st = og_logits(engine, &pinned_logits, &vocab)) != OG_OK) return fail("og_logits", st);
-    for (int i = 0; i < n_prompt && st == OG_OK; i++, steps++) st = og_step(engine, prompt[i], &logits);
+    /* Prompt, then greedy tokens. Each step takes the argmax of its logits on the device and
+     * copies only that to the host (og_set_output): 8 bytes a step instead of the logits. */
+    int32_t steps = 0;
+    float logit = 0.f;
+    st = og_set_output(engine, OG_OUTPUT_NEXT_TOKEN);
+    for (int i = 0; i < n_prompt && st == OG_OK; i++, steps++) st = og_step(engine, prompt[i], NULL);
+    int nan_step = -1;
     for (int32_t i = 0; i < n_new && st == OG_OK; i++) {
-        if ((st = og_argmax(logits, vocab, &generated[i])) != OG_OK) break;
+        if ((st = og_next_token(engine, &generated[i], &logit)) != OG_OK) break;
+        if (logit != logit) {  /* a NaN logit: no token to choose (og_argmax refuses it too) */
+            nan_step = steps;
+            break;
+        }
         if (i + 1 < n_new) {
-            st = og_step(engine, generated[i], &logits);
+            st = og_step(engine, generated[i], NULL);
             steps++;
         }
     }
     double t_end = now_s();
-    if (st != OG_OK) {
-        int rc = fail("decoding", st);
+    if (st != OG_OK || nan_step >= 0) {
+        int rc = 1;
+        if (st != OG_OK)
+            rc = fail("decoding", st);
+        else
+            fprintf(stderr, "og_decode: the logits after step %d contain NaN\n", nan_step);
         og_free(engine);
         return rc;
     }
