@@ -32,6 +32,9 @@ pub const OG_KV_F32: i32 = 0;
 pub const OG_KV_BF16: i32 = 1;
 pub const OG_KV_INT8: i32 = 2;
 
+pub const OG_OUTPUT_LOGITS: i32 = 0;
+pub const OG_OUTPUT_NEXT_TOKEN: i32 = 1;
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct og_config {

@@ -32,11 +32,10 @@ fn check(call: &'static str, status: ffi::og_status) -> Result<(), Error> {
     }
 }
 
-/// An engine opened from a packed file; og_free on drop.
+/// An engine opened from a packed file, its steps taking the greedy token on the device
+/// (og_set_output: each step copies 8 bytes to the host, not the logits); og_free on drop.
 struct Engine {
     handle: *mut ffi::og_engine,
-    vocab_size: i32,
-    logits: *const f32,
 }
 
 impl Engine {
@@ -49,27 +48,27 @@ impl Engine {
         let mut handle = std::ptr::null_mut();
         // SAFETY: c_path outlives the call; handle is written only on success.
         check("og_open_packed", unsafe { ffi::og_open_packed(c_path.as_ptr(), kv, max_seq_len, &mut handle) })?;
-        let mut engine = Engine { handle, vocab_size: 0, logits: std::ptr::null() };
-        let mut logits = std::ptr::null_mut();
+        let engine = Engine { handle };
         // SAFETY: handle is a live engine (dropped, and freed, if this fails).
-        check("og_logits", unsafe { ffi::og_logits(engine.handle, &mut logits, &mut engine.vocab_size) })?;
-        engine.logits = logits;
+        check("og_set_output", unsafe { ffi::og_set_output(engine.handle, ffi::OG_OUTPUT_NEXT_TOKEN) })?;
         Ok(engine)
     }
 
-    /// Feed one token; the logits of the next position are then in self.logits.
+    /// Feed one token.
     fn step(&mut self, token: i32) -> Result<(), Error> {
-        let mut logits = std::ptr::null();
-        // SAFETY: handle is live; og_step writes the pinned logits pointer.
-        check("og_step", unsafe { ffi::og_step(self.handle, token, &mut logits) })?;
-        self.logits = logits;
-        Ok(())
+        // SAFETY: handle is live; a NULL logits pointer is allowed.
+        check("og_step", unsafe { ffi::og_step(self.handle, token, std::ptr::null_mut()) })
     }
 
+    /// The greedy token after the last step (its argmax, taken on the device).
     fn greedy(&self) -> Result<i32, Error> {
-        let mut token = 0;
-        // SAFETY: logits points at vocab_size floats owned by the engine, valid until the next step.
-        check("og_argmax", unsafe { ffi::og_argmax(self.logits, self.vocab_size, &mut token) })?;
+        let (mut token, mut logit) = (0, 0.0f32);
+        // SAFETY: handle is live; both pointers are to locals.
+        check("og_next_token", unsafe { ffi::og_next_token(self.handle, &mut token, &mut logit) })?;
+        if logit.is_nan() {  // no token to choose (og_argmax refuses NaN logits too)
+            return Err(Error { call: "og_next_token", status: ffi::OG_E_INVALID_ARGUMENT,
+                               message: "the logits contain NaN".into() });
+        }
         Ok(token)
     }
 }
