@@ -29,6 +29,8 @@
  *   og_set_weight(e, "model.embed_tokens.weight", OG_DTYPE_BF16, 2, shape, data); ...
  *   og_step(e, token, &logits);   // begin_step + run + end_step
  *   og_free(e);
+ * Greedy decoding without the logits copy: og_set_output(e, OG_OUTPUT_NEXT_TOKEN) once, then
+ * per token og_step(e, token, NULL) and og_next_token(e, &next, NULL).
  *
  * Graph path (what runtime/graph.py does): capture og_enqueue(e, stream) once into a
  * graph; then per token: og_begin_step(e, token) -> cudaGraphLaunch(graph, stream) ->
