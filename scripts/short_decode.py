@@ -1,5 +1,7 @@
 """A short decode on both GPU paths, for compute-sanitizer: 16 prompt tokens + 16 new
-tokens with the graph, the same without, for each KV format given (default int8).
+tokens with the graph, the same without, for each KV format given (default int8); each path
+twice, by greedy generate (the argmax taken on the device) and by logits steps (the logits
+copied out, the argmax on the host), which must give the same tokens.
 
     compute-sanitizer --tool memcheck python3 scripts/short_decode.py [--preset tiny-dense] [--kv int8 bf16] [--paged]
 
@@ -33,13 +35,15 @@ def main() -> int:
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 16)]
     ok = True
     for kv in args.kv:
-        outputs = {}
+        outputs, by_logits = {}, {}
         with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=64, device="gpu") as engine:
             for graph in (True, False):
                 engine.set_graph(graph)
                 engine.reset()
                 outputs[graph] = engine.generate(prompt, args.n, stop_token_ids=())
-        same = outputs[True] == outputs[False]
+                engine.reset()
+                by_logits[graph] = logits_decode(engine, prompt, args.n)
+        same = outputs[True] == outputs[False] and all(by_logits[g] == outputs[g] for g in outputs)
         ok &= same
         print(f"{args.preset} kv={kv}: graph {outputs[True]}")
         print(f"{args.preset} kv={kv}: plain {outputs[False]} same={same}")
@@ -49,6 +53,17 @@ def main() -> int:
             ok &= same
             print(f"{args.preset} kv={kv}: paged {paged[0]} fork {paged[1]} same={same}")
     return 0 if ok else 1
+
+
+def logits_decode(engine, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens chosen on the host from the logits each step copies out."""
+    logits = engine.prefill(prompt)
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        if len(tokens) < n:
+            logits = engine.step(tokens[-1])
+    return tokens
 
 
 def paged_decode(config, tensors, kv: str, prompt: list[int], n: int) -> list[list[int]]:
