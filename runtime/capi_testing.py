@@ -48,7 +48,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_test_embedding", P_u16, c_int32, c_int32, c_int32, P_f32)
     # og_status og_test_argmax(const float *logits, int32_t n, int32_t launches, int32_t *token,
     #                          float *logit);
-    fn("og_test_argmax", P_f32, c_int32, c_int32, POINTER(c_int32), P_f32)
+    fn("og_test_argmax", P_f32, c_int32, c_int32, P_i32, P_f32)
     # og_status og_test_gemv(const uint16_t *weight, int32_t rows, int32_t cols,
     #                        const float *x, float *y);
     fn("og_test_gemv", P_u16, c_int32, c_int32, P_f32, P_f32)
