@@ -646,8 +646,10 @@ og_status plan_kernels(og_engine *e) {
     OG_CUDA_TRY(gemv_plan(kGemvNorm, d.qkv_rows, d.H, &e->plan_qkv, dense));
     OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.q_size, &e->plan_o, dense));
     if (d.any_dense) {
-        OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up, dense));
-        OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down, dense));
+        // The FFN's two projections stream the most bytes of a layer: a q4 one takes the
+        // copy-engine stream (gemv_q4.cu; on the others it measured slower).
+        OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up, dense, true));
+        OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down, dense, true));
     }
     if (d.any_moe) OG_CUDA_TRY(gemv_plan(kGemvNorm, d.E, d.H, &e->plan_router));
     OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head, e->cfg.weights_lm_head));

@@ -889,8 +889,8 @@ size_t gemv_input_smem_bytes(int cols, int format) {
            int8_ring_bytes();
 }
 
-cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format) {
-    if (format == OG_WEIGHTS_Q4) return gemv_q4_plan(mode, rows, cols, plan);
+cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int format, bool bulk_stream) {
+    if (format == OG_WEIGHTS_Q4) return gemv_q4_plan(mode, rows, cols, plan, bulk_stream);
     const int unroll = bf16_unroll(cols);
     if (gemv_kernel_for(mode, kGemvMaxWarps, format, unroll) == nullptr || rows <= 0 || cols <= 0 ||
         plan == nullptr || (mode == kGemvNormSwiglu && rows % 2 != 0))

@@ -208,11 +208,16 @@ struct Q8Stager {
             for (int k = 0; k < kCached; ++k)
                 nw[k] = load_q8_item(norm_weight, threadIdx.x + k * NT, n_items, cols, vec);
     }
-    // After it: x (normalized: RMSNorm with eps when norm_weight is not NULL) into codes / gq.
-    __device__ __forceinline__ void stage(const float *x_in, const float *norm_weight, float eps, int cols,
-                                          uint2 *codes, Q8Group *gq, float *normed_out, float *scratch) {
+    // After it: the cached items of x (stage() loads them itself unless told they are loaded).
+    __device__ __forceinline__ void load_x(const float *x_in, int cols) {
 #pragma unroll
         for (int k = 0; k < kCached; ++k) x[k] = load_q8_item(x_in, threadIdx.x + k * NT, n_items, cols, vec);
+    }
+    // x (normalized: RMSNorm with eps when norm_weight is not NULL) into codes / gq.
+    __device__ __forceinline__ void stage(const float *x_in, const float *norm_weight, float eps, int cols,
+                                          uint2 *codes, Q8Group *gq, float *normed_out, float *scratch,
+                                          bool x_loaded = false) {
+        if (!x_loaded) load_x(x_in, cols);
         float inv_rms = 1.f;
         if (norm_weight != nullptr) {
             float sum_sq = 0.f;
@@ -286,9 +291,25 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
         s.s1[h] = ok ? load_q4_scale(s1 + c) : 0.f;
     }
 }
+// A task's outputs from its two rows' dot products (lane 0 writes them).
+// settled: the y values of task settled_task, read before the PDL wait (residual mode).
+template <int MODE>
+__device__ __forceinline__ void q4_task_out(const Q4Params &p, int task, int r0, int r1, float a0, float a1,
+                                            int lane, const float2 &settled, int settled_task) {
+    if (lane != 0) return;
+    if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
+        p.y[task] = a0 / (1.0f + expf(-a0)) * a1;
+    } else if (MODE == kGemvResidual) {
+        const bool pre = task == settled_task;
+        p.y[r0] = (pre ? settled.x : p.y[r0]) + a0;
+        if (r1 != r0) p.y[r1] = (pre ? settled.y : p.y[r1]) + a1;
+    } else {
+        p.y[r0] = a0;
+        if (r1 != r0) p.y[r1] = a1;
+    }
+}
 // Fold a slot into its task's running sums (acc0, acc1); at the task's last chunk the warp sums
 // its lanes, lane 0 writes the outputs and the sums restart.
-// settled: the y values of task settled_task, read before the PDL wait (residual mode).
 template <int MODE>
 __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, const uint4 *codes,
                                           const Q8Group *gq, int chunks, int lane, float &acc0, float &acc1,
@@ -305,19 +326,7 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
         }
     }
     if (s.chunk == chunks - 1) {
-        float a0 = warp_sum(acc0), a1 = warp_sum(acc1);
-        if (lane == 0) {
-            if (MODE == kGemvNormSwiglu || MODE == kQ4MoeGateUp) {
-                p.y[s.task] = a0 / (1.0f + expf(-a0)) * a1;
-            } else if (MODE == kGemvResidual) {
-                const bool pre = s.task == settled_task;
-                p.y[s.r0] = (pre ? settled.x : p.y[s.r0]) + a0;
-                if (s.r1 != s.r0) p.y[s.r1] = (pre ? settled.y : p.y[s.r1]) + a1;
-            } else {
-                p.y[s.r0] = a0;
-                if (s.r1 != s.r0) p.y[s.r1] = a1;
-            }
-        }
+        q4_task_out<MODE>(p, s.task, s.r0, s.r1, warp_sum(acc0), warp_sum(acc1), lane, settled, settled_task);
         acc0 = acc1 = 0.f;
     }
 }
@@ -328,22 +337,25 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
 // ring of records read with og_q4_trace_read(). The normal build has none of it.
 #ifdef OG_Q4_TRACE
 struct Q4TraceRecord {
-    unsigned long long weight, t_start, t_wait, t_staged, t_end;  // weight: identifies the launch
+    unsigned long long weight, t_start, t_wait, t_quant, t_staged, t_end;  // weight: identifies the launch
     int mode, rows, cols, block, sm, warps;
 };
 constexpr unsigned kQ4TraceRecords = 1u << 16;
 __device__ Q4TraceRecord g_q4_trace[kQ4TraceRecords];
 __device__ unsigned g_q4_trace_count;
-#define Q4_TRACE_START() \
-    const unsigned long long trace_start = trace_now(); \
-    __shared__ unsigned trace_slot
+// The record slot is taken at the start, while the block waits anyway: an atomic after the
+// staging would put its round trip into the staging's figure.
+#define Q4_TRACE_START()                                                                \
+    const unsigned long long trace_start = trace_now();                                 \
+    __shared__ unsigned trace_slot;                                                     \
+    if (threadIdx.x == 0) trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kQ4TraceRecords
 #define Q4_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
+#define Q4_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
 #define Q4_TRACE_STAGED()                                                                                    \
     if (threadIdx.x == 0) {                                                                                  \
-        trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kQ4TraceRecords;                                     \
         g_q4_trace[trace_slot] = Q4TraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,        \
-                                               trace_now(), 0ull, MODE, p.rows, p.cols, (int)blockIdx.x,     \
-                                               trace_sm(), WARPS};                                           \
+                                               trace_quant, trace_now(), 0ull, MODE, p.rows, p.cols,         \
+                                               (int)blockIdx.x, trace_sm(), WARPS};                          \
     }                                                                                                        \
     __syncthreads()
 #define Q4_TRACE_END() \
@@ -351,6 +363,7 @@ __device__ unsigned g_q4_trace_count;
 #else
 #define Q4_TRACE_START() (void)0
 #define Q4_TRACE_WAITED() (void)0
+#define Q4_TRACE_QUANTIZED() (void)0
 #define Q4_TRACE_STAGED() (void)0
 #define Q4_TRACE_END() (void)0
 #endif
@@ -411,6 +424,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         }
     }
     stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
+    Q4_TRACE_QUANTIZED();
     __syncthreads();
     Q4_TRACE_STAGED();
 
@@ -426,6 +440,169 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         }
     }
 done:
+    Q4_TRACE_END();
+}
+
+// ---- The weight stream through the copy engine (bulk copies into shared memory) -----------
+// The same work split, chunk stream and arithmetic as gemv_q4_kernel (outputs bit-identical),
+// but a warp's chunks land in a ring of kQ4BulkSlots shared-memory slots, copied by the SM's
+// copy engine (cp.async.bulk, TMA; completion counted in bytes on one mbarrier per slot)
+// instead of the warp's own loads into registers. Why: the register kernel has at most two
+// chunks a warp in flight (a third slot costs registers the 16-warp block does not have), so
+// a long stream runs below the DRAM's rate. Here lane 0 issues four copies a chunk: two slots
+// before the PDL wait (as many bytes as the register kernel preloads), the other two right
+// after the input's loads (queued behind them), then each slot again as soon as the warp has
+// folded it. The planner gives this stream to the dense FFN's gate/up and down projections
+// (GemvPlan::stream), the long streams of a layer: 8B q4 step -68 to -79 µs at context 64 in
+// five engines, -22 to -48 at 496 (bench/PERF_NOTES.md). Every other ring tried (2, 3, 6 or 8
+// slots; 32- or 128-group slots; 8-warp blocks; more or fewer slots before the wait; the rest
+// after the staging) and the QKV, O and lm_head projections on this stream were slower.
+// Slot layout (bytes): row r0's 64 groups of weights [0, 1024), r1's [1024, 2048), r0's 64
+// bf16 scales [2048, 2176), r1's [2176, 2304). A last chunk of n < 64 groups fills the first n
+// of each. Copies need 16-byte sizes and addresses: groups % 8 == 0 (q4_bulk_fits).
+constexpr int kQ4BulkSlots = 4;
+constexpr int kQ4BulkPreWait = 2;                           // slots filled before the PDL wait
+constexpr int kQ4SlotGroups = kQ4ChunkGroups * kWarpSize;   // groups of a row in a chunk: 64
+constexpr int kQ4SlotRowBytes = kQ4SlotGroups * 16;
+constexpr int kQ4SlotScaleBytes = kQ4SlotGroups * 2;
+constexpr int kQ4SlotBytes = 2 * kQ4SlotRowBytes + 2 * kQ4SlotScaleBytes;
+
+// Dynamic shared memory: the staged input (gemv_q4_smem_bytes), then the warps' rings.
+__host__ __device__ inline size_t q4_ring_offset(int groups) {
+    return ((size_t)groups * (32 + sizeof(Q8Group)) + 15) / 16 * 16;
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+// One arrival that also announces `bytes` of copies to come in this phase.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t *bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_address(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(bar))
+                 : "memory");
+}
+
+template <int MODE, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q4Params p) {
+    constexpr int kThreads = WARPS * kWarpSize, H = kQ4ChunkGroups, NS = kQ4BulkSlots;
+    constexpr bool kNorm = mode_has_norm(MODE);
+    extern __shared__ __align__(16) uint4 q4_smem[];
+    uint4 *codes = q4_smem;
+    Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
+    __shared__ float scratch[WARPS];
+    __shared__ uint64_t slot_full[WARPS][NS];
+    Q4_TRACE_START();
+
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    char *ring = reinterpret_cast<char *>(q4_smem) + q4_ring_offset(p.groups) + (size_t)warp * NS * kQ4SlotBytes;
+    uint64_t *full = slot_full[warp];
+    const int task_stride = gridDim.x * WARPS;
+    const int chunks = ceil_div(p.groups, kQ4SlotGroups);
+    const int first_task = blockIdx.x * WARPS + warp;
+    const int my_chunks = first_task < p.n_tasks ? ceil_div(p.n_tasks - first_task, task_stride) * chunks : 0;
+    // Chunk k of the warp's stream into slot k % NS (lane 0).
+    auto issue = [&](int k) {
+        const int task = first_task + (k / chunks) * task_stride, g0 = (k % chunks) * kQ4SlotGroups;
+        const int n = min(kQ4SlotGroups, p.groups - g0);
+        int r0, r1;
+        q4_task_rows<MODE>(p, task, r0, r1);
+        char *slot = ring + (k % NS) * kQ4SlotBytes;
+        uint64_t *bar = full + k % NS;
+        mbarrier_expect_bytes(bar, 2 * n * 16 + 2 * n * 2);
+        bulk_copy_to_shared(slot, p.weight + ((size_t)r0 * p.groups + g0) * 16, n * 16, bar);
+        bulk_copy_to_shared(slot + kQ4SlotRowBytes, p.weight + ((size_t)r1 * p.groups + g0) * 16, n * 16, bar);
+        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes, p.scales + (size_t)r0 * p.groups + g0, n * 2, bar);
+        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes + kQ4SlotScaleBytes, p.scales + (size_t)r1 * p.groups + g0,
+                            n * 2, bar);
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < NS; ++s) mbarrier_init(full + s, 1);
+        // The barriers' initialization is visible to the copy engine before its first copy.
+        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+        // The weights do not depend on earlier kernels.
+        for (int k = 0; k < kQ4BulkPreWait && k < my_chunks; ++k) issue(k);
+    }
+    __syncwarp();
+    float2 settled = make_float2(0.f, 0.f);  // as in gemv_q4_kernel
+    int settled_task = -1;
+    if (MODE == kGemvResidual && p.residual_settled && lane == 0 && my_chunks > 0) {
+        int r0, r1;
+        q4_task_rows<MODE>(p, first_task, r0, r1);
+        settled = make_float2(__ldcg(p.y + r0), __ldcg(p.y + r1));
+        settled_task = first_task;
+    }
+    const float *norm_weight = kNorm ? p.norm_weight : nullptr;
+    float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
+    Q8Stager<kThreads, kNorm ? (WARPS >= 16 ? 1 : 2) : 3> stager;
+    stager.prepare(p.x, norm_weight, normed_out, p.cols);
+    pdl_wait();
+    Q4_TRACE_WAITED();
+    pdl_launch_dependents();
+    stager.load_x(p.x, p.cols);
+    if (lane == 0)
+        for (int k = kQ4BulkPreWait; k < NS && k < my_chunks; ++k) issue(k);
+    stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch,
+                 true);
+    Q4_TRACE_QUANTIZED();
+    __syncthreads();
+    Q4_TRACE_STAGED();
+
+    float acc0 = 0.f, acc1 = 0.f;
+    int task = first_task, chunk = 0;
+    for (int k = 0; k < my_chunks; ++k) {
+        mbarrier_wait(full + k % NS, (k / NS) & 1);
+        const char *slot = ring + (k % NS) * kQ4SlotBytes;
+        const uint4 *w0 = reinterpret_cast<const uint4 *>(slot);
+        const uint4 *w1 = reinterpret_cast<const uint4 *>(slot + kQ4SlotRowBytes);
+        const uint16_t *s0 = reinterpret_cast<const uint16_t *>(slot + 2 * kQ4SlotRowBytes);
+        const uint16_t *s1 = s0 + kQ4SlotGroups;
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            const int local = h * kWarpSize + lane, c = chunk * kQ4SlotGroups + local;
+            if (c < p.groups) {
+                const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
+                const Q8Group g = gq[c];
+                const float scale0 = __uint_as_float((uint32_t)s0[local] << 16);
+                const float scale1 = __uint_as_float((uint32_t)s1[local] << 16);
+                acc0 = fmaf((float)q4_group_dot(w0[local], xa, xb, g.offset), scale0 * g.scale, acc0);
+                acc1 = fmaf((float)q4_group_dot(w1[local], xa, xb, g.offset), scale1 * g.scale, acc1);
+            }
+        }
+        // Every lane has read the slot (generic proxy) before the copy engine refills it.
+        __syncwarp();
+        if (lane == 0 && k + NS < my_chunks) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue(k + NS);
+        }
+        if (++chunk == chunks) {
+            int r0, r1;
+            q4_task_rows<MODE>(p, task, r0, r1);
+            q4_task_out<MODE>(p, task, r0, r1, warp_sum(acc0), warp_sum(acc1), lane, settled, settled_task);
+            acc0 = acc1 = 0.f;
+            chunk = 0;
+            task += task_stride;
+        }
+    }
     Q4_TRACE_END();
 }
 
@@ -534,6 +711,33 @@ const void *q4_kernel_for_mode(int mode) {
     }
     return nullptr;
 }
+template <int WARPS>
+const void *q4_bulk_kernel_for_mode(int mode) {
+    switch (mode) {
+        case kGemvPlain: return (const void *)gemv_q4_bulk_kernel<kGemvPlain, WARPS>;
+        case kGemvNorm: return (const void *)gemv_q4_bulk_kernel<kGemvNorm, WARPS>;
+        case kGemvResidual: return (const void *)gemv_q4_bulk_kernel<kGemvResidual, WARPS>;
+        case kGemvNormSwiglu: return (const void *)gemv_q4_bulk_kernel<kGemvNormSwiglu, WARPS>;
+    }
+    return nullptr;
+}
+const void *q4_bulk_kernel_for(int mode, int warps) {
+    switch (warps) {
+        case 2: return q4_bulk_kernel_for_mode<2>(mode);
+        case 4: return q4_bulk_kernel_for_mode<4>(mode);
+        case 8: return q4_bulk_kernel_for_mode<8>(mode);
+        case 16: return q4_bulk_kernel_for_mode<16>(mode);
+    }
+    return nullptr;
+}
+size_t q4_bulk_smem_bytes(int groups, int warps) {
+    return q4_ring_offset(groups) + (size_t)warps * kQ4BulkSlots * kQ4SlotBytes;
+}
+// Bulk copies need 16-byte sizes and addresses: a row's scales are groups * 2 bytes.
+bool q4_bulk_fits(const Q4Params &q) {
+    return q.groups % 8 == 0 && (reinterpret_cast<uintptr_t>(q.weight) & 15) == 0 &&
+           (reinterpret_cast<uintptr_t>(q.scales) & 15) == 0;
+}
 const void *q4_kernel_for(int mode, int warps) {
     switch (warps) {
         case 2: return q4_kernel_for_mode<2>(mode);
@@ -554,7 +758,7 @@ int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 // fewer rounds lost: on the 8B q4 step, 16-warp blocks everywhere 1.840 ms against 1.917 with
 // the fewest-rounds choice of 4- and 8-warp blocks; the O and down projections' 2048 tasks on
 // 128 blocks of 16 warps rather than 256 of 8: 1.79-1.82 against 1.85-1.86, bench/PERF_NOTES.md.)
-cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
+cudaError_t q4_plan_tasks(int mode, int tasks, int cols, bool bulk_stream, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     const size_t smem = gemv_q4_smem_bytes(cols);
@@ -573,6 +777,21 @@ cudaError_t q4_plan_tasks(int mode, int tasks, int cols, GemvPlan *plan) {
     plan->stages = 0;
     plan->smem_bytes = (int)smem;
     plan->format = OG_WEIGHTS_Q4;
+    plan->stream = kQ4StreamRegisters;
+    // The bulk stream where asked for and possible: 16-byte copies, the ring within the
+    // device's shared memory, a block resident per SM (the same blocks and tasks).
+    const void *bulk = q4_bulk_kernel_for(mode, warps);
+    const size_t bulk_smem = q4_bulk_smem_bytes(q4_groups(cols), warps);
+    if (!bulk_stream || bulk == nullptr || q4_groups(cols) % 8 != 0) return cudaSuccess;
+    if (allow_dynamic_smem(bulk, bulk_smem) != cudaSuccess) {
+        cudaGetLastError();  // too large for this device: the register stream stays
+        return cudaSuccess;
+    }
+    OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, bulk, warps * kWarpSize, bulk_smem));
+    if (blocks_per_sm <= 0) return cudaSuccess;
+    plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    plan->smem_bytes = (int)bulk_smem;
+    plan->stream = kQ4StreamBulk;
     return cudaSuccess;
 }
 
@@ -586,12 +805,15 @@ Q4Params q4_params(int rows, int cols, const void *weight, const void *scales) {
     return q;
 }
 
+// The plan's stream; a bulk plan's matrix that does not fit the copies (a weight or scale
+// pointer not 16-byte aligned) takes the register stream on the same grid.
 cudaError_t launch_q4(int mode, const GemvPlan &plan, const Q4Params &q, cudaStream_t stream, bool pdl) {
     using Kernel = void (*)(Q4Params);
-    const auto kernel = (Kernel)q4_kernel_for(mode, plan.warps);
+    const bool bulk = plan.stream == kQ4StreamBulk && q4_bulk_fits(q);
+    const auto kernel = (Kernel)(bulk ? q4_bulk_kernel_for(mode, plan.warps) : q4_kernel_for(mode, plan.warps));
     if (kernel == nullptr) return cudaErrorInvalidConfiguration;
-    return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), plan.smem_bytes,
-                         stream, pdl, q);
+    const size_t smem = bulk ? (size_t)plan.smem_bytes : gemv_q4_smem_bytes(q.cols);
+    return launch_kernel(kernel, dim3(plan.grid), dim3(plan.warps * kWarpSize), smem, stream, pdl, q);
 }
 
 }  // namespace
@@ -600,11 +822,11 @@ size_t gemv_q4_smem_bytes(int cols) {
     return (size_t)q4_groups(cols) * (32 + sizeof(Q8Group));
 }
 
-cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan) {
+cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, bool bulk_stream) {
     if (mode < kGemvPlain || mode > kGemvNormSwiglu || rows <= 0 || cols <= 0 || plan == nullptr ||
         (mode == kGemvNormSwiglu && rows % 2 != 0))
         return cudaErrorInvalidValue;
-    return q4_plan_tasks(mode, mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2), cols, plan);
+    return q4_plan_tasks(mode, mode == kGemvNormSwiglu ? rows / 2 : ceil_div(rows, 2), cols, bulk_stream, plan);
 }
 
 cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
@@ -641,7 +863,7 @@ cudaError_t launch_moe_gate_up_q4(const void *weights, const void *scales, const
     OG_CUDA_RETURN_IF(cudaGetDevice(&device));
     if (cached.device != device || cached.top_k != top_k || cached.hidden != hidden || cached.inter != inter) {
         GemvPlan plan;
-        OG_CUDA_RETURN_IF(q4_plan_tasks(kQ4MoeGateUp, top_k * inter, hidden, &plan));
+        OG_CUDA_RETURN_IF(q4_plan_tasks(kQ4MoeGateUp, top_k * inter, hidden, false, &plan));
         cached = Cached{device, top_k, hidden, inter, plan};
     }
     Q4Params q = q4_params(2 * inter, hidden, weights, scales);  // rows: per expert

@@ -72,12 +72,19 @@ struct GemvPlan {
     int stages = 0;               // int8 / q4: k-blocks per lane in the load ring (gemv.cu)
     int smem_bytes = 0;
     int format = OG_WEIGHTS_BF16;
+    int stream = 0;               // q4: kQ4StreamRegisters or kQ4StreamBulk (gemv_q4.cu)
 };
+// How a q4 GEMV streams its weights: each warp's loads into two register slots, or the SM's
+// copy engine into a shared-memory ring (for the long streams: the planner's bulk_stream).
+constexpr int kQ4StreamRegisters = 0;
+constexpr int kQ4StreamBulk = 1;
 
 // Plan a GEMV on the current device (occupancy query, shared-memory limit). Call once
 // per shape outside stream capture.
+// bulk_stream: a q4 plan takes the copy-engine stream where the shape allows (other formats
+// ignore it).
 cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan,
-                      int format = OG_WEIGHTS_BF16);
+                      int format = OG_WEIGHTS_BF16, bool bulk_stream = false);
 // Shared memory the GEMV's staged input needs: cols rounded up to the format's chunk, in fp32.
 size_t gemv_input_smem_bytes(int cols, int format);
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
@@ -99,7 +106,7 @@ cudaError_t launch_moe_down_quant(int format, const void *weights, const void *s
 // ---- gemv_q4.cu: q4 weights x the input quantized to int8 per group of 32 (w4a8, dp4a) ----
 // gemv_plan, launch_gemv, gemv_input_smem_bytes and the two MoE launchers above route q4 here.
 size_t gemv_q4_smem_bytes(int cols);
-cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan);
+cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, bool bulk_stream);
 cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                            cudaStream_t stream, bool pdl);
 cudaError_t launch_moe_gate_up_q4(const void *weights, const void *scales, const float *x_normed,

@@ -62,7 +62,12 @@ OG_API og_status og_test_gemv_rmsnorm_swiglu(const uint16_t *gate_up, int32_t in
 OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *weight,
                                     const void *scales, int32_t rows, int32_t cols,
                                     const float *x, const float *norm_weight, float eps,
-                                    float *y, float *normed);
+                                    float *y, float *normed, int32_t bulk_stream);
+
+/* Which weight stream a q4 GEMV plan of this shape takes (0: register slots, 1: the copy
+ * engine's bulk copies into shared memory) when the bulk stream is asked for or not. */
+OG_API og_status og_test_gemv_q4_stream(int32_t mode, int32_t rows, int32_t cols, int32_t bulk_stream,
+                                        int32_t *stream);
 
 /* How many warps og_test_gemv_quant's plan splits each row's k-blocks over for this shape (8, or
  * 16 where a large staged input makes one wide block per SM the better fit): its summation

@@ -270,7 +270,7 @@ extern "C" {
 OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *weight,
                                     const void *scales, int32_t rows, int32_t cols,
                                     const float *x, const float *norm_weight, float eps,
-                                    float *y, float *normed) {
+                                    float *y, float *normed, int32_t bulk_stream) {
     const GemvMode m = static_cast<GemvMode>(mode);
     if ((format != OG_WEIGHTS_INT8 && format != OG_WEIGHTS_Q4) || mode < kGemvPlain ||
         mode > kGemvNormSwiglu)
@@ -291,7 +291,7 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
     OG_TRY(alloc_copy(d_y, y, (size_t)y_len * 4));
     if (normed != nullptr) OG_TRY(alloc_copy(d_normed, normed, (size_t)cols * 4));
     GemvPlan plan;
-    OG_CUDA_TRY(gemv_plan(m, rows, cols, &plan, format));
+    OG_CUDA_TRY(gemv_plan(m, rows, cols, &plan, format, bulk_stream != 0));
     GemvArgs args = {d_w.ptr, rows, cols, d_x.as<float>(), d_norm.as<float>(), eps,
                      d_y.as<float>(), d_normed.as<float>(), d_s.ptr, format};
     OG_TRY(finish_launch(launch_gemv(m, plan, args, 0, false), "launch_gemv"));
@@ -310,6 +310,19 @@ OG_API og_status og_test_gemv_quant_split(int32_t format, int32_t mode, int32_t 
     GemvPlan plan;
     OG_CUDA_TRY(gemv_plan(static_cast<GemvMode>(mode), rows, cols, &plan, format));
     *warps = plan.warps;
+    return OG_OK;
+}
+
+OG_API og_status og_test_gemv_q4_stream(int32_t mode, int32_t rows, int32_t cols, int32_t bulk_stream,
+                                        int32_t *stream) {
+    if (mode < kGemvPlain || mode > kGemvNormSwiglu || stream == nullptr || rows <= 0 || cols <= 0 ||
+        (mode == kGemvNormSwiglu && rows % 2 != 0))
+        return set_error(OG_E_INVALID_ARGUMENT, "og_test_gemv_q4_stream: mode=%d rows=%d cols=%d", mode, rows,
+                         cols);
+    OG_TRY(require_device());
+    GemvPlan plan;
+    OG_CUDA_TRY(gemv_plan(static_cast<GemvMode>(mode), rows, cols, &plan, OG_WEIGHTS_Q4, bulk_stream != 0));
+    *stream = plan.stream;
     return OG_OK;
 }
 

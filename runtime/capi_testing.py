@@ -66,9 +66,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     # og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *weight,
     #                              const void *scales, int32_t rows, int32_t cols,
     #                              const float *x, const float *norm_weight, float eps,
-    #                              float *y, float *normed);
+    #                              float *y, float *normed, int32_t bulk_stream);
     fn("og_test_gemv_quant", c_int32, c_int32, c_void_p, c_void_p, c_int32, c_int32, P_f32, P_f32,
-       c_float, P_f32, P_f32)
+       c_float, P_f32, P_f32, c_int32)
+    # og_status og_test_gemv_q4_stream(int32_t mode, int32_t rows, int32_t cols, int32_t bulk_stream,
+    #                                  int32_t *stream);
+    fn("og_test_gemv_q4_stream", c_int32, c_int32, c_int32, c_int32, P_i32)
     # og_status og_test_gemv_quant_split(int32_t format, int32_t mode, int32_t rows, int32_t cols,
     #                                    int32_t *warps);
     fn("og_test_gemv_quant_split", c_int32, c_int32, c_int32, c_int32, P_i32)
@@ -327,12 +330,14 @@ def gemv_rmsnorm_swiglu(gate_up_bits: np.ndarray, x: np.ndarray, norm_weight: np
 GEMV_MODES = {"plain": 0, "norm": 1, "residual": 2, "norm_swiglu": 3}
 
 
-def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0, y=None):
+def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0, y=None,
+               bulk_stream: bool = False):
     """The quantized GEMV on a runtime.quant.QuantizedMatrix `qm` -> (y, normed).
 
     y: the residual's input for mode "residual" (not modified); normed (the normalized input) is
     None unless mode is "norm" or "norm_swiglu". For "norm_swiglu" qm holds 2 * inter rows (gate
-    then up) and y has inter entries."""
+    then up) and y has inter entries. bulk_stream: a q4 plan takes the copy-engine stream where
+    the shape allows (gemv_q4_stream says whether it does)."""
     fmt = capi.WEIGHT_FORMATS[qm.format]
     rows, cols = qm.shape
     data = np.ascontiguousarray(qm.data)
@@ -344,9 +349,20 @@ def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0,
     normed = _out(cols) if mode in ("norm", "norm_swiglu") else None
     _check(load().og_test_gemv_quant(fmt, GEMV_MODES[mode], _vp(data), _vp(scales), rows, cols,
                                      _p(x, c_float), _p(norm_weight, c_float), eps, _p(out, c_float),
-                                     _p(normed, c_float)),
+                                     _p(normed, c_float), int(bulk_stream)),
            "og_test_gemv_quant")
     return out, normed
+
+
+Q4_STREAMS = ("registers", "bulk")
+
+
+def gemv_q4_stream(mode: str, rows: int, cols: int, bulk_stream: bool) -> str:
+    """The weight stream a q4 GEMV plan of this shape takes: "registers" or "bulk"."""
+    stream = c_int32(-1)
+    _check(load().og_test_gemv_q4_stream(GEMV_MODES[mode], rows, cols, int(bulk_stream), ctypes.byref(stream)),
+           "og_test_gemv_q4_stream")
+    return Q4_STREAMS[stream.value]
 
 
 def gemv_quant_split(fmt: str, mode: str, rows: int, cols: int) -> int:

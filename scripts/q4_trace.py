@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_staged", "u8"),
+RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_quant", "u8"), ("t_staged", "u8"),
                    ("t_end", "u8"), ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"),
                    ("sm", "i4"), ("warps", "i4")])
 MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe"}
@@ -104,8 +104,11 @@ def main(argv=None) -> int:
     p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
+    p.add_argument("--dump", help="also save the raw records (q4, attn) to this .npz")
     args = p.parse_args(argv)
     records, attn, config = trace(args)
+    if args.dump:
+        np.savez(args.dump, q4=records, attn=attn)
     rows = launches(records)
     first, last = (int(v) for v in args.show_layers.split(","))
     print(f"{len(records)} block records, {len(rows)} launches, step {max(d['end'] for d in rows):.1f} µs")

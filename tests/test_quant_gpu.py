@@ -188,6 +188,50 @@ def test_gemv_rmsnorm_swiglu(fmt, inter, cols):
     assert_within(act, ref, tol, f"{fmt} rmsnorm+gate/up+swiglu inter={inter} cols={cols}")
 
 
+# ---- q4: the copy-engine (bulk) weight stream ----------------------------------------------------
+# The bulk stream copies a chunk's rows and scales with 16-byte copies, so the planner gives it
+# only to shapes whose rows have a multiple of 8 groups of 32 columns (a row's bf16 scales a
+# multiple of 16 bytes). Its arithmetic is the register stream's, so its outputs must be
+# bit-identical; both are checked against float64 on the same codes as above. Shapes: 1 and 2
+# tasks a warp, a last chunk of 8 of 64 groups (4352 columns), 8B's gate/up (4096) and down
+# (12288 columns), more tasks than resident warps, a partial last group (1000 columns: 32
+# groups), a shape the bulk stream does not take (1100 columns: 35 groups).
+BULK_SHAPES = [("plain", 6, 256), ("residual", 1000, 1024), ("norm", 130, 4352), ("norm_swiglu", 2 * 3072, 1024),
+               ("residual", 64, 12288), ("norm_swiglu", 2 * 2200, 4096), ("plain", 20001, 256),
+               ("residual", 5, 1000), ("norm", 7, 1100)]
+
+
+@pytest.mark.parametrize("mode,rows,cols", BULK_SHAPES)
+def test_q4_bulk_stream_is_bit_identical_to_the_register_stream(mode, rows, cols):
+    assert ct.gemv_q4_stream(mode, rows, cols, bulk_stream=False) == "registers"
+    fits = math.ceil(cols / 32) % 8 == 0
+    assert ct.gemv_q4_stream(mode, rows, cols, bulk_stream=True) == ("bulk" if fits else "registers")
+    rng = rng_for("q4_bulk", mode, rows, cols)
+    qm, w = quantized(rng, "q4", rows, cols, scale=2.0 / math.sqrt(cols))
+    x = (rng.standard_normal(cols) * 3.0).astype(np.float32)
+    norm_w = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32) if "norm" in mode else None
+    y0 = rng.standard_normal(rows).astype(np.float32) if mode == "residual" else None
+    outs = {bulk: ct.gemv_quant(qm, mode, x, norm_w, 1e-6, y=y0, bulk_stream=bulk) for bulk in (False, True)}
+    np.testing.assert_array_equal(outs[True][0], outs[False][0])
+    if outs[False][1] is not None:
+        np.testing.assert_array_equal(outs[True][1], outs[False][1])
+    y, normed = outs[True]
+    terms = w * kernel_input("q4", normed if normed is not None else x)
+    depth = q4_depth(math.ceil(cols / 32)) + (sumsq_depth(cols) if norm_w is not None else 0) + SLACK
+    if mode == "norm_swiglu":
+        inter = rows // 2
+        g, u = terms[:inter].sum(axis=1), terms[inter:].sum(axis=1)
+        silu = g / (1.0 + np.exp(-g))
+        dg = depth * U * np.abs(terms[:inter]).sum(axis=1)
+        du = depth * U * np.abs(terms[inter:]).sum(axis=1)
+        assert_within(y, silu * u, 1.1 * dg * np.abs(u) + np.abs(silu) * du + SLACK * U * np.abs(silu * u),
+                      f"q4 bulk {mode} {rows}x{cols}")
+        return
+    base = y0.astype(np.float64) if y0 is not None else np.zeros(rows)
+    tol = depth * U * (np.abs(terms).sum(axis=1) + np.abs(base))
+    assert_within(y, base + terms.sum(axis=1), tol, f"q4 bulk {mode} {rows}x{cols}")
+
+
 # ---- MoE experts ---------------------------------------------------------------------------------
 
 def _moe_lib():
@@ -322,7 +366,29 @@ def test_greedy_matches_reference_with_the_same_quantized_weights(preset, fmt, w
     assert worst < bound, f"worst logits rel L2 {worst:.3g}"
 
 
-@pytest.mark.parametrize("preset,fmt", [("tiny-dense", "q4"), ("tiny-moe", "int8"), ("tiny-moe", "q4")])
+def test_bulk_stream_in_the_engine_against_the_reference_teacher_forced():
+    """The demo model's FFN (256 and 768 columns: whole 16-byte scale rows) takes the q4 bulk
+    stream in the engine. Its logits against the numpy reference on the same quantized weights,
+    teacher-forced on the reference's greedy tokens: this random model's greedy decodes part
+    ways within 64 tokens on either stream (the same logits bit for bit: the kernel test above),
+    after which free-running logits are not comparable."""
+    assert ct.gemv_q4_stream("norm_swiglu", 2 * 768, 256, bulk_stream=True) == "bulk"
+    assert ct.gemv_q4_stream("residual", 256, 768, bulk_stream=True) == "bulk"
+    config, tensors = synthetic("demo")
+    scheme = WeightScheme.make("q4", "all", True)
+    ref = ReferenceDecoder(config, _quantized_tensors(config, tensors, scheme), kv_dtype="int8", max_seq_len=128)
+    tokens, ref_logits = _decode(ref.step, PROMPT, 64)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", weights="q4",
+                             quantize="all", quantize_lm_head=True) as engine:
+        logits = [engine.step(t) for t in PROMPT + tokens[:-1]][len(PROMPT) - 1:]
+    errors = [rel_l2(g, r) for g, r in zip(logits, ref_logits)]
+    agree = np.mean([int(np.argmax(g)) == int(np.argmax(r)) for g, r in zip(logits, ref_logits)])
+    print(f"demo q4 teacher-forced, 64 steps: logits rel L2 median {np.median(errors):.3g}, max {max(errors):.3g}; "
+          f"top-1 agreement {agree:.0%}")
+    assert max(errors) < Q4_LOGITS_BOUND and agree >= 0.9
+
+
+@pytest.mark.parametrize("preset,fmt", [("tiny-dense", "q4"), ("tiny-moe", "int8"), ("tiny-moe", "q4"), ("demo", "q4")])
 def test_graph_replay_is_bit_identical_with_quantized_weights(preset, fmt):
     config, tensors = synthetic(preset)
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", weights=fmt,
