@@ -114,15 +114,21 @@ class DecodeGraph:
         """How many nodes of each type the captured graph holds, e.g. {'Kernel': 170, 'Memcpy': 2}."""
         return Counter(kind.name.replace("cudaGraphNodeType", "") for _, kind in self._typed_nodes())
 
-    def memcpy_directions(self) -> Counter:
-        """The captured memcpy nodes by direction name (e.g. {'HostToDevice': 1, 'DeviceToHost': 1})."""
+    def memcpy_nodes(self) -> list[tuple[str, int]]:
+        """The captured memcpy nodes as (direction name, bytes), e.g. ('DeviceToHost', 8)."""
         rt = self._rt
-        directions = Counter()
+        nodes = []
         for node, kind in self._typed_nodes():
             if kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
                 params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
-                directions[params.kind.name.replace("cudaMemcpy", "")] += 1
-        return directions
+                extent = params.extent
+                nodes.append((params.kind.name.replace("cudaMemcpy", ""),
+                              int(extent.width * extent.height * extent.depth)))
+        return nodes
+
+    def memcpy_directions(self) -> Counter:
+        """The captured memcpy nodes by direction name (e.g. {'HostToDevice': 1, 'DeviceToHost': 1})."""
+        return Counter(direction for direction, _ in self.memcpy_nodes())
 
     def close(self) -> None:
         rt = self._rt

@@ -78,14 +78,7 @@ def test_one_copy_each_way_per_token():
 
 def _d2h_bytes(graph) -> list[int]:
     """The sizes of the captured device-to-host copies."""
-    from runtime.graph import _check
-    rt, sizes = graph._rt, []
-    for node, kind in graph._typed_nodes():
-        if kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
-            params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
-            if params.kind == rt.cudaMemcpyKind.cudaMemcpyDeviceToHost:
-                sizes.append(int(params.extent.width * params.extent.height * params.extent.depth))
-    return sizes
+    return [size for direction, size in graph.memcpy_nodes() if direction == "DeviceToHost"]
 
 
 @pytest.mark.parametrize("preset,weights", [("tiny-dense", "bf16"), ("tiny-dense", "q4"), ("tiny-moe", "bf16")])
