@@ -66,6 +66,10 @@ struct Q8Group {
     float scale;
     int offset;
 };
+// Shared memory of the staged input: codes [groups][8] uint32, then Q8Group [groups].
+__host__ __device__ inline size_t q4_staged_bytes(int groups) {
+    return (size_t)groups * (32 + sizeof(Q8Group));
+}
 
 struct Q4Params {
     const uint8_t *weight;    // [rows, groups * 16]
@@ -103,11 +107,21 @@ __device__ __forceinline__ int q4_group_dot(const uint4 &w, const uint4 &xa, con
     return lo + (hi >> 4) - offset;  // hi is a multiple of 16: the shift is exact
 }
 
+// Group f of the staged input against one group of each of a task's two rows (weights w0, w1,
+// scales s0, s1) into the rows' running sums, in the order every q4 kernel folds them.
+__device__ __forceinline__ void q4_fold_group(const uint4 *codes, const Q8Group *gq, int f, const uint4 &w0,
+                                              const uint4 &w1, float s0, float s1, float &acc0, float &acc1) {
+    const uint4 xa = codes[2 * f], xb = codes[2 * f + 1];
+    const Q8Group g = gq[f];
+    acc0 = fmaf((float)q4_group_dot(w0, xa, xb, g.offset), s0 * g.scale, acc0);
+    acc1 = fmaf((float)q4_group_dot(w1, xa, xb, g.offset), s1 * g.scale, acc1);
+}
+
 // Weights stream once per token (quant.cuh load_weight_chunk); the bf16 group scale likewise.
 __device__ __forceinline__ float load_q4_scale(const uint16_t *p) {
     uint16_t b;
     asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(b) : "l"(p));
-    return __uint_as_float((uint32_t)b << 16);
+    return bf16_bits_to_float(b);
 }
 
 __device__ __forceinline__ uint32_t pack_codes(int a, int b, int c, int d) {
@@ -248,6 +262,12 @@ struct Q8Stager {
     }
 };
 
+// The stager of a dense q4 kernel: items held in registers from before the PDL wait. A norm
+// mode's 4096 columns are one per thread of 16 warps (two of 8: registers at the wait are the
+// slots' plus these); the down projection's 12288 three.
+template <int MODE, int WARPS>
+using Q4Stager = Q8Stager<WARPS * kWarpSize, mode_has_norm(MODE) ? (WARPS >= 16 ? 1 : 2) : 3>;
+
 // Rows of task `task`: (r0, r1); r1 == r0 for the last task of an odd row count.
 template <int MODE>
 __device__ __forceinline__ void q4_task_rows(const Q4Params &p, int task, int &r0, int &r1) {
@@ -318,12 +338,7 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
 #pragma unroll
     for (int h = 0; h < H; ++h) {
         const int c = lane + (s.chunk * H + h) * kWarpSize;
-        if (c < p.groups) {
-            const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
-            const Q8Group g = gq[c];
-            acc0 = fmaf((float)q4_group_dot(s.w0[h], xa, xb, g.offset), s.s0[h] * g.scale, acc0);
-            acc1 = fmaf((float)q4_group_dot(s.w1[h], xa, xb, g.offset), s.s1[h] * g.scale, acc1);
-        }
+        if (c < p.groups) q4_fold_group(codes, gq, c, s.w0[h], s.w1[h], s.s0[h], s.s1[h], acc0, acc1);
     }
     if (s.chunk == chunks - 1) {
         q4_task_out<MODE>(p, s.task, s.r0, s.r1, warp_sum(acc0), warp_sum(acc1), lane, settled, settled_task);
@@ -370,7 +385,7 @@ __device__ unsigned g_q4_trace_count;
 
 template <int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Params p) {
-    constexpr int kThreads = WARPS * kWarpSize, H = kQ4ChunkGroups, S = kQ4Slots;
+    constexpr int H = kQ4ChunkGroups, S = kQ4Slots;
     constexpr bool kNorm = mode_has_norm(MODE);
     extern __shared__ __align__(16) uint4 q4_smem[];
     uint4 *codes = q4_smem;
@@ -409,9 +424,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     }
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
-    // Items held in registers: a norm mode's 4096 columns are one per thread of 16 warps (two of
-    // 8: registers at the wait are the slots' plus these); the down projection's 12288 three.
-    Q8Stager<kThreads, kNorm ? (WARPS >= 16 ? 1 : 2) : 3> stager;
+    Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
     Q4_TRACE_WAITED();
@@ -467,10 +480,12 @@ constexpr int kQ4SlotRowBytes = kQ4SlotGroups * 16;
 constexpr int kQ4SlotScaleBytes = kQ4SlotGroups * 2;
 constexpr int kQ4SlotBytes = 2 * kQ4SlotRowBytes + 2 * kQ4SlotScaleBytes;
 
-// Dynamic shared memory: the staged input (gemv_q4_smem_bytes), then the warps' rings.
+// Dynamic shared memory: the staged input (q4_staged_bytes), then the warps' rings.
 __host__ __device__ inline size_t q4_ring_offset(int groups) {
-    return ((size_t)groups * (32 + sizeof(Q8Group)) + 15) / 16 * 16;
+    return (q4_staged_bytes(groups) + 15) / 16 * 16;
 }
+// A row's scales are groups * 2 bytes: whole 16-byte copies.
+__host__ __device__ constexpr bool q4_bulk_groups_fit(int groups) { return groups % 8 == 0; }
 
 __device__ __forceinline__ uint32_t smem_address(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -503,7 +518,7 @@ __device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, 
 
 template <int MODE, int WARPS>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q4Params p) {
-    constexpr int kThreads = WARPS * kWarpSize, H = kQ4ChunkGroups, NS = kQ4BulkSlots;
+    constexpr int H = kQ4ChunkGroups, NS = kQ4BulkSlots;
     constexpr bool kNorm = mode_has_norm(MODE);
     extern __shared__ __align__(16) uint4 q4_smem[];
     uint4 *codes = q4_smem;
@@ -553,7 +568,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     }
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
-    Q8Stager<kThreads, kNorm ? (WARPS >= 16 ? 1 : 2) : 3> stager;
+    Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait();
     Q4_TRACE_WAITED();
@@ -579,14 +594,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
 #pragma unroll
         for (int h = 0; h < H; ++h) {
             const int local = h * kWarpSize + lane, c = chunk * kQ4SlotGroups + local;
-            if (c < p.groups) {
-                const uint4 xa = codes[2 * c], xb = codes[2 * c + 1];
-                const Q8Group g = gq[c];
-                const float scale0 = __uint_as_float((uint32_t)s0[local] << 16);
-                const float scale1 = __uint_as_float((uint32_t)s1[local] << 16);
-                acc0 = fmaf((float)q4_group_dot(w0[local], xa, xb, g.offset), scale0 * g.scale, acc0);
-                acc1 = fmaf((float)q4_group_dot(w1[local], xa, xb, g.offset), scale1 * g.scale, acc1);
-            }
+            if (c < p.groups)
+                q4_fold_group(codes, gq, c, w0[local], w1[local], bf16_bits_to_float(s0[local]),
+                              bf16_bits_to_float(s1[local]), acc0, acc1);
         }
         // Every lane has read the slot (generic proxy) before the copy engine refills it.
         __syncwarp();
@@ -682,12 +692,7 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int f = base + u * kWarpSize;
-                if (f < n_slots) {
-                    const uint4 xa = codes[2 * f], xb = codes[2 * f + 1];
-                    const Q8Group g = gq[f];
-                    acc0 = fmaf((float)q4_group_dot(w0[u], xa, xb, g.offset), s0[u] * g.scale, acc0);
-                    acc1 = fmaf((float)q4_group_dot(w1[u], xa, xb, g.offset), s1[u] * g.scale, acc1);
-                }
+                if (f < n_slots) q4_fold_group(codes, gq, f, w0[u], w1[u], s0[u], s1[u], acc0, acc1);
             }
         }
         acc0 = warp_sum(acc0);
@@ -735,7 +740,7 @@ size_t q4_bulk_smem_bytes(int groups, int warps) {
 }
 // Bulk copies need 16-byte sizes and addresses: a row's scales are groups * 2 bytes.
 bool q4_bulk_fits(const Q4Params &q) {
-    return q.groups % 8 == 0 && (reinterpret_cast<uintptr_t>(q.weight) & 15) == 0 &&
+    return q4_bulk_groups_fit(q.groups) && (reinterpret_cast<uintptr_t>(q.weight) & 15) == 0 &&
            (reinterpret_cast<uintptr_t>(q.scales) & 15) == 0;
 }
 const void *q4_kernel_for(int mode, int warps) {
@@ -782,7 +787,7 @@ cudaError_t q4_plan_tasks(int mode, int tasks, int cols, bool bulk_stream, GemvP
     // device's shared memory, a block resident per SM (the same blocks and tasks).
     const void *bulk = q4_bulk_kernel_for(mode, warps);
     const size_t bulk_smem = q4_bulk_smem_bytes(q4_groups(cols), warps);
-    if (!bulk_stream || bulk == nullptr || q4_groups(cols) % 8 != 0) return cudaSuccess;
+    if (!bulk_stream || bulk == nullptr || !q4_bulk_groups_fit(q4_groups(cols))) return cudaSuccess;
     if (allow_dynamic_smem(bulk, bulk_smem) != cudaSuccess) {
         cudaGetLastError();  // too large for this device: the register stream stays
         return cudaSuccess;
@@ -819,7 +824,7 @@ cudaError_t launch_q4(int mode, const GemvPlan &plan, const Q4Params &q, cudaStr
 }  // namespace
 
 size_t gemv_q4_smem_bytes(int cols) {
-    return (size_t)q4_groups(cols) * (32 + sizeof(Q8Group));
+    return q4_staged_bytes(q4_groups(cols));
 }
 
 cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, bool bulk_stream) {

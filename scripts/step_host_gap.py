@@ -12,6 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graph_ablation import add_engine_args, open_engine  # noqa: E402  (scripts/, beside this file)
+from step_timing import warm_up  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,10 +30,7 @@ def main(argv=None) -> int:
         for output in ("next_token", "logits"):
             gpu.set_output(output)
             with bench.pinned_position(engine, args.context - 1):
-                for _ in range(3):  # capture, warm-up
-                    gpu.begin(0)
-                    gpu.capture().replay()
-                    gpu.end()
+                warm_up(gpu)
                 graph = gpu.capture()
                 start, stop = rt.cudaEventCreate()[1], rt.cudaEventCreate()[1]
                 wall, device = [], []

@@ -29,13 +29,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from graph_ablation import add_engine_args, open_engine  # noqa: E402  (scripts/, beside this file)
 
 
-def timed_steps(gpu, steps: int):
-    """(median ms of `steps` steps, the last result: logits, or (token, logit) for the output
-    next_token), after three untimed ones (capture, warm-up)."""
-    for _ in range(3):
+def warm_up(gpu, steps: int = 3):
+    """Untimed steps (the first captures the graph); the last one's result."""
+    for _ in range(steps):
         gpu.begin(0)
         gpu.capture().replay()
         result = gpu.end()
+    return result
+
+
+def timed_steps(gpu, steps: int):
+    """(median ms of `steps` steps, the last result: logits, or (token, logit) for the output
+    next_token), after three untimed ones (capture, warm-up)."""
+    result = warm_up(gpu)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
