@@ -176,6 +176,16 @@ __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, cons
     }
 }
 
+// 16 bytes of a K/V row: no L1 allocation, 256-byte L2 fetches, the normal L2 priority (the
+// rows are read again by every later step, while the weights' lines are evicted first).
+__device__ __forceinline__ uint4 load_row_chunk(const uint4 *p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // Issue the loads of a located tile; rows without a block read as zeros (scale 0).
 template <int KV, int HD>
 __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD> &loc,
@@ -192,9 +202,9 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
         for (int v = 0; v < L::kVecsPerLane; ++v) {
             if constexpr (L::kVector) {
                 const int vec = src.lane_in_row + v * L::kLanesPerRow;
-                t.k[s][v] = ok ? load_weight_chunk(reinterpret_cast<const uint4 *>(k_row) + vec)
+                t.k[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(k_row) + vec)
                                : make_uint4(0u, 0u, 0u, 0u);
-                t.v[s][v] = ok ? load_weight_chunk(reinterpret_cast<const uint4 *>(v_row) + vec)
+                t.v[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(v_row) + vec)
                                : make_uint4(0u, 0u, 0u, 0u);
             } else {
                 const int d = src.lane_in_row + v * kWarpSize;

@@ -337,12 +337,13 @@ struct KBlockRegs {
 template <int U>
 __device__ __forceinline__ void load_kblocks(KBlockRegs<U> &r, const uint4 *w_g, const uint4 *w_g8,
                                              int kb0, int n_kb, int n_chunks, int t) {
+    const uint64_t policy = l2_evict_first();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int c = 4 * (kb0 + u) + t;
         const bool ok = kb0 + u < n_kb && c < n_chunks;
-        r.a_g[u] = ok ? load_weight_chunk(w_g + c) : make_uint4(0u, 0u, 0u, 0u);
-        r.a_g8[u] = ok ? load_weight_chunk(w_g8 + c) : make_uint4(0u, 0u, 0u, 0u);
+        r.a_g[u] = ok ? load_weight_chunk(w_g + c, policy) : make_uint4(0u, 0u, 0u, 0u);
+        r.a_g8[u] = ok ? load_weight_chunk(w_g8 + c, policy) : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -428,10 +429,11 @@ constexpr int kQuantWideStages = 8;
 constexpr int kQuantWideMinKBlocks = 4;
 
 // A weight chunk into its ring slot (zeros when !valid): rows stream once per token, so 256-byte
-// L2 fetches as load_weight_chunk does (the block's 8 warps read a row's neighbouring 64 bytes).
-__device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"(src), "r"(valid ? 16 : 0)
+// L2 fetches and lines evicted first (policy) as load_weight_chunk does (the block's 8 warps
+// read a row's neighbouring 64 bytes).
+__device__ __forceinline__ void copy_weight_chunk(uint32_t dst, const uint4 *src, bool valid, uint64_t policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(src), "r"(valid ? 16 : 0), "l"(policy)
                  : "memory");
 }
 
@@ -461,6 +463,7 @@ __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
     // A slot's bytes in ring_w, and this lane's slot-0 address (cp.async takes it).
     constexpr uint32_t kSlotW = 2 * kThreads * 16;
     const uint32_t ring_w_lane = smem_address(ring_w + tid);
+    const uint64_t policy = l2_evict_first();
 
     // The copy side: the next k-block to copy is k-block copy_kb4 / 4 of task copy_task (a warp
     // without k-blocks copies nothing). The lane's pointers are set when a task starts (chunk t
@@ -478,8 +481,8 @@ __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
             const bool ok = copy_kb4 + t < p.n_chunks;
             const int off = ok ? copy_kb4 : 0;  // past the row: nothing is read (zero fill)
             const uint32_t dst_w = ring_w_lane + copy_slot * kSlotW;
-            copy_weight_chunk(dst_w, copy_w_g + off, ok);
-            copy_weight_chunk(dst_w + kThreads * 16, copy_w_g8 + off, ok);
+            copy_weight_chunk(dst_w, copy_w_g + off, ok, policy);
+            copy_weight_chunk(dst_w + kThreads * 16, copy_w_g8 + off, ok, policy);
             copy_slot = copy_slot + 1 == S ? 0 : copy_slot + 1;
             copy_kb4 += 4 * WARPS;
             if (copy_kb4 >= 4 * p.n_kblocks) {

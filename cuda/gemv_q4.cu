@@ -117,10 +117,11 @@ __device__ __forceinline__ void q4_fold_group(const uint4 *codes, const Q8Group 
     acc1 = fmaf((float)q4_group_dot(w1, xa, xb, g.offset), s1 * g.scale, acc1);
 }
 
-// Weights stream once per token (quant.cuh load_weight_chunk); the bf16 group scale likewise.
-__device__ __forceinline__ float load_q4_scale(const uint16_t *p) {
+// Weights stream once per token (quant.cuh load_weight_chunk); the bf16 group scale likewise,
+// its lines evicted first (policy: l2_evict_first()).
+__device__ __forceinline__ float load_q4_scale(const uint16_t *p, uint64_t policy) {
     uint16_t b;
-    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(b) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(b) : "l"(p), "l"(policy));
     return bf16_bits_to_float(b);
 }
 
@@ -285,14 +286,15 @@ __device__ __forceinline__ void q4_task_rows(const Q4Params &p, int task, int &r
 }
 
 // A register slot: chunk `chunk` of task `task` (lane groups chunk * H .. chunk * H + H - 1 of
-// both rows), loaded.
+// both rows), loaded with the weights' L2 policy.
 struct Q4Slot {
     uint4 w0[kQ4ChunkGroups], w1[kQ4ChunkGroups];
     float s0[kQ4ChunkGroups], s1[kQ4ChunkGroups];
     int task, chunk, r0, r1;
 };
 template <int MODE>
-__device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task, int chunk, int lane) {
+__device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task, int chunk, int lane,
+                                          uint64_t policy) {
     constexpr int H = kQ4ChunkGroups;
     s.task = task;
     s.chunk = chunk;
@@ -305,10 +307,10 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
     for (int h = 0; h < H; ++h) {
         const int c = lane + (chunk * H + h) * kWarpSize;
         const bool ok = c < p.groups;
-        s.w0[h] = ok ? load_weight_chunk(w0 + c) : make_uint4(0u, 0u, 0u, 0u);
-        s.w1[h] = ok ? load_weight_chunk(w1 + c) : make_uint4(0u, 0u, 0u, 0u);
-        s.s0[h] = ok ? load_q4_scale(s0 + c) : 0.f;
-        s.s1[h] = ok ? load_q4_scale(s1 + c) : 0.f;
+        s.w0[h] = ok ? load_weight_chunk(w0 + c, policy) : make_uint4(0u, 0u, 0u, 0u);
+        s.w1[h] = ok ? load_weight_chunk(w1 + c, policy) : make_uint4(0u, 0u, 0u, 0u);
+        s.s0[h] = ok ? load_q4_scale(s0 + c, policy) : 0.f;
+        s.s1[h] = ok ? load_q4_scale(s1 + c, policy) : 0.f;
     }
 }
 // A task's outputs from its two rows' dot products (lane 0 writes them).
@@ -396,6 +398,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int task_stride = gridDim.x * WARPS;
     const int chunks = ceil_div(ceil_div(p.groups, kWarpSize), H);
+    const uint64_t policy = l2_evict_first();
     int ld_task = blockIdx.x * WARPS + warp, ld_chunk = 0;
     auto advance = [&]() {
         if (++ld_chunk == chunks) {
@@ -409,7 +412,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     if (MODE != kQ4MoeGateUp) {
 #pragma unroll
         for (int k = 0; k < S; ++k) {
-            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane, policy);
             advance();
         }
     }
@@ -432,7 +435,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     if (MODE == kQ4MoeGateUp) {
 #pragma unroll
         for (int k = 0; k < S; ++k) {
-            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane, policy);
             advance();
         }
     }
@@ -448,7 +451,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         for (int k = 0; k < S; ++k) {
             if (slot[k].task >= p.n_tasks) goto done;  // chunks come in order: none left
             fold_slot<MODE>(slot[k], p, codes, gq, chunks, lane, acc0, acc1, settled, settled_task);
-            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane);
+            load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane, policy);
             advance();
         }
     }
@@ -509,11 +512,14 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t *bar, unsigned parity) {
         "r"(parity)
         : "memory");
 }
-__device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_address(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_address(bar))
-                 : "memory");
+// `bytes` from src to dst, counted on bar, the source's L2 lines under `policy`.
+__device__ __forceinline__ void bulk_copy_to_shared(void *dst, const void *src, unsigned bytes, uint64_t *bar,
+                                                    uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            smem_address(dst)),
+        "l"(src), "r"(bytes), "r"(smem_address(bar)), "l"(policy)
+        : "memory");
 }
 
 template <int MODE, int WARPS>
@@ -532,6 +538,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     uint64_t *full = slot_full[warp];
     const int task_stride = gridDim.x * WARPS;
     const int chunks = ceil_div(p.groups, kQ4SlotGroups);
+    const uint64_t policy = l2_evict_first();
     const int first_task = blockIdx.x * WARPS + warp;
     const int my_chunks = first_task < p.n_tasks ? ceil_div(p.n_tasks - first_task, task_stride) * chunks : 0;
     // Chunk k of the warp's stream into slot k % NS (lane 0).
@@ -543,11 +550,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
         char *slot = ring + (k % NS) * kQ4SlotBytes;
         uint64_t *bar = full + k % NS;
         mbarrier_expect_bytes(bar, 2 * n * 16 + 2 * n * 2);
-        bulk_copy_to_shared(slot, p.weight + ((size_t)r0 * p.groups + g0) * 16, n * 16, bar);
-        bulk_copy_to_shared(slot + kQ4SlotRowBytes, p.weight + ((size_t)r1 * p.groups + g0) * 16, n * 16, bar);
-        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes, p.scales + (size_t)r0 * p.groups + g0, n * 2, bar);
+        bulk_copy_to_shared(slot, p.weight + ((size_t)r0 * p.groups + g0) * 16, n * 16, bar, policy);
+        bulk_copy_to_shared(slot + kQ4SlotRowBytes, p.weight + ((size_t)r1 * p.groups + g0) * 16, n * 16, bar, policy);
+        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes, p.scales + (size_t)r0 * p.groups + g0, n * 2, bar, policy);
         bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes + kQ4SlotScaleBytes, p.scales + (size_t)r1 * p.groups + g0,
-                            n * 2, bar);
+                            n * 2, bar, policy);
     };
     if (lane == 0) {
 #pragma unroll
@@ -669,6 +676,7 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
     __syncthreads();
 
     const int n_tasks = ceil_div(p.hidden, 2);
+    const uint64_t policy = l2_evict_first();
     for (int task = blockIdx.x * kQ4MoeDownWarps + warp; task < n_tasks; task += gridDim.x * kQ4MoeDownWarps) {
         const int r0 = 2 * task, r1 = min(r0 + 1, p.hidden - 1);
         float acc0 = 0.f, acc1 = 0.f;
@@ -683,10 +691,12 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
                 if (f < n_slots) {
                     const int2 s = slot_of[f];
                     const size_t row0 = (size_t)(s.x + r0), row1 = (size_t)(s.x + r1);
-                    w0[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row0 * p.gpe * 16) + s.y);
-                    w1[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row1 * p.gpe * 16) + s.y);
-                    s0[u] = load_q4_scale(p.scales + row0 * p.gpe + s.y);
-                    s1[u] = load_q4_scale(p.scales + row1 * p.gpe + s.y);
+                    w0[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row0 * p.gpe * 16) + s.y,
+                                              policy);
+                    w1[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row1 * p.gpe * 16) + s.y,
+                                              policy);
+                    s0[u] = load_q4_scale(p.scales + row0 * p.gpe + s.y, policy);
+                    s1[u] = load_q4_scale(p.scales + row1 * p.gpe + s.y, policy);
                 }
             }
 #pragma unroll

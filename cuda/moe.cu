@@ -57,13 +57,14 @@ constexpr int kGateUpUnroll = 4;   // 16-byte chunks per lane per batch, for gat
 constexpr int kDownDepth = 8;      // 16-byte loads per lane per batch in down
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Weights are read once per token: skip L1 (keep it for the staged vectors' neighbours)
-// and ask L2 to fetch whole 256-byte sectors groups, since a warp streams rows anyway.
+// Weights are read once per token: skip L1 (keep it for the staged vectors' neighbours),
+// ask L2 to fetch whole 256-byte sectors groups, since a warp streams rows anyway, and mark
+// the lines evicted first (quant.cuh l2_evict_first: the KV cache and activations stay).
 __device__ __forceinline__ uint4 load_weights(const uint4 *p) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p));
+        : "l"(p), "l"(og::l2_evict_first()));
     return r;
 }
 

@@ -82,12 +82,25 @@ __device__ __forceinline__ float q8_scale(float amax, bool finite) {
     return finite ? amax / 127.f : __int_as_float(0x7fffffff);
 }
 
-// Weights are read once per token: no L1 allocation, 256-byte L2 fetches (rows stream).
-__device__ __forceinline__ uint4 load_weight_chunk(const uint4 *p) {
+// The L2 policy of a weight stream: its lines are the first evicted. A token reads every
+// weight once (GBs), while the KV cache rows, the activations and the norm weights are read
+// again within the step or by the next one; streamed at the normal priority, the weights push
+// them out of L2, and the attention's rows and each GEMV's input then come from DRAM (8B q4
+// step at context 2048: -7%, bench/PERF_NOTES.md). The bf16 GEMV's streaming loads (__ldcs)
+// mark their lines the same way.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// Weights are read once per token: no L1 allocation, 256-byte L2 fetches (rows stream), lines
+// evicted first (policy: l2_evict_first()).
+__device__ __forceinline__ uint4 load_weight_chunk(const uint4 *p, uint64_t policy) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
+                 : "l"(p), "l"(policy));
     return r;
 }
 
