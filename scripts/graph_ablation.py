@@ -2,6 +2,7 @@
 
     python3 scripts/graph_ablation.py --preset qwen3-8b --weights q4 --quantize-lm-head --kv int8
     python3 scripts/graph_ablation.py --preset qwen3-30b-a3b:8 --kv int8 --json ablation.json
+    python3 scripts/graph_ablation.py --preset qwen3-8b --weights q4 --quantize-lm-head --keep-only
 
 Isolated kernel times (Nsight Compute, scripts/profile_kernels.py) miss what the graph does
 to them: programmatic dependent launch overlaps a kernel's start with its predecessor's tail,
@@ -11,6 +12,14 @@ meaningless) and its replays are timed at a pinned context; a kind's in-graph co
 whole step's time minus the time without it. The whole step is timed first and last (their
 difference is the run's noise), each variant over --steps replays (median), the variants in
 turn --repeats times.
+
+With --keep-only the graph keeps one kind at a time instead (and once none of them: the
+embedding, the copies, the argmax); a kind's cost alone is its graph's time minus that of the
+graph with none. Back to back, each kernel of the kind waits for the one before, so this is its
+whole latency, boundaries included, which the weights' bytes over the copy bandwidth can be set
+against. Leaving a kind out cannot show that part: another kernel's boundary takes its place.
+(Any variant that omits a kind also drops the O and down projections' settled residual read,
+engine.cu, since their residual's writer may be gone.)
 """
 import argparse
 import json
@@ -68,7 +77,11 @@ def measure(args) -> dict:
         gpu = engine._gpu
         capi_testing.reliability()
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
-        variants = [()] + [(kind,) for kind in KINDS]
+        keep_only = getattr(args, "keep_only", False)
+        if keep_only:  # everything, nothing, then each kind alone
+            variants = [(), KINDS] + [tuple(k for k in KINDS if k != kind) for kind in KINDS]
+        else:
+            variants = [()] + [(kind,) for kind in KINDS]
         ms = {v: [] for v in variants}
         with bench.pinned_position(engine, args.context - 1):
             for _ in range(args.repeats):
@@ -80,22 +93,41 @@ def measure(args) -> dict:
             gpu.drop_graph()
             whole_last = median_step_ms(gpu, args.steps)
     whole = statistics.median(ms[()])
+    none_ms = statistics.median(ms[KINDS]) if keep_only else None
+    per_layer = lambda kind, cost: cost * 1e3 / (1 if kind == "lm_head" else target.config.num_hidden_layers)
     rows = []
     for kind in KINDS:
-        without = statistics.median(ms[(kind,)])
-        rows.append({"kind": kind, "ms_without": without, "cost_ms": whole - without,
-                     "per_layer_us": (whole - without) * 1e3 / (1 if kind == "lm_head" else
-                                                                target.config.num_hidden_layers)})
-    return {"preset": args.preset, "layers": target.config.num_hidden_layers, "kv": args.kv,
-            "weights": args.weights, "quantize": args.quantize, "quantize_lm_head": args.quantize_lm_head,
-            "context": args.context, "steps": args.steps, "repeats": args.repeats,
-            "whole_ms": whole, "whole_ms_runs": ms[()], "whole_ms_last": whole_last, "kinds": rows}
+        if keep_only:
+            alone = statistics.median(ms[tuple(k for k in KINDS if k != kind)])
+            rows.append({"kind": kind, "ms_alone": alone, "cost_ms": alone - none_ms,
+                         "per_layer_us": per_layer(kind, alone - none_ms)})
+        else:
+            without = statistics.median(ms[(kind,)])
+            rows.append({"kind": kind, "ms_without": without, "cost_ms": whole - without,
+                         "per_layer_us": per_layer(kind, whole - without)})
+    doc = {"preset": args.preset, "layers": target.config.num_hidden_layers, "kv": args.kv,
+           "weights": args.weights, "quantize": args.quantize, "quantize_lm_head": args.quantize_lm_head,
+           "context": args.context, "steps": args.steps, "repeats": args.repeats, "keep_only": keep_only,
+           "whole_ms": whole, "whole_ms_runs": ms[()], "whole_ms_last": whole_last, "kinds": rows}
+    if keep_only:
+        doc["none_ms"] = none_ms
+    return doc
 
 
 def table(doc: dict) -> str:
-    lines = [f"{doc['preset']} ({doc['layers']} layers), {doc['weights']} weights, {doc['kv']} KV, "
-             f"context {doc['context']}: whole step {doc['whole_ms']:.3f} ms (last {doc['whole_ms_last']:.3f})",
-             f"{'left out':<10} {'step ms':>9} {'cost ms':>9} {'us/layer':>9} {'share':>7}"]
+    head = (f"{doc['preset']} ({doc['layers']} layers), {doc['weights']} weights, {doc['kv']} KV, "
+            f"context {doc['context']}: whole step {doc['whole_ms']:.3f} ms (last {doc['whole_ms_last']:.3f})")
+    if doc.get("keep_only"):
+        lines = [head + f"; with no kind kept {doc['none_ms']:.3f} ms",
+                 f"{'kept alone':<10} {'step ms':>9} {'cost ms':>9} {'us/layer':>9} {'share':>7}"]
+        for r in doc["kinds"]:
+            lines.append(f"{r['kind']:<10} {r['ms_alone']:>9.3f} {r['cost_ms']:>9.3f} "
+                         f"{r['per_layer_us']:>9.2f} {r['cost_ms'] / doc['whole_ms']:>7.1%}")
+        overlap = doc["none_ms"] + sum(r["cost_ms"] for r in doc["kinds"]) - doc["whole_ms"]
+        lines.append(f"{'overlap':<10} {'':>9} {overlap:>9.3f} {'':>9} {overlap / doc['whole_ms']:>7.1%}  "
+                     "(no kind + each alone, minus the whole step: what the kinds hide of each other)")
+        return "\n".join(lines)
+    lines = [head, f"{'left out':<10} {'step ms':>9} {'cost ms':>9} {'us/layer':>9} {'share':>7}"]
     for r in doc["kinds"]:
         lines.append(f"{r['kind']:<10} {r['ms_without']:>9.3f} {r['cost_ms']:>9.3f} "
                      f"{r['per_layer_us']:>9.2f} {r['cost_ms'] / doc['whole_ms']:>7.1%}")
@@ -112,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="timed replays per variant")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the variants")
     p.add_argument("--json", help="write the measurements here")
+    p.add_argument("--keep-only", action="store_true",
+                   help="time each kind alone (and none) instead of leaving each out")
     args = p.parse_args(argv)
     if args.context < 2 or args.steps < 1 or args.repeats < 1:
         p.error("--context must be >= 2, --steps and --repeats >= 1")

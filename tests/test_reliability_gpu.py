@@ -190,6 +190,13 @@ def test_graph_ablation_script_measures_every_kind(hooks):
     assert [r["kind"] for r in doc["kinds"]] == list(ablation.KINDS)
     assert doc["whole_ms"] > 0 and all(r["ms_without"] > 0 for r in doc["kinds"])
     assert "the rest" in ablation.table(doc)
+    # --keep-only: each kind alone against the graph with none of them
+    alone = ablation.measure(ablation.argparse.Namespace(
+        preset="tiny-dense", kv="int8", weights="bf16", quantize="all", quantize_lm_head=False,
+        context=8, steps=3, repeats=1, keep_only=True))
+    assert [r["kind"] for r in alone["kinds"]] == list(ablation.KINDS)
+    assert 0 < alone["none_ms"] < alone["whole_ms"] and all(r["ms_alone"] > 0 for r in alone["kinds"])
+    assert "kept alone" in ablation.table(alone)
 
 
 # ---- set_weight -----------------------------------------------------------------------------
