@@ -371,7 +371,12 @@ def test_bulk_stream_in_the_engine_against_the_reference_teacher_forced():
     stream in the engine. Its logits against the numpy reference on the same quantized weights,
     teacher-forced on the reference's greedy tokens: this random model's greedy decodes part
     ways within 64 tokens on either stream (the same logits bit for bit: the kernel test above),
-    after which free-running logits are not comparable."""
+    after which free-running logits are not comparable. (Measured on the H200: they agree for 29
+    steps; at step 29 the reference's top two logits are 0.0009 apart, against a logit spread
+    of 4.05 and a GPU-vs-reference difference of 0.05-0.1 at those two entries. The w4a8 input
+    rounding turns fp32 summation-order differences into whole code steps: teacher-forced rel
+    L2 0.013 for q4 against 0.0017 for the bf16 weights of the same model, whose greedy decode
+    agrees for all 64 steps; bench/PERF_NOTES.md.)"""
     assert ct.gemv_q4_stream("norm_swiglu", 2 * 768, 256, bulk_stream=True) == "bulk"
     assert ct.gemv_q4_stream("residual", 256, 768, bulk_stream=True) == "bulk"
     config, tensors = synthetic("demo")
