@@ -18,6 +18,13 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   the same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
   there) and is excluded; later repeats swap the order each time. tok/s = N / the sum of
   the N step times, the median over repeats; TBT median and p90 pool every timed step.
+- Engines (--engines E): E engines are built for every (model, KV format, weight format, page),
+  in rounds: round e builds engine e of every weight format in turn, so the formats share the
+  GPU's conditions round by round. The weights' placement in memory moves a step by a few
+  percent from one engine to the next (bench/PERF_NOTES.md), more than many effects worth
+  measuring. Each result is then the record of the engine with the median graph tok/s (the
+  lower middle for an even E) and lists every engine's tok/s in build order; the context sweep
+  runs on the first round's engines.
 - The floor: the bytes one step must read (weights by format, lm_head, the KV cache at the
   mean visible length of the decode) divided by the device-to-device copy bandwidth measured
   at the start of the same run (bytes read + written per second). fraction_of_floor =
@@ -215,7 +222,8 @@ class Settings:
     contexts: list = field(default_factory=list)
     context_steps: int = 16
     context_fill: str = "position"
-    weights: list = field(default_factory=lambda: ["bf16"])  # weight formats, one engine each
+    weights: list = field(default_factory=lambda: ["bf16"])  # weight formats, `engines` engines each
+    engines: int = 1               # engines built per record, in rounds over the weight formats
     quantize: str = "all"          # which matrices a quantized format applies to
     quantize_lm_head: bool = False
 
@@ -394,14 +402,15 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
     result = {key: None for key in RESULT_FIELDS}
     result.update(model=target.label, origin=target.origin, layers=target.config.num_hidden_layers,
                   runtime=runtime, kv=kv, weights=weights, prompt=s.prompt, n=s.n, repeats=s.repeats,
-                  status="ok")
+                  engines=1, status="ok")
     return result
 
 
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
-                   fmt: str = "bf16", kv_page: int = 0) -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records for one model, KV format,
-    weight format and KV page size (0 the library's default, CONTIGUOUS one block per sequence)."""
+                   fmt: str = "bf16", kv_page: int = 0, sweep: bool = True) -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records (unless not `sweep`) for one
+    engine of a model, KV format, weight format and KV page size (0 the library's default,
+    CONTIGUOUS one block per sequence)."""
     from .engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
@@ -418,7 +427,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
         measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
-        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt)
+        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if sweep else []
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
     results = []
     for mode, m in measured.items():
@@ -607,7 +616,7 @@ DOC_FIELDS = {
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
     "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
-                "quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output",
+                "engines, quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "ttft": "one record per (model, runtime, prompt) of --ttft: TTFT_FIELDS",
@@ -626,6 +635,9 @@ RESULT_FIELDS = {
     "prompt": "prompt tokens",
     "n": "decode steps timed per run",
     "repeats": "timed runs (a warm-up run comes before them)",
+    "engines": "engines built for this record (--engines; peers: 1); the record is the engine with the median "
+               "graph tok/s",
+    "tokens_per_s_engines": "tokens_per_s of this runtime on each engine, in build order (onegraph only)",
     "status": "ok | skipped",
     "reason": "why it was skipped (null when ok)",
     "tokens_per_s": "median over runs of n / (sum of the n step times)",
@@ -778,9 +790,16 @@ def _footnotes(results: list[dict]) -> list[str]:
                          f"same tokens: {r['same_tokens_as_nongraph']}")
         base = next((b for b in results if b["runtime"] == r["runtime"] == "onegraph-graph" and
                      (b["model"], b["kv"], b.get("weights")) == (r["model"], r["kv"], "bf16")), None)
+        if r["runtime"] == "onegraph-graph" and (r.get("engines") or 1) > 1:
+            lines.append(f"{tag}: graph tok/s of its {r['engines']} engines "
+                         f"{', '.join(f'{t:.1f}' for t in r['tokens_per_s_engines'])} (the median one shown)")
         if weights != "bf16" and base is not None and r["tokens_per_s"] and base["tokens_per_s"]:
+            per_round = ""
+            if (r.get("engines") or 1) > 1 and r["engines"] == base.get("engines"):
+                ratios = [a / b for a, b in zip(r["tokens_per_s_engines"], base["tokens_per_s_engines"])]
+                per_round = f"; round by round {', '.join(f'{x:.2f}x' for x in ratios)}"
             lines.append(f"{tag}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                         f"the bf16 weights' tok/s (graph)")
+                         f"the bf16 weights' tok/s (graph{per_round})")
         key = (r["model"], r["kv"], weights)
         if r["status"] == "ok" and r["bytes_per_token"] and key not in seen:
             seen.add(key)
@@ -815,6 +834,9 @@ def parse_args(argv):
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens P")
     p.add_argument("--n", type=int, default=64, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up")
+    p.add_argument("--engines", type=int, default=1,
+                   help="engines built per record, in rounds over the weight formats; each result is the "
+                        "median engine's (odd counts give a true median)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and prompt")
     p.add_argument("--peers", default="", help="comma-separated: hf-eager,hf-compile")
     p.add_argument("--contexts", default="", help="comma-separated context lengths, e.g. 128,1024,4096,32768")
@@ -838,7 +860,10 @@ def parse_args(argv):
                    help="combine the documents of earlier runs (one per model, say) into one table, "
                         "--json and --plot; nothing is measured")
     p.add_argument("--schema", action="store_true", help="print the JSON fields and exit")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engines < 1:
+        p.error(f"--engines must be at least 1, got {args.engines}")
+    return args
 
 
 def settings_from(args) -> Settings:
@@ -847,12 +872,23 @@ def settings_from(args) -> Settings:
                     context_steps=args.context_steps, context_fill=args.context_fill,
                     weights=args.weights or ["bf16"], quantize=args.quantize,
                     quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
-                    ttft=_csv(args.ttft, int), step_output=args.step_output)
+                    ttft=_csv(args.ttft, int), step_output=args.step_output, engines=args.engines)
 
 
 def targets_from(args) -> list[Target]:
     presets = [p for spec in args.preset for p in _csv(spec)] or ([] if args.model else ["qwen3-0.6b"])
     return [preset_target(p, args.layers, args.seed) for p in presets] + [folder_target(m) for m in args.model]
+
+
+def median_engine(per_engine: list[list[dict]]) -> list[dict]:
+    """The records (one per mode) of the engine whose first mode (graph, or cpu) has the median
+    tok/s, the lower middle for an even count; each lists its mode's tok/s on every engine."""
+    order = sorted(range(len(per_engine)), key=lambda e: per_engine[e][0]["tokens_per_s"] or 0.0)
+    chosen = per_engine[order[(len(order) - 1) // 2]]
+    for mode, r in enumerate(chosen):
+        r["engines"] = len(per_engine)
+        r["tokens_per_s_engines"] = [records[mode]["tokens_per_s"] for records in per_engine]
+    return chosen
 
 
 def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[list, list, list]:
@@ -864,11 +900,16 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
             notes.append(f"{target.label}: contexts {too_long} skipped, beyond max_position_embeddings "
                          f"{target.config.max_position_embeddings}")
         for kv in s.kv:
+            per_engine = {}  # (weights, page) -> each engine's records, in build order
+            for e in range(s.engines):  # round e: engine e of every weight format and page
+                for fmt in s.weights:
+                    for page in s.kv_pages:
+                        r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, sweep=e == 0)
+                        per_engine.setdefault((fmt, page), []).append(r)
+                        sweep += sw
             for fmt in s.weights:
                 for page in s.kv_pages:
-                    r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page)
-                    results += r
-                    sweep += sw
+                    results += median_engine(per_engine[(fmt, page)])
         results += [bench_peer(peer, target, s, bandwidth) for peer in s.peers]
     compare_tokens(results)
     notes += [f"{r['model']} {r['runtime']} skipped: {r['reason']}" for r in results if r["status"] != "ok"]
@@ -899,6 +940,9 @@ def merge_docs(docs: list[dict]) -> dict:
     concatenated; the first run's header fields kept, and each run's command and bandwidth noted."""
     for doc in docs:
         doc.setdefault("ttft", [])  # documents written before --ttft existed
+        for r in doc["results"]:  # ... and before --engines
+            r.setdefault("engines", 1)
+            r.setdefault("tokens_per_s_engines", None)
         check_schema(doc)
     merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)

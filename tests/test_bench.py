@@ -506,3 +506,60 @@ def test_suite_script_invocations_parse():
             too_long = [c for c in s.contexts + s.ttft if c >= target.config.max_position_embeddings]
             assert not too_long, f"{name}: {too_long} exceed {target.label}'s positions"
     assert {"qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"} <= models
+
+
+def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys):
+    """--engines 3: three engines per weight format, built in rounds over the formats; each
+    result is the engine with the median graph tok/s and lists all three; the context sweep
+    runs on the first round only. The engines' speeds are set here (a fake bench_onegraph)."""
+    speeds = {"bf16": [100.0, 90.0, 110.0], "q4": [300.0, 330.0, 270.0]}
+    built = []
+
+    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0, sweep=True):
+        e = sum(1 for f, _ in built if f == fmt)
+        built.append((fmt, sweep))
+        records = []
+        for mode, factor in (("graph", 1.0), ("nongraph", 0.9)):
+            r = bench.empty_result(target, f"onegraph-{mode}", kv, s, fmt)
+            r.update(tokens_per_s=speeds[fmt][e] * factor, tokens=[e, 1, 2], kv_page_size=64,
+                     engine_index=e)
+            records.append(r)
+        return records, ([{"context": 8, "engine": e}] if sweep else [])
+
+    monkeypatch.setattr(bench, "bench_onegraph", fake_bench_onegraph)
+    s = bench.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8])
+    target = bench.preset_target("tiny-dense", None, 0)
+    results, sweep, _ = bench.run([target], s, None)
+    assert built == [("bf16", True), ("q4", True), ("bf16", False), ("q4", False), ("bf16", False), ("q4", False)]
+    assert sweep == [{"context": 8, "engine": 0}, {"context": 8, "engine": 0}]
+    graph = {r["weights"]: r for r in results if r["runtime"] == "onegraph-graph"}
+    assert graph["bf16"]["engine_index"] == 0 and graph["bf16"]["tokens_per_s"] == 100.0
+    assert graph["q4"]["engine_index"] == 0 and graph["q4"]["tokens_per_s"] == 300.0
+    assert graph["q4"]["tokens_per_s_engines"] == [300.0, 330.0, 270.0] and graph["q4"]["engines"] == 3
+    nongraph = [r for r in results if r["runtime"] == "onegraph-nongraph"]
+    assert all(r["engine_index"] == 0 for r in nongraph)  # the graph record's engine, both modes
+    assert graph["q4"]["speedup_over_nongraph"] == pytest.approx(1 / 0.9)
+    # the lower middle of an even count
+    assert bench.median_engine([[{"tokens_per_s": 5.0}], [{"tokens_per_s": 3.0}]])[0]["tokens_per_s"] == 3.0
+    lines = bench._footnotes(results)
+    assert any("graph tok/s of its 3 engines 300.0, 330.0, 270.0" in line for line in lines)
+    assert any("3.00x the bf16 weights' tok/s (graph; round by round 3.00x, 3.67x, 2.45x)" in line
+               for line in lines)
+
+
+def test_engines_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engines", "0"])
+    assert "--engines must be at least 1" in capsys.readouterr().err
+
+
+def test_cpu_run_with_two_engines(tmp_path):
+    path = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "3",
+                       "--repeats", "1", "--engines", "2", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    bench.check_schema(doc)
+    (r,) = doc["results"]
+    assert r["engines"] == 2 and len(r["tokens_per_s_engines"]) == 2
+    assert r["tokens_per_s"] == min(r["tokens_per_s_engines"])  # the lower middle of two
+    assert doc["settings"]["engines"] == 2
