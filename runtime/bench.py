@@ -407,8 +407,8 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
 
 
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
-                   fmt: str = "bf16", kv_page: int = 0, sweep: bool = True) -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records (unless not `sweep`) for one
+                   fmt: str = "bf16", kv_page: int = 0, with_sweep: bool = True) -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records (when `with_sweep`) for one
     engine of a model, KV format, weight format and KV page size (0 the library's default,
     CONTIGUOUS one block per sequence)."""
     from .engine import Engine
@@ -427,7 +427,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
         measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
-        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if sweep else []
+        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if with_sweep else []
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
     results = []
     for mode, m in measured.items():
@@ -904,7 +904,7 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
             for e in range(s.engines):  # round e: engine e of every weight format and page
                 for fmt in s.weights:
                     for page in s.kv_pages:
-                        r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, sweep=e == 0)
+                        r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, with_sweep=e == 0)
                         per_engine.setdefault((fmt, page), []).append(r)
                         sweep += sw
             for fmt in s.weights:

@@ -515,16 +515,16 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
     speeds = {"bf16": [100.0, 90.0, 110.0], "q4": [300.0, 330.0, 270.0]}
     built = []
 
-    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0, sweep=True):
+    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0, with_sweep=True):
         e = sum(1 for f, _ in built if f == fmt)
-        built.append((fmt, sweep))
+        built.append((fmt, with_sweep))
         records = []
         for mode, factor in (("graph", 1.0), ("nongraph", 0.9)):
             r = bench.empty_result(target, f"onegraph-{mode}", kv, s, fmt)
             r.update(tokens_per_s=speeds[fmt][e] * factor, tokens=[e, 1, 2], kv_page_size=64,
                      engine_index=e)
             records.append(r)
-        return records, ([{"context": 8, "engine": e}] if sweep else [])
+        return records, ([{"context": 8, "engine": e}] if with_sweep else [])
 
     monkeypatch.setattr(bench, "bench_onegraph", fake_bench_onegraph)
     s = bench.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8])
