@@ -158,6 +158,8 @@ struct ArenaCursor {
 
 }  // namespace
 
+constexpr int kStepSlots = 2;  // steps in flight at once (pipelined greedy decoding)
+
 struct og_engine {
     og_config cfg;                       // copy; cfg.layer_is_moe points at layer_is_moe
     std::vector<uint8_t> layer_is_moe;   // [L]
@@ -168,9 +170,11 @@ struct og_engine {
 
     char *arena = nullptr;               // every device buffer below lives in it
     size_t arena_bytes = 0, weight_bytes = 0;
-    og_step_record *step_host = nullptr; // pinned
+    // Pinned, one per step slot: two steps may be in flight (og_begin_chained_step), the second
+    // begun while the first's copies may still be pending.
+    og_step_record *step_host = nullptr; // [kStepSlots]
     float *logits_host = nullptr;        // pinned (V)
-    og::NextToken *next_host = nullptr;  // pinned: the greedy result of an OG_OUTPUT_NEXT_TOKEN step
+    og::NextToken *next_host = nullptr;  // [kStepSlots]: the greedy result of an OG_OUTPUT_NEXT_TOKEN step
     int32_t output = OG_OUTPUT_LOGITS;   // og_set_output: what the body copies to the host
 
     // weights
@@ -210,8 +214,14 @@ struct og_engine {
     std::vector<uint8_t> resident;       // per slot
     size_t n_missing = 0;
 
-    bool step_pending = false;
-    int32_t step_seq = -1;               // the sequence of the pending step
+    // Steps begun and not ended, oldest first: one, or two when a chained step follows the
+    // one in flight. og_end_step ends pending[0].
+    struct PendingStep {
+        int32_t seq, slot, position, output;
+    };
+    PendingStep pending[kStepSlots] = {};
+    int n_pending = 0;
+    int32_t result_slot = 0;             // slot of the last ended OG_OUTPUT_NEXT_TOKEN step
     og_stats stats = {};
 };
 
@@ -691,12 +701,13 @@ og_status init_engine(og_engine *e) {
     // Zeros everywhere: pad columns of the weights, the KV cache, the attention counters.
     OG_CUDA_TRY(cudaMemsetAsync(e->arena, 0, e->arena_bytes, e->stream));
     OG_CUDA_TRY(e->kv_guards.fill(e->stream));
-    OG_CUDA_TRY(pinned_alloc(&e->step_host, sizeof(og_step_record)));
+    OG_CUDA_TRY(pinned_alloc(&e->step_host, kStepSlots * sizeof(og_step_record)));
     OG_CUDA_TRY(pinned_alloc(&e->logits_host, (size_t)e->d.V * sizeof(float)));
-    memset(e->step_host, 0, sizeof(og_step_record));
+    memset(e->step_host, 0, kStepSlots * sizeof(og_step_record));
     memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
-    OG_CUDA_TRY(pinned_alloc(&e->next_host, sizeof(NextToken)));
-    *e->next_host = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
+    OG_CUDA_TRY(pinned_alloc(&e->next_host, kStepSlots * sizeof(NextToken)));
+    for (int slot = 0; slot < kStepSlots; ++slot)
+        e->next_host[slot] = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
 
     std::vector<float> inv_freq(e->d.hd / 2);
     rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,
@@ -776,9 +787,13 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const og_config &c = e->cfg;
     const bool pdl = e->pdl;
     const auto keep = [e](int kind) { return (e->test_omit & kind) == 0; };  // og_test_set_omit
-    OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host, sizeof(og_step_record),
+    // The newest begun step's slot: its pinned record in, its pinned result out.
+    const int slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
+    OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host + slot, sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
-    OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->step, e->x, stream, false));
+    // A chained step's token is the previous step's argmax, still in e->next_token.
+    OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->step, e->next_token, e->x, stream,
+                                 false));
 
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
@@ -856,7 +871,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     if (e->output == OG_OUTPUT_NEXT_TOKEN) {
         OG_CUDA_TRY(launch_argmax(e->logits, d.V, e->argmax_partials, e->argmax_ticket,
                                   e->next_token, stream, pdl));
-        OG_CUDA_TRY(cudaMemcpyAsync(e->next_host, e->next_token, sizeof(NextToken),
+        OG_CUDA_TRY(cudaMemcpyAsync(e->next_host + slot, e->next_token, sizeof(NextToken),
                                     cudaMemcpyDeviceToHost, stream));
     } else {
         OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
@@ -1112,12 +1127,70 @@ OG_API og_status og_begin_step(og_engine *e, int32_t token) {
     // private copy of a shared one), which any later step of the sequence would take too.
     status = e->kv.reserve(id, 1, e->stream);
     if (status != OG_OK) return status;
-    e->step_host->token = token;
-    e->step_host->position = position;
-    e->step_host->seq_slot = seq->slot;
-    e->step_host->row_block = seq->blocks[position / e->kv.layout.page_size];
-    e->step_pending = true;
-    e->step_seq = id;
+    e->step_host[0] = og_step_record{token, position, seq->slot,
+                                     seq->blocks[position / e->kv.layout.page_size]};
+    e->pending[0] = og_engine::PendingStep{id, 0, position, e->output};
+    e->n_pending = 1;
+    return OG_OK;
+}
+
+OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot) {
+    OG_CHECK_HANDLE(e);
+    if (slot == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_begin_chained_step: slot is NULL");
+    if (e->n_pending != 1)
+        return set_error(OG_E_BAD_STATE,
+                         "og_begin_chained_step: needs exactly one step begun and not ended "
+                         "(%d are)",
+                         e->n_pending);
+    const og_engine::PendingStep prev = e->pending[0];
+    if (prev.output != OG_OUTPUT_NEXT_TOKEN || e->output != OG_OUTPUT_NEXT_TOKEN)
+        return set_error(OG_E_BAD_STATE,
+                         "og_begin_chained_step: the token is the previous step's argmax on the "
+                         "device: both steps need og_set_output(OG_OUTPUT_NEXT_TOKEN)");
+    const int32_t id = e->kv.current;
+    if (id != prev.seq)
+        return set_error(OG_E_BAD_STATE,
+                         "og_begin_chained_step: the step in flight is on sequence %d, sequence "
+                         "%d is selected",
+                         prev.seq, id);
+    KvSequence *seq = nullptr;
+    og_status status = e->kv.lookup(id, "og_begin_chained_step", &seq);
+    if (status != OG_OK) return status;
+    const int32_t position = prev.position + 1;
+    if (position >= e->d.max_seq)
+        return set_error(OG_E_CONTEXT_FULL,
+                         "position %d: sequence %d is full (max_seq_len=%d); og_reset starts it "
+                         "over",
+                         position, id, e->d.max_seq);
+    status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // Rows prev.position (already writable) and position; a block the step in flight writes
+    // is not copied again, so nothing here touches it.
+    status = e->kv.reserve(id, 2, e->stream);
+    if (status != OG_OK) return status;
+    const int32_t next = 1 - prev.slot;
+    e->step_host[next] = og_step_record{OG_TOKEN_PREVIOUS_ARGMAX, position, seq->slot,
+                                        seq->blocks[position / e->kv.layout.page_size]};
+    e->pending[1] = og_engine::PendingStep{id, next, position, e->output};
+    e->n_pending = 2;
+    *slot = next;
+    return OG_OK;
+}
+
+OG_API og_status og_cancel_step(og_engine *e) {
+    OG_CHECK_HANDLE(e);
+    if (e->n_pending == 0) return set_error(OG_E_BAD_STATE, "og_cancel_step: no step is begun");
+    e->n_pending -= 1;
+    return OG_OK;
+}
+
+OG_API og_status og_step_slot(og_engine *e, int32_t *slot) {
+    OG_CHECK_HANDLE(e);
+    if (slot == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_step_slot: slot is NULL");
+    *slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
     return OG_OK;
 }
 
@@ -1135,7 +1208,7 @@ OG_API og_status og_enqueue(og_engine *e, void *stream) {
 
 OG_API og_status og_run(og_engine *e) {
     OG_CHECK_HANDLE(e);
-    if (!e->step_pending)
+    if (e->n_pending == 0)
         return set_error(OG_E_BAD_STATE, "og_run: no step begun (call og_begin_step first)");
     og_status status = precheck(e);
     if (status != OG_OK) return status;
@@ -1149,13 +1222,16 @@ OG_API og_status og_run(og_engine *e) {
 
 OG_API og_status og_end_step(og_engine *e) {
     OG_CHECK_HANDLE(e);
-    if (!e->step_pending)
+    if (e->n_pending == 0)
         return set_error(OG_E_BAD_STATE, "og_end_step: no step begun (call og_begin_step first)");
+    const og_engine::PendingStep ended = e->pending[0];
     KvSequence *seq = nullptr;
-    const og_status status = e->kv.lookup(e->step_seq, "og_end_step", &seq);
-    if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its step
+    const og_status status = e->kv.lookup(ended.seq, "og_end_step", &seq);
+    if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its steps
     seq->length += 1;
-    e->step_pending = false;
+    if (ended.output == OG_OUTPUT_NEXT_TOKEN) e->result_slot = ended.slot;
+    for (int i = 1; i < e->n_pending; ++i) e->pending[i - 1] = e->pending[i];
+    e->n_pending -= 1;
     e->stats.steps += 1;
     return OG_OK;
 }
@@ -1165,7 +1241,7 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits) {
     if (status != OG_OK) return status;
     status = og_run(e);
     if (status != OG_OK) {
-        e->step_pending = false;
+        e->n_pending = 0;
         return status;
     }
     status = og_end_step(e);
@@ -1200,7 +1276,7 @@ OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_token
     if (status != OG_OK) return status;
     status = e->kv.reserve(id, n_tokens, e->stream);  // OG_E_POOL_EXHAUSTED changes nothing
     if (status != OG_OK) return status;
-    e->step_pending = false;  // a begun step's row is no longer the sequence's next row
+    e->n_pending = 0;  // a begun step's row is no longer the sequence's next row
     status = run_prefill(e, *seq, tokens, n_tokens);
     if (status != OG_OK) return status;
     if (logits != nullptr) memcpy(logits, e->logits_host, (size_t)e->d.V * sizeof(float));
@@ -1254,8 +1330,8 @@ OG_API og_status og_set_output(og_engine *e, int32_t output) {
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit) {
     OG_CHECK_HANDLE(e);
     if (token == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_next_token: token is NULL");
-    *token = e->next_host->token;
-    if (logit != nullptr) *logit = e->next_host->logit;
+    *token = e->next_host[e->result_slot].token;
+    if (logit != nullptr) *logit = e->next_host[e->result_slot].logit;
     return OG_OK;
 }
 
@@ -1336,9 +1412,9 @@ OG_API og_status og_test_set_omit(og_engine *e, int32_t kinds) {
 
 // ---- sequences and the KV block pool (the work is in kv_pool.cu) -----------------------
 
-// A step begun on a sequence whose blocks change is no longer valid: it must be begun again.
+// Steps begun on a sequence whose blocks change are no longer valid: they must be begun again.
 static void cancel_step_of(og_engine *e, int32_t seq) {
-    if (e->step_pending && e->step_seq == seq) e->step_pending = false;
+    if (e->n_pending > 0 && e->pending[0].seq == seq) e->n_pending = 0;  // all on one sequence
 }
 
 #define OG_CHECK_OUT(p)                                                                      \
@@ -1366,7 +1442,7 @@ OG_API og_status og_seq_select(og_engine *e, int32_t seq) {
     const og_status status = e->kv.lookup(seq, "og_seq_select", &found);
     if (status != OG_OK) return status;
     e->kv.current = seq;
-    e->step_pending = false;
+    e->n_pending = 0;
     return OG_OK;
 }
 

@@ -20,11 +20,14 @@
 namespace og {
 
 // ---- embed.cu -----------------------------------------------------------------------
-// x[i] = float(table[step->token, i]) for i < hidden. table: [vocab, padded_cols(hidden)].
-// A token outside [0, vocab) (never after og_begin_step's check) yields x = NaN.
+// x[i] = float(table[token, i]) for i < hidden. table: [vocab, padded_cols(hidden)]. token =
+// step->token, or previous->token when it is OG_TOKEN_PREVIOUS_ARGMAX (a chained step: the
+// argmax of the step before, on the device; previous may be NULL otherwise). A token outside
+// [0, vocab) (never after og_begin_step's check) yields x = NaN.
+struct NextToken;
 cudaError_t launch_embedding(const __nv_bfloat16 *table, int vocab, int hidden,
-                             const og_step_record *step, float *x, cudaStream_t stream,
-                             bool pdl);
+                             const og_step_record *step, const NextToken *previous, float *x,
+                             cudaStream_t stream, bool pdl);
 
 // ---- gemv.cu ------------------------------------------------------------------------
 enum GemvMode : int {

@@ -35,6 +35,17 @@
  * Graph path (what runtime/graph.py does): capture og_enqueue(e, stream) once into a
  * graph; then per token: og_begin_step(e, token) -> cudaGraphLaunch(graph, stream) ->
  * cudaStreamSynchronize(stream) -> og_end_step(e) -> read og_logits().
+ *
+ * Pipelined greedy decoding (graph path, OG_OUTPUT_NEXT_TOKEN): the next step is launched
+ * before the host has read the token it consumes. og_begin_step(e, t0) -> capture or pick the
+ * graph of og_step_slot() -> launch; then per token: og_begin_chained_step(e, &slot) ->
+ * launch slot's graph (same stream) -> wait for the older step -> og_end_step(e) ->
+ * og_next_token(e, &t, NULL). The chained step's embedding reads its token from the older
+ * step's argmax on the device, so the GPU never waits for the host between tokens; each step
+ * still makes one H2D copy (its record) and one D2H copy (its token). Each of the two steps in
+ * flight has its own pinned record and result (slot 0 and 1), so capture one graph per slot.
+ * To stop (a stop token), wait for the chained step and og_cancel_step(e): the sequence keeps
+ * the rows of the ended steps only.
  */
 #ifndef ONEGRAPH_H
 #define ONEGRAPH_H
@@ -53,11 +64,13 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 5   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+#define OG_ABI_VERSION 6   /* 2: og_config.weights_dense / _experts / _lm_head appended;
                               3: og_config.kv_page_size / _pool_blocks / _max_sequences
                                  appended, og_step_record.seq_slot / row_block, sequences;
                               4: og_config.prefill_chunk appended, og_prefill;
-                              5: og_set_output, og_next_token */
+                              5: og_set_output, og_next_token;
+                              6: og_begin_chained_step, og_cancel_step, og_step_slot,
+                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -172,8 +185,12 @@ typedef struct og_config {
 /* The pinned host record copied to the device at the start of every step (og_begin_step
  * fills it). The body reads everything per-token from its device copy, so a captured graph
  * replays unchanged for every token, every sequence and every block assignment. */
+/* og_step_record.token of a chained step: the token is the previous step's argmax, read on
+ * the device (og_begin_chained_step). */
+#define OG_TOKEN_PREVIOUS_ARGMAX (-1)
+
 typedef struct og_step_record {
-    int32_t token;
+    int32_t token;                  /* or OG_TOKEN_PREVIOUS_ARGMAX                          */
     int32_t position;               /* row of the sequence this step writes; visible length
                                        during attention is position + 1                      */
     int32_t seq_slot;               /* the sequence's row of the device block tables         */
@@ -246,9 +263,30 @@ OG_API og_status og_precheck(og_engine *e);
 /* Prepare a step of the selected sequence: check the token range, the row (position <
  * max_seq_len, else OG_E_CONTEXT_FULL) and the precheck; make the row's block writable
  * (og_seq_reserve of one row: OG_E_POOL_EXHAUSTED without a free block); then write {token,
- * position, seq_slot, row_block} into the pinned step record. On error nothing changes.
- * OG_E_BAD_STATE when no sequence is selected. */
+ * position, seq_slot, row_block} into the pinned step record of slot 0. On error nothing
+ * changes. OG_E_BAD_STATE when no sequence is selected. Steps begun and not ended are
+ * dropped (the caller has waited for any it launched). */
 OG_API og_status og_begin_step(og_engine *e, int32_t token);
+
+/* Pipelined greedy decoding: begin the step after the one in flight, without its token. The
+ * token is that step's argmax, which the body's embedding reads on the device
+ * (OG_TOKEN_PREVIOUS_ARGMAX), so this step can be launched before the host has seen it.
+ * Needs exactly one step begun and not ended, begun on the selected sequence with
+ * OG_OUTPUT_NEXT_TOKEN, and the output still OG_OUTPUT_NEXT_TOKEN (else OG_E_BAD_STATE); then
+ * checks as og_begin_step (row position + 1 < max_seq_len, the precheck, the row's block) and
+ * writes the record of the other slot, which *slot receives (0 or 1: launch the graph
+ * captured for that slot, on the same stream as the step in flight). On error nothing
+ * changes. og_end_step ends the older step first. */
+OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot);
+
+/* Drop the newest step begun and not ended (a chained step the caller no longer wants). The
+ * caller has waited for its work if it was launched: its K/V row lies past the sequence's
+ * length then, where the next step writes again. OG_E_BAD_STATE when no step is begun. */
+OG_API og_status og_cancel_step(og_engine *e);
+
+/* The slot (0 or 1) of the newest begun step: which pinned record and result og_enqueue
+ * uses, i.e. which graph to launch for it. 0 when no step is begun. */
+OG_API og_status og_step_slot(og_engine *e, int32_t *slot);
 
 /* THE BODY. Enqueue one decode step on stream (a cudaStream_t; NULL = the engine's own
  * stream): H2D step record -> embedding -> layers -> final norm -> lm_head -> D2H logits.
@@ -261,7 +299,8 @@ OG_API og_status og_enqueue(og_engine *e, void *stream);
 OG_API og_status og_run(og_engine *e);
 
 /* After the step's work has completed (og_run returned, or the caller synchronized the
- * stream a graph was launched on): the visible length advances by one. */
+ * stream a graph was launched on): the visible length advances by one. With a chained step
+ * in flight, this ends the older of the two. */
 OG_API og_status og_end_step(og_engine *e);
 
 /* Convenience for C callers: begin_step + run + end_step; *logits (may be NULL) points at
@@ -295,7 +334,8 @@ OG_API og_status og_reset(og_engine *e);
  * sequence is selected. */
 OG_API og_status og_get_position(og_engine *e, int32_t *position);
 
-/* The pinned step record the body copies from (stable address for the engine's life). */
+/* The pinned step record of slot 0, the one og_begin_step fills and the body copies from
+ * (stable address for the engine's life); a chained step's record follows it (slot 1). */
 OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
 
 /* The pinned logits [vocab_size] fp32 the body copies into (stable address). */
@@ -314,7 +354,7 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
  * any other value (the output is unchanged). */
 OG_API og_status og_set_output(og_engine *e, int32_t output);
 
-/* The result of the last completed OG_OUTPUT_NEXT_TOKEN step: the greedy next token and its
+/* The result of the last ended OG_OUTPUT_NEXT_TOKEN step: the greedy next token and its
  * logit (NaN when a logit was NaN: the token is then the first NaN's id). Before any such
  * step: token -1. logit may be NULL. */
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit);

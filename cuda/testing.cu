@@ -339,7 +339,8 @@ OG_API og_status og_test_embedding(const uint16_t *table, int32_t vocab, int32_t
     OG_TRY(upload_step(d_step, token, 0));
     OG_TRY(alloc_copy(d_x, x, (size_t)hidden * 4));
     OG_TRY(finish_launch(launch_embedding(d_table.as<__nv_bfloat16>(), vocab, hidden,
-                                          d_step.as<og_step_record>(), d_x.as<float>(), 0, false),
+                                          d_step.as<og_step_record>(), nullptr, d_x.as<float>(), 0,
+                                          false),
                          "launch_embedding"));
     return copy_back(x, d_x, (size_t)hidden * 4);
 }

@@ -14,7 +14,11 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   token id on the host. --step-output next_token (the default, what greedy generate does):
   the argmax is taken on the device and the step copies 8 bytes out (the peers, too, take
   their argmax on the device); logits: the step copies the logits out and the host takes
-  the argmax. Graph and non-graph alternate in
+  the argmax. With next_token and --pipeline on (the default), the graph's steps are
+  pipelined as greedy generate runs them (Engine.decode_greedy): each step is launched before
+  the host has read the token it consumes, so a step's time is the time between two tokens
+  reaching the host; --pipeline off times the graph one step at a time (launch, synchronize,
+  read). The non-graph path is always one step at a time. Graph and non-graph alternate in
   the same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
   there) and is excluded; later repeats swap the order each time. tok/s = N / the sum of
   the N step times, the median over repeats; TBT median and p90 pool every timed step.
@@ -32,7 +36,8 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
 - Peers (--peers, bench/peers.py): Hugging Face transformers on the same weights, prompt,
   token count and dtype (bf16 weights and KV), each skipped with a reason when torch,
   transformers or CUDA is absent.
-- Context sweep (--contexts): decode ms/token with the attention reading C rows. By default
+- Context sweep (--contexts): decode ms/token with the attention reading C rows, each step
+  timed alone (launch, synchronize, read: never pipelined). By default
   the position is pinned at C - 1: before every step the sequence is set to C - 1 rows
   (og_seq_set_length: their KV blocks are allocated, their content unspecified), so no
   C-token prompt is fed and each step writes row C - 1 and attends over C rows; what the
@@ -230,6 +235,7 @@ class Settings:
     kv_pages: list = field(default_factory=lambda: [0])  # rows per KV block; 0 default, -1 contiguous
     ttft: list = field(default_factory=list)  # prompt lengths of the TTFT comparison
     step_output: str = "next_token"  # next_token: argmax on the device; logits: on the host
+    pipeline: bool = True          # graph steps pipelined (Engine.decode_greedy) with next_token
 
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
@@ -283,14 +289,27 @@ def greedy_step(engine, step_output: str) -> Callable[[int], int]:
     return lambda token: int(np.argmax(engine.step(token)))
 
 
-def run_decode(engine, prompt: list[int], n: int, step_output: str = "next_token") -> dict:
-    """Prompt token by token, then n greedy steps: {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}."""
+def pipelined(engine, step_output: str, pipeline: bool) -> bool:
+    """Whether run_decode's steps go through Engine.decode_greedy (pipelined on the graph path)."""
+    return pipeline and step_output == "next_token" and engine.use_graph and engine.backend != "cpu"
+
+
+def run_decode(engine, prompt: list[int], n: int, step_output: str = "next_token",
+               pipeline: bool = True) -> dict:
+    """Prompt, then n greedy steps: {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}. Pipelined
+    (see pipelined()): step i's time runs from token i - 1 reaching the host (the call, for the
+    first) to token i reaching it."""
     engine.reset()
     step = greedy_step(engine, step_output)
     t0 = time.perf_counter()
     token = int(np.argmax(engine.prefill(prompt)))
     ttft_ms = (time.perf_counter() - t0) * 1e3
     tokens, step_ms = [token], []
+    if pipelined(engine, step_output, pipeline):
+        stamps = [time.perf_counter()]
+        tokens += engine.decode_greedy(token, n, on_token=lambda _: stamps.append(time.perf_counter()))
+        step_ms = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        return {"ttft_ms": ttft_ms, "step_ms": step_ms, "tokens": tokens}
     for _ in range(n):
         t = time.perf_counter()
         token = step(token)
@@ -323,7 +342,7 @@ def _transfer_totals(engine) -> tuple[float, float, int]:
 
 
 def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int,
-                    step_output: str = "next_token") -> dict:
+                    step_output: str = "next_token", pipeline: bool = True) -> dict:
     """Repeat 0 warms every mode up (the graph is captured there); later repeats run the modes
     in alternating order. Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
     out = {m: {"runs": [], "warmup_s": None, "h2d": 0.0, "d2h": 0.0, "steps": 0} for m in modes}
@@ -332,7 +351,7 @@ def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats
             _set_mode(engine, mode)
             before = _transfer_totals(engine)
             t0 = time.perf_counter()
-            run = run_decode(engine, prompt, n, step_output)
+            run = run_decode(engine, prompt, n, step_output, pipeline)
             if rep == 0:
                 out[mode]["warmup_s"] = time.perf_counter() - t0
                 continue
@@ -425,7 +444,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     page_size = getattr(engine, "kv_page_size", None)
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
-        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output)
+        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output, s.pipeline)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
         sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if with_sweep else []
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
@@ -434,7 +453,8 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         r = empty_result(target, f"onegraph-{mode}", kv, s, label)
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
                  h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt,
-                 kv_page_size=page_size, step_output=s.step_output)
+                 kv_page_size=page_size, step_output=s.step_output,
+                 pipelined=mode == "graph" and s.pipeline and s.step_output == "next_token")
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
         results.append(r)
     for r in sweep:
@@ -616,7 +636,7 @@ DOC_FIELDS = {
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
     "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
-                "engines, quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output",
+                "engines, quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output, pipeline",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "ttft": "one record per (model, runtime, prompt) of --ttft: TTFT_FIELDS",
@@ -655,6 +675,8 @@ RESULT_FIELDS = {
     "d2h_per_token": "device-to-host copies per token (onegraph only)",
     "step_output": "what a onegraph step copies to the host: next_token (the argmax, taken on the device) | "
                    "logits (the host takes the argmax); null for peers (they take it on the device)",
+    "pipelined": "onegraph: the steps were pipelined (graph path, next_token output, --pipeline on: each "
+                 "launched before the host read the token it consumes); null for peers",
     "bytes_per_token": "{weights: {part: bytes, total}, weight_format, kv_read, context, total, "
                        "embedding_table_not_read}: what one step reads at the mean decode context",
     "floor_ms": "bytes_per_token.total / copy bandwidth",
@@ -852,6 +874,9 @@ def parse_args(argv):
     p.add_argument("--step-output", choices=["next_token", "logits"], default="next_token",
                    help="what a decode step copies to the host: the greedy token (argmax on the device, as "
                         "greedy generate does) or the logits (argmax on the host)")
+    p.add_argument("--pipeline", choices=["on", "off"], default="on",
+                   help="with --step-output next_token: graph steps pipelined as greedy generate runs them "
+                        "(the next launched before the token is read), or one at a time")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -872,7 +897,8 @@ def settings_from(args) -> Settings:
                     context_steps=args.context_steps, context_fill=args.context_fill,
                     weights=args.weights or ["bf16"], quantize=args.quantize,
                     quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
-                    ttft=_csv(args.ttft, int), step_output=args.step_output, engines=args.engines)
+                    ttft=_csv(args.ttft, int), step_output=args.step_output, engines=args.engines,
+                    pipeline=args.pipeline == "on")
 
 
 def targets_from(args) -> list[Target]:
@@ -943,6 +969,7 @@ def merge_docs(docs: list[dict]) -> dict:
         for r in doc["results"]:  # ... and before --engines
             r.setdefault("engines", 1)
             r.setdefault("tokens_per_s_engines", None)
+            r.setdefault("pipelined", False if r.get("runtime", "").startswith("onegraph") else None)
         check_schema(doc)
     merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)

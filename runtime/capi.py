@@ -12,7 +12,7 @@ import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
 # The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -45,6 +45,8 @@ OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = 0, 1, 2
 # og_set_output: what a step copies to the host
 OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN = 0, 1
 OUTPUTS = {"logits": OG_OUTPUT_LOGITS, "next_token": OG_OUTPUT_NEXT_TOKEN}
+# og_step_record.token of a chained step (og_begin_chained_step): the previous step's argmax
+OG_TOKEN_PREVIOUS_ARGMAX = -1
 KV_DTYPES = {"fp32": OG_KV_F32, "bf16": OG_KV_BF16, "int8": OG_KV_INT8}
 
 
@@ -193,6 +195,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_precheck", c_int32, Handle)
     # og_status og_begin_step(og_engine *e, int32_t token);
     fn("og_begin_step", c_int32, Handle, c_int32)
+    # og_status og_begin_chained_step(og_engine *e, int32_t *slot);
+    fn("og_begin_chained_step", c_int32, Handle, POINTER(c_int32))
+    # og_status og_cancel_step(og_engine *e);
+    fn("og_cancel_step", c_int32, Handle)
+    # og_status og_step_slot(og_engine *e, int32_t *slot);
+    fn("og_step_slot", c_int32, Handle, POINTER(c_int32))
     # og_status og_enqueue(og_engine *e, void *stream);
     fn("og_enqueue", c_int32, Handle, c_void_p)
     # og_status og_run(og_engine *e);

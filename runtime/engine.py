@@ -15,6 +15,14 @@ library is usable, or when the hit-only precheck fails (a weight is not resident
 switch replays the sequence so far on the CPU from a clean start, so the tokens that
 follow are the ones an uninterrupted run would produce (up to the stated numerics bounds).
 
+Pipelined greedy decoding (decode_greedy, and so greedy generate, on the graph path): the
+step after the one in flight is launched before the host reads its token; its embedding takes
+that token from the argmax on the device (og_begin_chained_step). The GPU then never waits for
+the host between tokens (~20 µs a token on an H200: the synchronize, the host's own work and
+the next launch), and each step still makes its one copy each way. A stop token leaves one
+launched step behind, which is waited for and dropped (og_cancel_step): the sequence holds
+exactly the tokens a step-by-step decode would have fed.
+
 Graph failures: if capturing the body fails (an illegal call during capture, an error from
 og_enqueue) or a replay fails, that step runs on the non-graph path (same result: nothing of
 the failed capture ran) and capture is tried again `recapture_after` steps later.
@@ -138,7 +146,9 @@ class GpuSession:
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.pool = DevicePool(self.lib, self.handle)
         self.output = "logits"              # og_set_output: what a step copies to the host
-        self._graphs = {}                   # output -> its captured DecodeGraph
+        self._graphs = {}                   # (output, step slot) -> its captured DecodeGraph
+        self._pipe_stream = None            # pipelined steps: one stream for both slots' graphs
+        self._slot_done = {}                # step slot -> event recorded after its launch
         self.capture_mode = "thread_local"  # see runtime/graph.py
         self.captures = 0                   # graphs captured successfully
         self.graph_copies = None            # memcpy nodes of the last captured graph
@@ -212,6 +222,50 @@ class GpuSession:
     def begin(self, token: int) -> None:
         capi.check(self.lib.og_begin_step(self.handle, int(token)), "og_begin_step")
 
+    def begin_chained(self) -> int:
+        """og_begin_chained_step: the step after the one in flight, its token that step's argmax
+        on the device; returns the step's slot (launch(slot))."""
+        slot = ctypes.c_int32()
+        capi.check(self.lib.og_begin_chained_step(self.handle, ctypes.byref(slot)), "og_begin_chained_step")
+        return slot.value
+
+    def cancel(self) -> None:
+        """og_cancel_step: drop the newest begun step (its work waited for, if launched)."""
+        capi.check(self.lib.og_cancel_step(self.handle), "og_cancel_step")
+
+    def _pipeline_stream(self):
+        from .graph import _check, _runtime
+        rt = _runtime()
+        if self._pipe_stream is None:
+            self._pipe_stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
+                                       "cudaStreamCreateWithFlags")
+        return self._pipe_stream
+
+    def launch(self, slot: int) -> None:
+        """Launch the graph of the newest begun step, whose slot is `slot` (captured first when
+        new), on the pipeline stream, and record the slot's event behind it."""
+        from .graph import _check, _runtime
+        rt = _runtime()
+        stream = self._pipeline_stream()
+        self.capture(slot).launch(stream)
+        event = self._slot_done.get(slot)
+        if event is None:
+            event = self._slot_done[slot] = _check(
+                rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+        _check(rt.cudaEventRecord(event, stream), "cudaEventRecord")
+
+    def wait(self, slot: int) -> None:
+        """Until the last launch of `slot` has completed."""
+        from .graph import _check, _runtime
+        _check(_runtime().cudaEventSynchronize(self._slot_done[slot]), "cudaEventSynchronize")
+
+    def drain(self) -> None:
+        """Until everything launched on the pipeline stream has completed (errors ignored: this
+        runs while a failure is being handled)."""
+        if self._pipe_stream is not None:
+            from .graph import _runtime
+            _runtime().cudaStreamSynchronize(self._pipe_stream)
+
     def prefill(self, tokens) -> np.ndarray:
         """og_prefill: the whole prompt through the batched pass; the last token's logits."""
         ids = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -241,26 +295,30 @@ class GpuSession:
 
     @property
     def graph(self):
-        """The captured graph of the current output (None before its first capture)."""
-        return self._graphs.get(self.output)
+        """The captured graph of the current output, slot 0 (None before its first capture)."""
+        return self._graphs.get((self.output, 0))
 
-    def capture(self):
+    def capture(self, slot: int = 0):
+        """The graph of the current output for steps of `slot` (og_begin_step: 0; a chained
+        step: begin_chained's), captured now when new: og_enqueue then takes the newest begun
+        step's slot, so capture right after beginning a step of that slot."""
         from .graph import DecodeGraph
 
         def enqueue(stream: int) -> None:
             capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
 
-        graph = self._graphs.get(self.output)
+        graph = self._graphs.get((self.output, slot))
         if graph is None:
-            graph = self._graphs[self.output] = DecodeGraph(enqueue, mode=self.capture_mode)
+            graph = self._graphs[(self.output, slot)] = DecodeGraph(enqueue, mode=self.capture_mode)
             self.captures += 1
         return graph
 
     def drop_graph(self) -> None:
         """Discard the graphs after a failure: wait for anything they launched, then free them."""
-        for output, graph in list(self._graphs.items()):
+        self.drain()
+        for (output, slot), graph in list(self._graphs.items()):
             try:
-                if output == self.output:
+                if output == self.output and slot == 0:
                     self.graph_copies = graph.memcpy_directions()
                 graph.synchronize()
             except Exception:  # the failure being handled may make these fail too
@@ -297,9 +355,19 @@ class GpuSession:
         return bytes(buf)
 
     def close(self) -> None:
+        self.drain()
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
+        if self._slot_done or self._pipe_stream is not None:
+            from .graph import _runtime
+            rt = _runtime()
+            for event in self._slot_done.values():
+                rt.cudaEventDestroy(event)
+            self._slot_done.clear()
+            if self._pipe_stream is not None:
+                rt.cudaStreamDestroy(self._pipe_stream)
+                self._pipe_stream = None
         if self.handle:
             capi.check(self.lib.og_free(self.handle), "og_free")
             self.handle = capi.Handle()
@@ -543,6 +611,100 @@ class Engine:
             raise ValueError("logits contain NaN")
         return token
 
+    def decode_greedy(self, token: int, max_steps: int, stop_token_ids: Iterable[int] = (),
+                      on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Feed `token`, then each greedy next token in turn, for up to max_steps steps; returns
+        the tokens the steps chose (max_steps of them, or fewer when one of stop_token_ids comes:
+        it is the last one). The same tokens, state and errors as that many step_greedy calls,
+        each feeding the token before it; the last token returned is not fed. on_token(token)
+        is called as each one reaches the host. On the graph path the steps are pipelined (the
+        module docstring): what the GPU does between tokens no longer waits for the host."""
+        stop = {int(t) for t in stop_token_ids}
+        out: list[int] = []
+        if max_steps > 0 and self._gpu is not None and self.use_graph and self._graph_retry_in <= 0:
+            self._validate(token)
+            # Only the steps that fit: a step past max_seq_len fails in step_greedy as it would.
+            fits = min(max_steps, self.max_seq_len - len(self._history))
+            token = self._pipelined_greedy(int(token), fits, stop, on_token, out)
+            if token is None:
+                return out
+        while len(out) < max_steps:
+            token = self.step_greedy(token)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop:
+                break
+        return out
+
+    def _pipelined_greedy(self, token: int, n: int, stop: set, on_token, out: list) -> int | None:
+        """Up to n steps from `token` with the next one always launched (decode_greedy). Appends
+        the chosen tokens to `out`; returns None when done (n steps, or a stop token), else the
+        token to feed next on the step-by-step path (a graph failure, or a chained step the
+        library refused: that path then meets the same condition and handles it)."""
+        gpu = self._gpu
+        gpu.set_output("next_token")
+        t0 = time.perf_counter()
+        try:
+            gpu.begin(token)  # validates and prechecks; on error nothing has changed
+        except capi.LibraryError:
+            return token      # the step-by-step path reports it (or falls back to the CPU)
+        fed = [token]         # tokens of the launched steps not yet ended, oldest first
+        slots = [0]
+        try:
+            gpu.launch(0)
+            while True:
+                if len(out) + len(fed) < n:  # another step is wanted after the one in flight
+                    try:
+                        slot = gpu.begin_chained()
+                    except capi.LibraryError:
+                        slot = None
+                    if slot is not None:
+                        slots.append(slot)
+                        fed.append(capi.OG_TOKEN_PREVIOUS_ARGMAX)
+                        gpu.launch(slot)
+                gpu.wait(slots[0])
+                result, logit = gpu.end()
+                self._history.append(fed.pop(0))
+                slots.pop(0)
+                now = time.perf_counter()
+                self._timing["tokens"] += 1
+                self._timing["graph_steps"] += 1
+                self._timing["seconds"] += now - t0
+                t0 = now
+                if np.isnan(logit):
+                    raise ValueError("logits contain NaN")
+                out.append(result)
+                if fed:
+                    fed[0] = result  # the token the chained step consumed, now known
+                if on_token is not None:
+                    on_token(result)
+                if result in stop or len(out) == n:
+                    self._drop_launched(fed)
+                    return None
+                if not fed:  # the chained step was refused: go on step by step
+                    return result
+        except GraphError as e:
+            log.warning("onegraph: pipelined graph steps failed (%s); continuing on the non-graph "
+                        "path, capturing again in %d steps", e, self.recapture_after)
+            self.last_graph_error = str(e)
+            self._timing["graph_failures"] += 1
+            self._graph_retry_in = self.recapture_after
+            self._drop_launched(fed)
+            gpu.drop_graph()
+            # The failed steps changed nothing the step-by-step path can see: feed again.
+            return out[-1] if out else token
+        except BaseException:
+            self._drop_launched(fed)
+            raise
+
+    def _drop_launched(self, fed: list) -> None:
+        """Wait for the launched steps not ended, then drop them (og_cancel_step)."""
+        self._gpu.drain()
+        for _ in fed:
+            self._gpu.cancel()
+        fed.clear()
+
     def _step(self, token: int, output: str):
         """One step; output "logits" returns the logits, "next_token" (token, logit)."""
         self._validate(token)
@@ -658,7 +820,7 @@ class Engine:
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
                          stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill,
-                         greedy_step_fn=self.step_greedy)
+                         greedy_step_fn=self.step_greedy, greedy_decode_fn=self.decode_greedy)
 
     def _reserve(self, n_tokens: int) -> None:
         """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not

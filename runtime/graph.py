@@ -7,6 +7,9 @@
     exec  = cudaGraphInstantiate(graph)
     per token: og_begin_step -> cudaGraphLaunch(exec, stream) -> cudaStreamSynchronize -> og_end_step
 
+Pipelined greedy steps (engine.py, Engine.decode_greedy) launch the graphs of both step slots
+on one stream the session owns (launch(stream)) and wait on an event per slot instead.
+
 Capture runs in thread-local mode by default: an unsafe CUDA call (an allocation, a
 synchronization) made by the capturing thread, which is the thread running og_enqueue, fails
 and invalidates the capture instead of silently escaping it, while other threads decoding
@@ -93,8 +96,9 @@ class DecodeGraph:
         self.graph = _check(rt.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
         self.exec = _check(rt.cudaGraphInstantiate(self.graph, 0), "cudaGraphInstantiate")
 
-    def launch(self) -> None:
-        _check(self._rt.cudaGraphLaunch(self.exec, self.stream), "cudaGraphLaunch")
+    def launch(self, stream=None) -> None:
+        """Launch on `stream` (a cudaStream_t; default: the stream it was captured on)."""
+        _check(self._rt.cudaGraphLaunch(self.exec, self.stream if stream is None else stream), "cudaGraphLaunch")
 
     def synchronize(self) -> None:
         _check(self._rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")

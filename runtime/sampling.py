@@ -81,7 +81,8 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
              params: SamplingParams = SamplingParams(), stop_token_ids: Iterable[int] = (),
              on_token: Callable[[int], None] | None = None,
              prefill_fn: Callable[[list[int]], np.ndarray] | None = None,
-             greedy_step_fn: Callable[[int], int] | None = None) -> list[int]:
+             greedy_step_fn: Callable[[int], int] | None = None,
+             greedy_decode_fn: Callable | None = None) -> list[int]:
     """Feed the prompt, then sample up to max_new_tokens tokens; returns the new tokens.
 
     step_fn(token) -> logits [vocab] decodes one token. prefill_fn(tokens) -> logits of the last
@@ -92,6 +93,8 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
     holds the prompt and all but the last new token. greedy_step_fn(token) -> the greedy next
     token, if given, replaces step_fn + sample for greedy params after the prompt (an engine
     takes the argmax on the device; it must raise ValueError on NaN logits as sample() does).
+    greedy_decode_fn(token, max_steps, stop_token_ids, on_token) -> tokens, if given, replaces
+    that loop as a whole (Engine.decode_greedy: the same tokens, its steps pipelined).
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -117,6 +120,8 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
             on_token(token)
         if token in stop or len(new_tokens) == max_new_tokens:
             return new_tokens
+        if params.greedy and greedy_decode_fn is not None:
+            return new_tokens + list(greedy_decode_fn(token, max_new_tokens - len(new_tokens), stop, on_token))
         if params.greedy and greedy_step_fn is not None:
             token = int(greedy_step_fn(token))
         else:

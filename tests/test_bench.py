@@ -296,6 +296,7 @@ class FakeGpuEngine:
         self.counts = {"graph_steps": 0, "nongraph_steps": 0}
         self.seen = []  # (mode, position read by the body) per step
         self.outputs = []  # what each step handed out: "logits" | "next_token"
+        self.pipelined_runs = 0  # decode_greedy calls
 
         class Session:
             step_record = type("Record", (), {"position": 0})()
@@ -327,6 +328,15 @@ class FakeGpuEngine:
     def step_greedy(self, token):
         return int(np.argmax(self.step(token, "next_token")))
 
+    def decode_greedy(self, token, n, stop_token_ids=(), on_token=None):  # pipelined on the GPU
+        self.pipelined_runs += 1
+        out = []
+        for _ in range(n):
+            token = self.step_greedy(token)
+            out.append(token)
+            on_token(token)
+        return out
+
     def prefill(self, tokens):
         return [self.step(t) for t in tokens][-1]
 
@@ -340,8 +350,8 @@ class FakeGpuEngine:
         self.inner.close()
 
 
-@pytest.mark.parametrize("step_output", ["next_token", "logits"])
-def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output):
+@pytest.mark.parametrize("step_output,pipeline", [("next_token", True), ("next_token", False), ("logits", True)])
+def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output, pipeline):
     engines = []
     def make_engine(*args, **kwargs):
         engines.append(FakeGpuEngine(*args, **kwargs))
@@ -349,7 +359,7 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
 
     monkeypatch.setattr("runtime.engine.Engine", make_engine)
     s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2,
-                       step_output=step_output)
+                       step_output=step_output, pipeline=pipeline)
     target = bench.preset_target("tiny-dense", None, seed=0)
     results, sweep = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
     bench.compare_tokens(results)
@@ -373,6 +383,10 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
     assert engines[0].inner.position == 0  # the sweep leaves a reset engine
     assert all(r["kv_page_size"] == 64 for r in results + sweep)
     assert all(r["step_output"] == step_output for r in results)
+    # Graph runs (warm-up + 2) pipelined with next_token and --pipeline on; never the non-graph ones.
+    piped = step_output == "next_token" and pipeline
+    assert engines[0].pipelined_runs == (3 if piped else 0)
+    assert (graph["pipelined"], nongraph["pipelined"]) == (piped, False)
     # The prompt's steps give logits; every timed decode step and every sweep step the chosen output.
     outputs = engines[0].outputs
     assert all(outputs[i] == ("logits" if i % run < 3 else step_output) for i in range(3 * 2 * run))

@@ -99,9 +99,9 @@ def test_step_greedy_is_the_argmax_of_step_graph_and_nongraph(preset, weights):
             assert got == want, f"graph={graph}"
         # One graph per output, each with one copy each way; the token output copies 8 bytes.
         graphs = engine._gpu._graphs
-        assert set(graphs) == {"logits", "next_token"} and engine._gpu.captures == 2
-        assert _d2h_bytes(graphs["logits"]) == [4 * config.vocab_size]
-        assert _d2h_bytes(graphs["next_token"]) == [8]
+        assert set(graphs) == {("logits", 0), ("next_token", 0)} and engine._gpu.captures == 2
+        assert _d2h_bytes(graphs["logits", 0]) == [4 * config.vocab_size]
+        assert _d2h_bytes(graphs["next_token", 0]) == [8]
         for g in graphs.values():
             assert g.memcpy_directions() == {"HostToDevice": 1, "DeviceToHost": 1}
 
@@ -205,3 +205,90 @@ def test_qwen3_0_6b_shape_matches_reference(kv):
     worst = max(rel_l2(g, r) for g, r in zip(logits, ref_logits))
     print(f"qwen3-0.6b kv={kv}: worst logits rel L2 {worst:.3g}")
     assert worst < LOGITS_BOUND[kv]
+
+
+# ---- pipelined greedy steps: og_begin_chained_step, Engine.decode_greedy ----------------------
+@pytest.mark.parametrize("preset,weights", [("tiny-dense", "bf16"), ("tiny-dense", "q4"), ("tiny-moe", "int8")])
+def test_pipelined_greedy_is_the_step_by_step_decode(preset, weights):
+    """decode_greedy launches each step before the host has read the token it consumes (the
+    embedding takes it from the step before's argmax on the device): the same tokens, the same
+    KV cache bytes and one copy each way per token as step_greedy one step at a time."""
+    config, tensors = synthetic(preset)
+    n = 40
+    kw = dict(kv="int8", max_seq_len=128, device="gpu", weights=weights)
+    with Engine.from_tensors(config, tensors, **kw) as serial, Engine.from_tensors(config, tensors, **kw) as piped:
+        first = int(np.argmax(serial.prefill(PROMPT)))
+        want, token = [], first
+        for _ in range(n):
+            token = serial.step_greedy(token)
+            want.append(token)
+        assert int(np.argmax(piped.prefill(PROMPT))) == first
+        seen = []
+        assert piped.decode_greedy(first, n, on_token=seen.append) == want == seen
+        assert piped.position == serial.position == len(PROMPT) + n
+        assert piped._gpu.kv_cache_bytes() == serial._gpu.kv_cache_bytes()
+        # Both slots' graphs, each one copy each way (the token out: 8 bytes).
+        graphs = piped._gpu._graphs
+        assert set(graphs) == {("next_token", 0), ("next_token", 1)}
+        for g in graphs.values():
+            assert g.memcpy_directions() == {"HostToDevice": 1, "DeviceToHost": 1} and _d2h_bytes(g) == [8]
+        st = piped.stats()
+        assert st["graph_steps"] == n and st["nongraph_steps"] == 0
+        assert st["h2d_per_token"] == 1.0 and st["d2h_per_token"] == 1.0
+        # Decoding on from here: bit-identical logits.
+        assert np.array_equal(piped.step(want[-1]), serial.step(want[-1]))
+
+
+def test_pipelined_greedy_stop_token_leaves_the_step_by_step_state():
+    config, tensors = synthetic("tiny-dense")
+    kw = dict(kv="int8", max_seq_len=128, device="gpu")
+    with Engine.from_tensors(config, tensors, **kw) as serial, Engine.from_tensors(config, tensors, **kw) as piped:
+        first = int(np.argmax(piped.prefill(PROMPT)))
+        all_tokens = piped.decode_greedy(first, 24)
+        piped.reset()
+        piped.prefill(PROMPT)
+        stop = all_tokens[9]
+        k = all_tokens.index(stop)
+        assert piped.decode_greedy(first, 24, stop_token_ids=[stop]) == all_tokens[:k + 1]
+        assert piped.position == len(PROMPT) + k + 1  # the step launched after the stop was dropped
+        serial.prefill(PROMPT)
+        for t in [first] + all_tokens[:k]:
+            serial.step_greedy(t)
+        assert np.array_equal(piped.step(all_tokens[k]), serial.step(all_tokens[k]))
+
+
+def test_chained_step_refusals_change_nothing():
+    config, tensors = synthetic("tiny-dense")
+    session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=24)
+    try:
+        lib, h = session.lib, session.handle
+        slot = ctypes.c_int32()
+
+        def refused(status, words):
+            assert lib.og_begin_chained_step(h, ctypes.byref(slot)) == status
+            assert words in capi.last_error(), capi.last_error()
+
+        refused(capi.OG_E_BAD_STATE, "exactly one step begun")  # nothing begun
+        assert lib.og_begin_chained_step(h, None) == capi.OG_E_INVALID_ARGUMENT
+        assert lib.og_cancel_step(h) == capi.OG_E_BAD_STATE
+        session.begin(5)  # the logits output
+        refused(capi.OG_E_BAD_STATE, "OG_OUTPUT_NEXT_TOKEN")
+        session.set_output("next_token")
+        refused(capi.OG_E_BAD_STATE, "OG_OUTPUT_NEXT_TOKEN")  # the step in flight was begun with logits
+        session.begin(5)
+        assert session.begin_chained() == 1
+        capi.check(lib.og_step_slot(h, ctypes.byref(slot)))
+        assert slot.value == 1
+        refused(capi.OG_E_BAD_STATE, "(2 are)")
+        session.cancel()
+        session.cancel()
+        assert lib.og_cancel_step(h) == capi.OG_E_BAD_STATE
+        # The last row: a chained step would be past max_seq_len; the begun step still ends.
+        session.seek(23)
+        session.begin(5)
+        refused(capi.OG_E_CONTEXT_FULL, "max_seq_len=24")
+        session.run_nongraph()
+        token, _ = session.end()
+        assert 0 <= token < config.vocab_size and session.position == 24
+    finally:
+        session.close()

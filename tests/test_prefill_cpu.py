@@ -20,13 +20,15 @@ from test_reliability_cpu import PROMPT, _FakeSession, tiny  # noqa: F401  (tiny
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_abi_5_in_header_binding_and_rust():
+def test_abi_6_in_header_binding_and_rust():
     header = (ROOT / "cuda" / "onegraph.h").read_text()
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
-    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 5
-    assert re.search(r"pub const OG_ABI_VERSION: i32 = 5;", rust)
+    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 6
+    assert re.search(r"pub const OG_ABI_VERSION: i32 = 6;", rust)
     assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
     assert "pub fn og_prefill(" in rust
+    for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):  # ABI 6
+        assert f"OG_API og_status {name}(og_engine *e" in header and f"pub fn {name}(" in rust
     # og_config ends with prefill_chunk in all three
     assert capi.OgConfig._fields_[-1] == ("prefill_chunk", ctypes.c_int32)
     config_c = header[header.index("typedef struct og_config {"):header.index("} og_config;")]

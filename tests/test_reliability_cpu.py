@@ -240,6 +240,9 @@ class _FakeGraph:
         self.session = session
 
     def replay(self):
+        self.launch()
+
+    def launch(self, stream=None):
         s = self.session
         if s.fail_replays > 0:
             s.fail_replays -= 1
@@ -258,7 +261,9 @@ class _FakeGraph:
 
 
 class _FakeSession:
-    """The GpuSession surface Engine._gpu_step uses, computing with the numpy reference."""
+    """The GpuSession surface Engine._gpu_step and Engine.decode_greedy use, computing with the
+    numpy reference. Steps run when launched (or run un-captured); `pending` holds the begun
+    steps not ended, oldest first: {"token": id or OG_TOKEN_PREVIOUS_ARGMAX, "logits": once run}."""
 
     def __init__(self, config, tensors):
         self.ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
@@ -270,14 +275,41 @@ class _FakeSession:
         self.logits = None
         self.enqueues = 0
         self.output = "logits"
+        self.pending = []
+        self.refuse_chained = 0  # begin_chained refusals to come (og_begin_chained_step's errors)
+        self.chained = 0         # chained steps begun
 
     def set_output(self, output):
         self.output = output
 
     def begin(self, token):
         self.token = token
+        self.pending = [{"token": token, "logits": None}]
 
-    def capture(self):
+    def begin_chained(self):
+        if self.refuse_chained > 0:
+            self.refuse_chained -= 1
+            raise capi.LibraryError(capi.OG_E_POOL_EXHAUSTED, "no free KV block (stand-in)", "og_begin_chained_step")
+        assert len(self.pending) == 1 and self.output == "next_token"
+        self.pending.append({"token": capi.OG_TOKEN_PREVIOUS_ARGMAX, "logits": None})
+        self.chained += 1
+        return self.chained % 2
+
+    def launch(self, slot):
+        self.capture(slot).launch()
+
+    def wait(self, slot):
+        pass
+
+    def drain(self):
+        pass
+
+    def cancel(self):
+        step = self.pending.pop()
+        if step["logits"] is not None:  # it ran: its row lies past the length now
+            self.ref._position -= 1
+
+    def capture(self, slot=0):
         if self.graph is None:
             if self.fail_captures > 0:
                 self.fail_captures -= 1
@@ -294,13 +326,18 @@ class _FakeSession:
             self.graph = None
 
     def run_nongraph(self):
-        self.logits = self.ref.step(self.token)
+        step = self.pending[-1]
+        token = step["token"]
+        if token == capi.OG_TOKEN_PREVIOUS_ARGMAX:  # the step before's argmax, "on the device"
+            token = int(np.argmax(self.pending[-2]["logits"]))
+        step["logits"] = self.logits = self.ref.step(token)
 
     def end(self):
+        logits = self.pending.pop(0)["logits"]
         if self.output == "logits":
-            return self.logits.copy()
-        best = int(np.argmax(self.logits))
-        return best, float(self.logits[best])
+            return logits.copy()
+        best = int(np.argmax(logits))
+        return best, float(logits[best])
 
     def reset(self):
         self.ref.reset()
@@ -408,3 +445,97 @@ def test_greedy_step_refuses_nan_logits(tiny):
     with pytest.raises(ValueError, match="NaN"):
         engine.step_greedy(PROMPT[0])
     assert engine.position == 1  # the step was fed, as step() followed by sample() would have
+
+
+# ---- pipelined greedy steps (Engine.decode_greedy) against the stand-in session ---------------
+def _serial_greedy(config, tensors, first, n):
+    """The step-by-step reference: n greedy tokens after the prompt, each fed in turn."""
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    for t in PROMPT:
+        ref.step(t)
+    out, token = [], first
+    for _ in range(n):
+        token = int(np.argmax(ref.step(token)))
+        out.append(token)
+    return out
+
+
+def _prompted_fake_engine(config, tensors):
+    engine = _engine_on_fake_gpu(config, tensors)
+    logits = None
+    for t in PROMPT:
+        logits = engine.step(t)
+    return engine, int(np.argmax(logits))
+
+
+def test_decode_greedy_pipelines_the_step_by_step_tokens_and_state(tiny):
+    config, tensors = tiny
+    engine, first = _prompted_fake_engine(config, tensors)
+    want = _serial_greedy(config, tensors, first, 12)
+    seen = []
+    assert engine.decode_greedy(first, 12, on_token=seen.append) == want == seen
+    # 12 steps fed (first and want[:11]); the last token is not fed; 11 steps were chained.
+    assert engine.position == len(PROMPT) + 12 == engine._gpu.ref.position
+    assert engine._history[len(PROMPT):] == [first] + want[:11]
+    assert engine._gpu.chained == 11 and engine._gpu.pending == []
+    st = engine.stats()
+    assert st["graph_steps"] == len(PROMPT) + 12 and st["nongraph_steps"] == 0
+
+
+def test_decode_greedy_stop_token_drops_the_step_launched_after_it(tiny):
+    config, tensors = tiny
+    engine, first = _prompted_fake_engine(config, tensors)
+    want = _serial_greedy(config, tensors, first, 12)
+    k = want.index(want[5])
+    assert engine.decode_greedy(first, 12, stop_token_ids=[want[5]]) == want[:k + 1]
+    # k + 1 steps fed; the chained step that consumed the stop token ran and was dropped.
+    assert engine.position == len(PROMPT) + k + 1 == engine._gpu.ref.position
+    assert engine._gpu.pending == []
+    # Decoding goes on from exactly the state a step-by-step decode leaves.
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    for t in PROMPT + [first] + want[:k]:
+        ref.step(t)
+    np.testing.assert_array_equal(engine.step(want[k]), ref.step(want[k]))
+
+
+def test_decode_greedy_goes_on_step_by_step_after_a_refused_chained_step(tiny):
+    config, tensors = tiny
+    engine, first = _prompted_fake_engine(config, tensors)
+    want = _serial_greedy(config, tensors, first, 8)
+    engine._gpu.refuse_chained = 1  # the first chained step is refused (e.g. no free KV block)
+    assert engine.decode_greedy(first, 8) == want
+    assert engine.position == len(PROMPT) + 8 == engine._gpu.ref.position
+    assert engine._gpu.chained == 0  # the rest went step by step, as step_greedy
+
+
+def test_decode_greedy_graph_failure_continues_uncaptured_with_the_same_tokens(tiny):
+    config, tensors = tiny
+    engine, first = _prompted_fake_engine(config, tensors)
+    engine.recapture_after = 3
+    want = _serial_greedy(config, tensors, first, 10)
+    fake = engine._gpu
+
+    def fail_a_launch(token):
+        if token == want[2]:
+            fake.fail_replays = 1  # the next launch: the chained step after want[3]'s
+    assert engine.decode_greedy(first, 10, on_token=fail_a_launch) == want
+    assert engine.position == len(PROMPT) + 10 == fake.ref.position
+    st = engine.stats()
+    assert st["graph_failures"] == 1 and st["nongraph_steps"] >= 1
+    assert "stand-in" in engine.last_graph_error
+
+
+def test_decode_greedy_error_in_on_token_keeps_only_the_ended_steps(tiny):
+    config, tensors = tiny
+    engine, first = _prompted_fake_engine(config, tensors)
+    want = _serial_greedy(config, tensors, first, 10)
+    seen = []
+
+    def on_token(token):
+        seen.append(token)
+        if len(seen) == 4:
+            raise RuntimeError("the caller's callback failed")
+    with pytest.raises(RuntimeError, match="callback"):
+        engine.decode_greedy(first, 10, on_token=on_token)
+    assert seen == want[:4]
+    assert engine.position == len(PROMPT) + 4 == engine._gpu.ref.position and engine._gpu.pending == []

@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 5;
+pub const OG_ABI_VERSION: i32 = 6;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -105,6 +105,9 @@ extern "C" {
                          shape: *const i64, data: *const c_void) -> og_status;
     pub fn og_precheck(e: *mut og_engine) -> og_status;
     pub fn og_begin_step(e: *mut og_engine, token: i32) -> og_status;
+    pub fn og_begin_chained_step(e: *mut og_engine, slot: *mut i32) -> og_status;
+    pub fn og_cancel_step(e: *mut og_engine) -> og_status;
+    pub fn og_step_slot(e: *mut og_engine, slot: *mut i32) -> og_status;
     pub fn og_enqueue(e: *mut og_engine, stream: *mut c_void) -> og_status;
     pub fn og_run(e: *mut og_engine) -> og_status;
     pub fn og_end_step(e: *mut og_engine) -> og_status;
