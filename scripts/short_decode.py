@@ -1,7 +1,8 @@
 """A short decode on both GPU paths, for compute-sanitizer: 16 prompt tokens + 16 new
 tokens with the graph, the same without, for each KV format given (default int8); each path
-twice, by greedy generate (the argmax taken on the device) and by logits steps (the logits
-copied out, the argmax on the host), which must give the same tokens.
+twice, by greedy generate (the argmax taken on the device, steps pipelined on the graph
+path) and by logits steps (the logits copied out, the argmax on the host), which must give
+the same tokens.
 
     compute-sanitizer --tool memcheck python3 scripts/short_decode.py [--preset tiny-dense] [--kv int8 bf16] [--paged]
 
