@@ -313,6 +313,20 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
         s.s1[h] = ok ? load_q4_scale(s1 + c, policy) : 0.f;
     }
 }
+// A settled residual (GemvArgs::residual_settled): lane 0 reads the y of the warp's first task
+// before the PDL wait, so that the task's end does not wait on an L2 round trip (8B q4 step
+// -37 µs at context 64, -76 µs at 496: bench/PERF_NOTES.md). Returns that task, or -1 (no
+// read: another mode, another lane, no task).
+template <int MODE>
+__device__ __forceinline__ int read_settled(const Q4Params &p, int task, int lane, float2 &settled) {
+    settled = make_float2(0.f, 0.f);
+    if (MODE != kGemvResidual || !p.residual_settled || lane != 0 || task >= p.n_tasks) return -1;
+    int r0, r1;
+    q4_task_rows<MODE>(p, task, r0, r1);
+    settled = make_float2(__ldcg(p.y + r0), __ldcg(p.y + r1));
+    return task;
+}
+
 // A task's outputs from its two rows' dot products (lane 0 writes them).
 // settled: the y values of task settled_task, read before the PDL wait (residual mode).
 template <int MODE>
@@ -399,7 +413,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     const int task_stride = gridDim.x * WARPS;
     const int chunks = ceil_div(ceil_div(p.groups, kWarpSize), H);
     const uint64_t policy = l2_evict_first();
-    int ld_task = blockIdx.x * WARPS + warp, ld_chunk = 0;
+    const int first_task = blockIdx.x * WARPS + warp;
+    int ld_task = first_task, ld_chunk = 0;
     auto advance = [&]() {
         if (++ld_chunk == chunks) {
             ld_chunk = 0;
@@ -416,15 +431,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
             advance();
         }
     }
-    // A settled residual (GemvArgs::residual_settled): the y of the warp's first task is read
-    // before the wait, so that the task's end does not wait on an L2 round trip (8B q4 step
-    // -37 µs at context 64, -76 µs at 496: bench/PERF_NOTES.md).
-    float2 settled = make_float2(0.f, 0.f);
-    int settled_task = -1;
-    if (MODE == kGemvResidual && p.residual_settled && lane == 0 && slot[0].task < p.n_tasks) {
-        settled = make_float2(__ldcg(p.y + slot[0].r0), __ldcg(p.y + slot[0].r1));
-        settled_task = slot[0].task;
-    }
+    float2 settled;
+    const int settled_task = read_settled<MODE>(p, first_task, lane, settled);
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
@@ -565,14 +573,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
         for (int k = 0; k < kQ4BulkPreWait && k < my_chunks; ++k) issue(k);
     }
     __syncwarp();
-    float2 settled = make_float2(0.f, 0.f);  // as in gemv_q4_kernel
-    int settled_task = -1;
-    if (MODE == kGemvResidual && p.residual_settled && lane == 0 && my_chunks > 0) {
-        int r0, r1;
-        q4_task_rows<MODE>(p, first_task, r0, r1);
-        settled = make_float2(__ldcg(p.y + r0), __ldcg(p.y + r1));
-        settled_task = first_task;
-    }
+    float2 settled;
+    const int settled_task = read_settled<MODE>(p, first_task, lane, settled);
     const float *norm_weight = kNorm ? p.norm_weight : nullptr;
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
