@@ -751,7 +751,14 @@ int32_t expected_dtype(const WeightSlot &s) {
 }
 
 og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *data) {
-    if (s.kind == WeightSlot::kScales) {
+    if (s.kind == WeightSlot::kScales && s.format == OG_WEIGHTS_Q4) {
+        // bf16 in, e5m3 stored (quant.cuh); og_set_weight has refused negative scales.
+        const size_t n = (size_t)(s.rows * s.pitch);
+        std::vector<uint8_t> codes(n);
+        const uint16_t *bits = static_cast<const uint16_t *>(data);
+        for (size_t i = 0; i < n; ++i) q4_scale_code(bits[i], &codes[i]);
+        OG_CUDA_TRY(cudaMemcpyAsync(s.dst, codes.data(), n, cudaMemcpyHostToDevice, e->stream));
+    } else if (s.kind == WeightSlot::kScales) {
         OG_CUDA_TRY(cudaMemcpyAsync(s.dst, data, (size_t)(s.rows * s.pitch),
                                     cudaMemcpyHostToDevice, e->stream));
     } else if (s.kind == WeightSlot::kMatrix) {
@@ -1081,6 +1088,17 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
                              name, shape_text(1, want).c_str(), got.c_str());
     }
     if (data == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "%s: data is NULL", name);
+    if (s.kind == WeightSlot::kScales && s.format == OG_WEIGHTS_Q4) {
+        const uint16_t *bits = static_cast<const uint16_t *>(data);
+        uint8_t code;
+        for (int64_t i = 0; i < s.rows * s.pitch; ++i)
+            if (!q4_scale_code(bits[i], &code))
+                return set_error(OG_E_WEIGHT_MISMATCH,
+                                 "%s: q4 scale [%lld, %lld] is negative (bf16 bits 0x%04x); a q4 "
+                                 "scale is max|w| / 7 of its group",
+                                 name, (long long)(i / s.pitch), (long long)(i % s.pitch),
+                                 (unsigned)bits[i]);
+    }
     og_status status = use_device(e);
     if (status != OG_OK) return status;
     status = upload(e, s, dtype, data);

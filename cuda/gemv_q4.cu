@@ -5,6 +5,7 @@
 //
 // Why: batch-1 decode reads every weight once, and a q4 weight is 0.5625 bytes with its scale,
 // so at DRAM speed a q4 GEMV has ~3.5x fewer instruction slots per weight than a bf16 one.
+// (0.53125 bytes since its group scale became one e5m3 byte instead of a bf16: quant.cuh.)
 // Dequantizing to fp16 for the tensor cores costs 9 instructions per 8 weights before the mma
 // (gemv.cu's int8 kernel still does that: int8 has twice the bytes per weight), which left the
 // q4 GEMVs bound by instruction issue (8B q4 step 2.37 ms, bench/PERF_NOTES.md). Here 8
@@ -22,7 +23,7 @@
 // Layouts:
 //   weight: [rows, groups * 16] bytes (quant.cuh), byte j of a group holds column 2j in its low
 //           nibble and 2j + 1 in its high nibble, as 4-bit two's complement codes;
-//           scales [rows, groups] bf16.
+//           scales [rows, groups] e5m3, one byte a group (quant.cuh q4_scale_value).
 //   staged input (shared memory): codes [groups][8] uint32 and Q8Group [groups]. Word 2k of a
 //           group holds the codes of columns 8k, 8k+2, 8k+4, 8k+6 (bytes low to high), word
 //           2k + 1 those of 8k+1, 8k+3, 8k+5, 8k+7: the low and the high nibbles of weight word
@@ -73,7 +74,7 @@ __host__ __device__ inline size_t q4_staged_bytes(int groups) {
 
 struct Q4Params {
     const uint8_t *weight;    // [rows, groups * 16]
-    const uint16_t *scales;   // [rows, groups] bf16
+    const uint8_t *scales;    // [rows, groups] e5m3 (quant.cuh)
     const float *x;           // [cols]
     const float *norm_weight; // [cols] (norm modes)
     float *y;
@@ -117,12 +118,12 @@ __device__ __forceinline__ void q4_fold_group(const uint4 *codes, const Q8Group 
     acc1 = fmaf((float)q4_group_dot(w1, xa, xb, g.offset), s1 * g.scale, acc1);
 }
 
-// Weights stream once per token (quant.cuh load_weight_chunk); the bf16 group scale likewise,
+// Weights stream once per token (quant.cuh load_weight_chunk); the e5m3 group scale likewise,
 // its lines evicted first (policy: l2_evict_first()).
-__device__ __forceinline__ float load_q4_scale(const uint16_t *p, uint64_t policy) {
-    uint16_t b;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(b) : "l"(p), "l"(policy));
-    return bf16_bits_to_float(b);
+__device__ __forceinline__ float load_q4_scale(const uint8_t *p, uint64_t policy) {
+    uint32_t code;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u8 %0, [%1], %2;" : "=r"(code) : "l"(p), "l"(policy));
+    return q4_scale_value(code);
 }
 
 __device__ __forceinline__ uint32_t pack_codes(int a, int b, int c, int d) {
@@ -302,7 +303,7 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
     q4_task_rows<MODE>(p, task, s.r0, s.r1);
     const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)s.r0 * p.groups * 16);
     const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)s.r1 * p.groups * 16);
-    const uint16_t *s0 = p.scales + (size_t)s.r0 * p.groups, *s1 = p.scales + (size_t)s.r1 * p.groups;
+    const uint8_t *s0 = p.scales + (size_t)s.r0 * p.groups, *s1 = p.scales + (size_t)s.r1 * p.groups;
 #pragma unroll
     for (int h = 0; h < H; ++h) {
         const int c = lane + (chunk * H + h) * kWarpSize;
@@ -482,21 +483,21 @@ done:
 // slots; 32- or 128-group slots; 8-warp blocks; more or fewer slots before the wait; the rest
 // after the staging) and the QKV, O and lm_head projections on this stream were slower.
 // Slot layout (bytes): row r0's 64 groups of weights [0, 1024), r1's [1024, 2048), r0's 64
-// bf16 scales [2048, 2176), r1's [2176, 2304). A last chunk of n < 64 groups fills the first n
-// of each. Copies need 16-byte sizes and addresses: groups % 8 == 0 (q4_bulk_fits).
+// e5m3 scales [2048, 2112), r1's [2112, 2176). A last chunk of n < 64 groups fills the first n
+// of each. Copies need 16-byte sizes and addresses: groups % 16 == 0 (q4_bulk_fits).
 constexpr int kQ4BulkSlots = 4;
 constexpr int kQ4BulkPreWait = 2;                           // slots filled before the PDL wait
 constexpr int kQ4SlotGroups = kQ4ChunkGroups * kWarpSize;   // groups of a row in a chunk: 64
 constexpr int kQ4SlotRowBytes = kQ4SlotGroups * 16;
-constexpr int kQ4SlotScaleBytes = kQ4SlotGroups * 2;
+constexpr int kQ4SlotScaleBytes = kQ4SlotGroups;  // one e5m3 byte a group
 constexpr int kQ4SlotBytes = 2 * kQ4SlotRowBytes + 2 * kQ4SlotScaleBytes;
 
 // Dynamic shared memory: the staged input (q4_staged_bytes), then the warps' rings.
 __host__ __device__ inline size_t q4_ring_offset(int groups) {
     return (q4_staged_bytes(groups) + 15) / 16 * 16;
 }
-// A row's scales are groups * 2 bytes: whole 16-byte copies.
-__host__ __device__ constexpr bool q4_bulk_groups_fit(int groups) { return groups % 8 == 0; }
+// A row's scales are groups bytes: whole 16-byte copies.
+__host__ __device__ constexpr bool q4_bulk_groups_fit(int groups) { return groups % 16 == 0; }
 
 __device__ __forceinline__ uint32_t smem_address(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -557,12 +558,12 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
         q4_task_rows<MODE>(p, task, r0, r1);
         char *slot = ring + (k % NS) * kQ4SlotBytes;
         uint64_t *bar = full + k % NS;
-        mbarrier_expect_bytes(bar, 2 * n * 16 + 2 * n * 2);
+        mbarrier_expect_bytes(bar, 2 * n * 16 + 2 * n);
         bulk_copy_to_shared(slot, p.weight + ((size_t)r0 * p.groups + g0) * 16, n * 16, bar, policy);
         bulk_copy_to_shared(slot + kQ4SlotRowBytes, p.weight + ((size_t)r1 * p.groups + g0) * 16, n * 16, bar, policy);
-        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes, p.scales + (size_t)r0 * p.groups + g0, n * 2, bar, policy);
+        bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes, p.scales + (size_t)r0 * p.groups + g0, n, bar, policy);
         bulk_copy_to_shared(slot + 2 * kQ4SlotRowBytes + kQ4SlotScaleBytes, p.scales + (size_t)r1 * p.groups + g0,
-                            n * 2, bar, policy);
+                            n, bar, policy);
     };
     if (lane == 0) {
 #pragma unroll
@@ -598,14 +599,14 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
         const char *slot = ring + (k % NS) * kQ4SlotBytes;
         const uint4 *w0 = reinterpret_cast<const uint4 *>(slot);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(slot + kQ4SlotRowBytes);
-        const uint16_t *s0 = reinterpret_cast<const uint16_t *>(slot + 2 * kQ4SlotRowBytes);
-        const uint16_t *s1 = s0 + kQ4SlotGroups;
+        const uint8_t *s0 = reinterpret_cast<const uint8_t *>(slot + 2 * kQ4SlotRowBytes);
+        const uint8_t *s1 = s0 + kQ4SlotGroups;
 #pragma unroll
         for (int h = 0; h < H; ++h) {
             const int local = h * kWarpSize + lane, c = chunk * kQ4SlotGroups + local;
             if (c < p.groups)
-                q4_fold_group(codes, gq, c, w0[local], w1[local], bf16_bits_to_float(s0[local]),
-                              bf16_bits_to_float(s1[local]), acc0, acc1);
+                q4_fold_group(codes, gq, c, w0[local], w1[local], q4_scale_value(s0[local]),
+                              q4_scale_value(s1[local]), acc0, acc1);
         }
         // Every lane has read the slot (generic proxy) before the copy engine refills it.
         __syncwarp();
@@ -633,7 +634,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
 // groups) still keeps every lane busy.
 struct Q4MoeDownParams {
     const uint8_t *weight;      // [E * H rows, gpe * 16]
-    const uint16_t *scales;     // [E * H, gpe] bf16
+    const uint8_t *scales;      // [E * H, gpe] e5m3
     const float *act;           // [top_k, I]
     const int32_t *selected;    // [top_k]
     const float *sel_weights;   // [top_k]
@@ -815,7 +816,7 @@ cudaError_t q4_plan_tasks(int mode, int tasks, int cols, bool bulk_stream, GemvP
 Q4Params q4_params(int rows, int cols, const void *weight, const void *scales) {
     Q4Params q = {};
     q.weight = static_cast<const uint8_t *>(weight);
-    q.scales = static_cast<const uint16_t *>(scales);
+    q.scales = static_cast<const uint8_t *>(scales);
     q.rows = rows;
     q.cols = cols;
     q.groups = q4_groups(cols);
@@ -901,7 +902,7 @@ cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const fl
         return cudaErrorInvalidValue;
     Q4MoeDownParams q = {};
     q.weight = static_cast<const uint8_t *>(weights);
-    q.scales = static_cast<const uint16_t *>(scales);
+    q.scales = static_cast<const uint8_t *>(scales);
     q.act = act;
     q.selected = selected;
     q.sel_weights = sel_weights;

@@ -41,6 +41,8 @@
 #include "moe_testing.h"
 #include "quant.cuh"
 
+#include <vector>
+
 #include <climits>
 #include <cstddef>
 #include <mutex>
@@ -669,8 +671,12 @@ cudaError_t upload_quant_rows(DeviceBuffer &b, DeviceBuffer &s, int format, cons
     if (err != cudaSuccess) return err;
     err = cudaMemcpy2D(b.ptr, pitch, data, src_row, src_row, rows, cudaMemcpyHostToDevice);
     if (err != cudaSuccess) return err;
-    return s.upload(scales, rows * og::weight_scales_per_row(format, cols) *
-                                og::weight_scale_bytes(format));
+    const size_t scale_bytes = (size_t)(rows * og::weight_scales_per_row(format, cols) *
+                                        og::weight_scale_bytes(format));
+    if (format != OG_WEIGHTS_Q4) return s.upload(scales, scale_bytes);
+    std::vector<uint8_t> codes(scale_bytes);  // q4 scales arrive as bf16, as og_set_weight takes them
+    og::q4_scale_codes(scales, scale_bytes, codes.data());
+    return s.upload(codes.data(), scale_bytes);
 }
 
 bool quant_format(int32_t f) { return f == OG_WEIGHTS_INT8 || f == OG_WEIGHTS_Q4; }

@@ -110,17 +110,21 @@ typedef int32_t og_status;
  *                    (q = 0 when scale == 0);  w' = float(q) * scale[r].
  *                  set_weight(name)        OG_DTYPE_I8  shape [rows, cols], two's complement
  *                  set_weight(name.scale)  OG_DTYPE_F32 shape [rows]
- * OG_WEIGHTS_Q4    symmetric 4-bit, one bf16 scale per group of 32 consecutive columns:
- *                    scale[r, g] = bf16(max|w[r, 32g .. 32g+31]| / 7),
- *                    q = clip(rint(w / scale), -7, 7);  w' = float(q) * float(scale[r, g])
- *                    (exact in fp32).
+ * OG_WEIGHTS_Q4    symmetric 4-bit, one e5m3 scale per group of 32 consecutive columns (an
+ *                  unsigned 8-bit float, the bits 14..7 of an fp16: 5 exponent bits, bias 15, 3
+ *                  mantissa bits; every value exact in bf16):
+ *                    scale[r, g] = e5m3(bf16(max|w[r, 32g .. 32g+31]| / 7)) (each rounding to
+ *                    nearest even), q = clip(rint(w / scale), -7, 7) (0 where scale == 0);
+ *                    w' = float(q) * float(scale[r, g]) (exact in fp32).
  *                  set_weight(name)        OG_DTYPE_Q4  shape [rows, cols] (the logical
  *                    shape); data = rows * ceil(cols / 32) * 16 bytes: each row is
  *                    ceil(cols / 32) groups of 16 bytes, byte j of a group holding columns
  *                    2j (low nibble) and 2j+1 (high nibble) as two's-complement 4-bit values;
  *                    columns past cols in the last group are padding (q = 0 by convention;
  *                    they are multiplied by zeros).
- *                  set_weight(name.scale)  OG_DTYPE_BF16 shape [rows, ceil(cols / 32)]
+ *                  set_weight(name.scale)  OG_DTYPE_BF16 shape [rows, ceil(cols / 32)]: the
+ *                    library stores one byte a group, e5m3(scale) rounded to nearest even (exact
+ *                    for the values above), and refuses a negative scale (OG_E_WEIGHT_MISMATCH).
  * "name.scale" is the matrix's Hugging Face name with ".scale" appended, e.g.
  * "model.layers.0.self_attn.q_proj.weight.scale". Both tensors are required weights: the
  * hit-only precheck reports a missing scale like a missing matrix.

@@ -605,8 +605,8 @@ dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols
                 w = (float)(int8_t)row[c] * static_cast<const float *>(scales)[r];
             } else {
                 const int nibble = c % 2 == 0 ? (row[c / 2] & 15) : (row[c / 2] >> 4);
-                const float scale = bf16_bits_to_float(
-                    static_cast<const uint16_t *>(scales)[(size_t)r * scales_per_row + c / kQ4Group]);
+                const float scale = q4_scale_value(
+                    static_cast<const uint8_t *>(scales)[(size_t)r * scales_per_row + c / kQ4Group]);
                 w = (float)((nibble ^ 8) - 8) * scale;
             }
         }

@@ -7,7 +7,7 @@
 // Device layouts (the rules that produce them: onegraph.h "weight formats", runtime/quant.py):
 //   OG_WEIGHTS_BF16  data [rows, round_up(cols, 8)] bf16                   scales none
 //   OG_WEIGHTS_INT8  data [rows, round_up(cols, 16)] int8 (two's compl.)  scales [rows] fp32
-//   OG_WEIGHTS_Q4    data [rows, ceil(cols / 32) * 16] packed bytes       scales [rows, ceil(cols / 32)] bf16
+//   OG_WEIGHTS_Q4    data [rows, ceil(cols / 32) * 16] packed bytes       scales [rows, ceil(cols / 32)] e5m3
 // Every row starts 16-byte aligned, so one 16-byte load reads 8 bf16, 16 int8 or 32 q4 values;
 // for q4 one such "chunk" is exactly one scale group. Pad columns hold zeros (int8) or any
 // nibble (q4): they meet zeros in the staged input vector.
@@ -42,7 +42,51 @@ __host__ __device__ inline int64_t weight_scales_per_row(int format, int64_t col
     return format == OG_WEIGHTS_INT8 ? 1 : format == OG_WEIGHTS_Q4 ? (cols + kQ4Group - 1) / kQ4Group : 0;
 }
 __host__ __device__ constexpr int weight_scale_bytes(int format) {
-    return format == OG_WEIGHTS_INT8 ? 4 : format == OG_WEIGHTS_Q4 ? 2 : 0;
+    return format == OG_WEIGHTS_INT8 ? 4 : format == OG_WEIGHTS_Q4 ? 1 : 0;
+}
+
+// ---- q4 group scales: e5m3 --------------------------------------------------------
+// A q4 scale is stored in one byte: an unsigned 8-bit float made of the bits 14..7 of an
+// fp16 (5 exponent bits, bias 15; 3 mantissa bits; subnormals below 2^-14; 0xF8 inf, above it
+// NaN). Every e5m3 value is exact in bf16, fp16 and fp32, and q * scale (4 bits by 4 bits) is
+// exact in fp32. og_set_weight takes the scales as bf16 and stores e5m3(scale), rounded to
+// nearest even (runtime/quant.py q4_scale_codes does the same in numpy); the scales
+// runtime/quant.py writes are e5m3 values already, so for them this is exact. One byte instead
+// of two: a q4 row is 17 bytes per 32 weights instead of 18.
+constexpr uint8_t kE5m3Nan = 0xFF;
+// bf16 bits -> e5m3 code, the nearest value (ties to even, one rounding from the value itself;
+// past 61440 0xF8, inf; NaN 0xFF); false for a negative scale (the code is then 0).
+inline bool q4_scale_code(uint16_t bf16_bits, uint8_t *code) {
+    *code = 0;
+    const uint32_t bits = (uint32_t)bf16_bits << 16, mag = bits & 0x7FFFFFFFu;
+    if (mag > 0x7F800000u) {
+        *code = kE5m3Nan;
+        return true;
+    }
+    if (bits != mag && mag != 0) return false;
+    const uint32_t exp8 = mag >> 23;
+    if (exp8 == 0) return true;  // zero, or an fp32 subnormal: 0
+    if (exp8 >= 113) {           // an e5m3 normal: the exponent rebased, 20 mantissa bits dropped
+        const uint32_t x = mag - (112u << 23);
+        const uint32_t c = (x + 0x7FFFFu + ((x >> 20) & 1u)) >> 20;
+        *code = (uint8_t)(c > 0xF8u ? 0xF8u : c);
+        return true;
+    }
+    // An e5m3 subnormal (below 2^-14): the value in steps of 2^-17 is sig * 2^(exp8 - 133).
+    const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u, shift = 133u - exp8;  // shift >= 21
+    if (shift > 24) return true;  // below half a step: 0
+    const uint32_t q = sig >> shift, rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    *code = (uint8_t)(q + (rem > half || (rem == half && (q & 1u)) ? 1u : 0u));
+    return true;
+}
+// The e5m3 codes of n bf16 q4 scales, for the test entry points (og_set_weight refuses a
+// negative scale first; here it becomes 0).
+inline void q4_scale_codes(const void *bf16_scales, size_t n, uint8_t *codes) {
+    const uint16_t *bits = static_cast<const uint16_t *>(bf16_scales);
+    for (size_t i = 0; i < n; ++i) q4_scale_code(bits[i], codes + i);
+}
+__device__ __forceinline__ float q4_scale_value(uint32_t code) {
+    return __half2float(__ushort_as_half((unsigned short)(code << 7)));
 }
 
 // ---- dequantization -------------------------------------------------------------

@@ -285,7 +285,12 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
         (size_t)rows * weight_scales_per_row(format, cols) * weight_scale_bytes(format);
     DeviceBuffer d_w, d_s, d_x, d_norm, d_y, d_normed;
     OG_TRY(upload_quant_matrix(d_w, format, weight, rows, cols));
-    OG_TRY(alloc_copy(d_s, scales, scale_bytes));
+    std::vector<uint8_t> q4_codes;  // q4 scales arrive as bf16, as og_set_weight takes them
+    if (format == OG_WEIGHTS_Q4) {
+        q4_codes.resize(scale_bytes);
+        q4_scale_codes(scales, scale_bytes, q4_codes.data());
+    }
+    OG_TRY(alloc_copy(d_s, format == OG_WEIGHTS_Q4 ? q4_codes.data() : scales, scale_bytes));
     OG_TRY(alloc_copy(d_x, x, (size_t)cols * 4));
     if (norm_weight != nullptr) OG_TRY(alloc_copy(d_norm, norm_weight, (size_t)cols * 4));
     OG_TRY(alloc_copy(d_y, y, (size_t)y_len * 4));

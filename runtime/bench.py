@@ -84,7 +84,7 @@ SCHEMA_VERSION = 1
 
 WEIGHT_FORMATS = ("bf16", "int8", "q4")
 Q4_GROUP = 32          # q4: one scale per 32 consecutive weights of a row
-Q4_SCALE_BYTES = 2     # the library's q4 scales are bf16 (runtime/quant.py)
+Q4_SCALE_BYTES = 1     # the library stores a q4 scale as one e5m3 byte (runtime/quant.py)
 NORM_VECTOR_BYTES = 4  # RMSNorm weights are fp32 on the device
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 KV_SCALE_BYTES = {"fp32": 0, "bf16": 0, "int8": 4}  # int8: one fp32 scale per (token, KV head)
@@ -92,7 +92,7 @@ KV_SCALE_BYTES = {"fp32": 0, "bf16": 0, "int8": 4}  # int8: one fp32 scale per (
 
 def matrix_bytes(rows: int, cols: int, fmt: str = "bf16", q4_scale_bytes: int = 4) -> int:
     """Bytes of a [rows, cols] weight matrix in `fmt`: bf16 2 bytes/weight; int8 1 byte/weight
-    + an fp32 scale per row; q4 half a byte/weight + a scale (fp32 = 4 or bf16 = 2 bytes) per
+    + an fp32 scale per row; q4 half a byte/weight + a scale (fp32 = 4, bf16 = 2, e5m3 = 1 byte) per
     group of Q4_GROUP weights (a row's last group padded)."""
     if fmt == "bf16":
         return 2 * rows * cols

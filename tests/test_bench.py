@@ -86,6 +86,7 @@ def test_weight_formats():
     assert bench.matrix_bytes(4096, 4096, "int8") == 4096 * 4096 + 4 * 4096
     assert bench.matrix_bytes(4096, 4096, "q4") == 4096 * 128 * (16 + 4)
     assert bench.matrix_bytes(4096, 4096, "q4", q4_scale_bytes=2) == 4096 * 128 * (16 + 2)
+    assert bench.Q4_SCALE_BYTES == 1  # what the library stores: one e5m3 byte a group
     assert bench.matrix_bytes(1, 33, "q4") == 2 * (16 + 4)     # a partial last group is padded
     with pytest.raises(ValueError, match="q8"):
         bench.matrix_bytes(2, 2, "q8")

@@ -85,6 +85,33 @@ def test_q4_codes_by_hand():
     assert list(unpack_q4(qm.data)[0, :5]) == [7, -7, 2, 0, 3]   # 2.5 and -0.5 round to even
 
 
+def e5m3_by_value(v: np.ndarray) -> np.ndarray:
+    """v >= 0 float64 -> the nearest e5m3 value (ties to even), from its definition: 3 mantissa
+    bits, binades from 2^-14 up (below it the subnormal step 2^-17), values past 61440 inf."""
+    v = np.asarray(v, np.float64)
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.where(v > 0, v, 1.0)))
+    step = 2.0 ** (np.maximum(e, -14) - 3)
+    out = np.round(v / step) * step                      # np.round: half to even
+    return np.where(out > 61440, np.inf, out)
+
+
+def test_q4_scale_codes_every_positive_bf16():
+    bits = np.arange(0, 0x7F80, dtype=np.uint16)         # every finite bf16 >= 0
+    values = bits.view(BF16)
+    codes = quant.q4_scale_codes(values)
+    got = quant.q4_scale_values(codes).astype(np.float64)
+    want = e5m3_by_value(values.astype(np.float64))
+    np.testing.assert_array_equal(got, want)
+    # e5m3 values survive bf16 exactly: rounding an e5m3 value again changes nothing.
+    finite = np.isfinite(got)
+    np.testing.assert_array_equal(quant.e5m3(got[finite].astype(np.float32).astype(BF16)), got[finite])
+    specials = np.array([np.inf, np.nan, -0.0], np.float32).astype(BF16)
+    assert list(quant.q4_scale_codes(specials)) == [0xF8, 0xFF, 0]
+    with pytest.raises(ValueError, match=r"q4 scale \(1,\) is negative"):
+        quant.q4_scale_codes(np.array([1.0, -2.0], np.float32))
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 1), (2, 31), (3, 32), (5, 33), (4, 100), (8, 4096)])
 def test_q4_rule_round_trip_and_odd_shapes(rows, cols):
     w = random_bf16((rows, cols), seed=rows * 1000 + cols)
@@ -95,13 +122,15 @@ def test_q4_rule_round_trip_and_odd_shapes(rows, cols):
     w32 = np.zeros((rows, groups * 32), np.float32)
     w32[:, :cols] = w.astype(np.float32)
     g = w32.reshape(rows, groups, 32)
-    want = (np.max(np.abs(g), axis=2) / np.float32(7)).astype(np.float32).astype(BF16)
+    bf16 = (np.max(np.abs(g), axis=2) / np.float32(7)).astype(np.float32).astype(BF16)
+    want = e5m3_by_value(bf16.astype(np.float64)).astype(np.float32).astype(BF16)
     assert qm.scale.tobytes() == want.tobytes()              # the scale rule, bit for bit
     codes = unpack_q4(qm.data)
     assert codes.min() >= -7 and codes.max() <= 7
     assert (codes[:, cols:] == 0).all()                      # padding holds q = 0
     s = np.repeat(want.astype(np.float32), 32, axis=1)
     np.testing.assert_array_equal(codes, np.clip(np.rint(w32 / s), -7, 7))
+    assert (np.abs(np.rint(w32 / s)) <= 7).all()             # nothing was clipped
     back = qm.dequantize()
     assert back.shape == (rows, cols) and back.dtype == np.float32
     # q * scale is exact in fp32: the float64 product equals the fp32 result.
@@ -125,11 +154,13 @@ def test_relative_error_of_gaussian_matrices():
 
 
 def test_zero_group_and_tiny_scale():
-    w = np.zeros((1, 64), np.float32)
-    w[0, 40] = 1e-30                                          # second group only
+    w = np.zeros((1, 96), np.float32)
+    w[0, 40] = 7 * 2.0 ** -17                                 # the smallest e5m3 scale, 2^-17
+    w[0, 70] = 1e-30                                          # its scale rounds to 0
     qm = quantize_q4(w)
     assert float(qm.scale[0, 0]) == 0 and (unpack_q4(qm.data)[0, :32] == 0).all()
-    assert unpack_q4(qm.data)[0, 40] == 7
+    assert float(qm.scale[0, 1]) == 2.0 ** -17 and unpack_q4(qm.data)[0, 40] == 7
+    assert float(qm.scale[0, 2]) == 0 and unpack_q4(qm.data)[0, 70] == 0  # |error| = 1e-30
 
 
 def test_quantization_is_deterministic():
@@ -291,14 +322,14 @@ def test_quantized_vs_bf16_reference_is_close_but_not_equal():
 def test_q4_dequantize_matches_manual_unpacking():
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, (3, 32), dtype=np.uint8)
-    scale = rng.standard_normal((3, 2)).astype(BF16)
+    scale = np.abs(rng.standard_normal((3, 2))).astype(BF16)  # any bf16: rounded to e5m3 first
     out = dequantize_q4(data, scale, 50)
     lo = (data & 15).astype(np.int64)
     hi = (data >> 4).astype(np.int64)
     codes = np.empty((3, 64), np.int64)
     codes[:, 0::2] = np.where(lo >= 8, lo - 16, lo)
     codes[:, 1::2] = np.where(hi >= 8, hi - 16, hi)
-    want = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
+    want = codes * np.repeat(e5m3_by_value(scale.astype(np.float64)), 32, axis=1)
     np.testing.assert_array_equal(out.astype(np.float64), want[:, :50])
 
 
@@ -347,13 +378,13 @@ def test_benchmark_counts_quantized_bytes():
     bf16 = bench.weight_bytes_per_token(c)
     q4 = bench.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")
     H, I = 4096, 12288
-    assert q4["ffn"] == 36 * (2 * I * (H // 32) * 18 + H * (I // 32) * 18)   # bf16 scales: 18 B per group
+    assert q4["ffn"] == 36 * (2 * I * (H // 32) * 17 + H * (I // 32) * 17)   # e5m3 scales: 17 B per group
     assert q4["embedding_row"] == bf16["embedding_row"] == 2 * H             # the gather stays bf16
     print(f"qwen3-8b bytes/token: bf16 {bf16['total'] / 1e9:.2f} GB, q4 {q4['total'] / 1e9:.2f} GB "
           f"({bf16['total'] / q4['total']:.2f}x fewer)")
-    assert 3.4 < bf16["total"] / q4["total"] < 3.6
+    assert 3.6 < bf16["total"] / q4["total"] < 3.8
     moe = preset_config("qwen3-30b-a3b")
     experts_only = bench.weight_bytes_per_token(moe, "q4", lm_head_fmt="bf16", quantize="experts")
     base = bench.weight_bytes_per_token(moe)
     assert experts_only["attention"] == base["attention"] and experts_only["lm_head"] == base["lm_head"]
-    assert experts_only["ffn"] * 2 * 32 == base["ffn"] * 18                 # 18 of 64 bytes per 32 weights
+    assert experts_only["ffn"] * 2 * 32 == base["ffn"] * 17                 # 17 of 64 bytes per 32 weights

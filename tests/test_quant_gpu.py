@@ -38,7 +38,7 @@ from gpu_support import greedy_decode as _decode
 from runtime import capi
 from runtime import capi_testing as ct
 from runtime.engine import Engine, GpuSession
-from runtime.quant import QuantizedMatrix, WeightScheme, quantize, quantize_input_q8, quantize_stream
+from runtime.quant import QuantizedMatrix, WeightScheme, e5m3, quantize, quantize_input_q8, quantize_stream
 from runtime.reference import ReferenceDecoder
 from test_kernels_gpu import SLACK, U, assert_within, ref_rmsnorm, rng_for, sumsq_depth
 
@@ -196,15 +196,15 @@ def test_gemv_rmsnorm_swiglu(fmt, inter, cols):
 # tasks a warp, a last chunk of 8 of 64 groups (4352 columns), 8B's gate/up (4096) and down
 # (12288 columns), more tasks than resident warps, a partial last group (1000 columns: 32
 # groups), a shape the bulk stream does not take (1100 columns: 35 groups).
-BULK_SHAPES = [("plain", 6, 256), ("residual", 1000, 1024), ("norm", 130, 4352), ("norm_swiglu", 2 * 3072, 1024),
-               ("residual", 64, 12288), ("norm_swiglu", 2 * 2200, 4096), ("plain", 20001, 256),
-               ("residual", 5, 1000), ("norm", 7, 1100)]
+BULK_SHAPES = [("plain", 6, 512), ("residual", 1000, 1024), ("norm", 130, 4608), ("norm_swiglu", 2 * 3072, 1024),
+               ("residual", 64, 12288), ("norm_swiglu", 2 * 2200, 4096), ("plain", 20001, 512),
+               ("residual", 5, 1000), ("norm", 7, 1100), ("plain", 9, 256)]
 
 
 @pytest.mark.parametrize("mode,rows,cols", BULK_SHAPES)
 def test_q4_bulk_stream_is_bit_identical_to_the_register_stream(mode, rows, cols):
     assert ct.gemv_q4_stream(mode, rows, cols, bulk_stream=False) == "registers"
-    fits = math.ceil(cols / 32) % 8 == 0
+    fits = math.ceil(cols / 32) % 16 == 0  # a row's e5m3 scales: whole 16-byte copies
     assert ct.gemv_q4_stream(mode, rows, cols, bulk_stream=True) == ("bulk" if fits else "registers")
     rng = rng_for("q4_bulk", mode, rows, cols)
     qm, w = quantized(rng, "q4", rows, cols, scale=2.0 / math.sqrt(cols))
@@ -230,6 +230,24 @@ def test_q4_bulk_stream_is_bit_identical_to_the_register_stream(mode, rows, cols
     base = y0.astype(np.float64) if y0 is not None else np.zeros(rows)
     tol = depth * U * (np.abs(terms).sum(axis=1) + np.abs(base))
     assert_within(y, base + terms.sum(axis=1), tol, f"q4 bulk {mode} {rows}x{cols}")
+
+
+def test_q4_scales_off_the_e5m3_grid_are_rounded_as_the_reference_rounds_them():
+    """og_set_weight (and the test entry points) take q4 scales as bf16 and store e5m3: any bf16,
+    not only the values runtime/quant.py writes, is rounded to nearest even, as dequantize_q4
+    rounds it."""
+    rng = rng_for("q4_off_grid")
+    qm, _ = quantized(rng, "q4", 300, 1024)
+    scale = (qm.scale.astype(np.float32) * rng.uniform(0.9, 1.1, qm.scale.shape)).astype(qm.scale.dtype)
+    assert (e5m3(scale) != scale.astype(np.float32)).mean() > 0.9    # off the grid
+    odd = QuantizedMatrix("q4", qm.shape, qm.data, scale)
+    w = odd.dequantize().astype(np.float64)
+    x = rng.standard_normal(1024).astype(np.float32)
+    for bulk in (False, True):
+        y, _ = ct.gemv_quant(odd, "plain", x, bulk_stream=bulk)
+        terms = w * kernel_input("q4", x)
+        tol = (q4_depth(32) + SLACK) * U * np.abs(terms).sum(axis=1)
+        assert_within(y, terms.sum(axis=1), tol, f"q4 off-grid scales, bulk={bulk}")
 
 
 # ---- MoE experts ---------------------------------------------------------------------------------
@@ -367,19 +385,21 @@ def test_greedy_matches_reference_with_the_same_quantized_weights(preset, fmt, w
 
 
 def test_bulk_stream_in_the_engine_against_the_reference_teacher_forced():
-    """The demo model's FFN (256 and 768 columns: whole 16-byte scale rows) takes the q4 bulk
-    stream in the engine. Its logits against the numpy reference on the same quantized weights,
-    teacher-forced on the reference's greedy tokens: this random model's greedy decodes part
-    ways within 64 tokens on either stream (the same logits bit for bit: the kernel test above),
-    after which free-running logits are not comparable. (Measured on the H200: they agree for 29
-    steps; at step 29 the reference's top two logits are 0.0009 apart, against a logit spread
-    of 4.05 and a GPU-vs-reference difference of 0.05-0.1 at those two entries. The w4a8 input
-    rounding turns fp32 summation-order differences into whole code steps: teacher-forced rel
-    L2 0.013 for q4 against 0.0017 for the bf16 weights of the same model, whose greedy decode
-    agrees for all 64 steps; bench/PERF_NOTES.md.)"""
-    assert ct.gemv_q4_stream("norm_swiglu", 2 * 768, 256, bulk_stream=True) == "bulk"
-    assert ct.gemv_q4_stream("residual", 256, 768, bulk_stream=True) == "bulk"
-    config, tensors = synthetic("demo")
+    """The demo model widened to hidden 512 and intermediate 1536 (16 and 48 groups: whole
+    16-byte rows of e5m3 scales) takes the q4 bulk stream in its FFN. Its logits against the
+    numpy reference on the same quantized weights, teacher-forced on the reference's greedy
+    tokens: a random model's greedy decodes may part ways on a near-tie within 64 tokens on
+    either stream (the same logits bit for bit: the kernel test above), after which free-running
+    logits are not comparable. (The demo model itself measured on the H200: the two agree for 29
+    steps; at step 29 the reference's top two logits are 0.0009 apart, against a logit spread of
+    4.05 and a GPU-vs-reference difference of 0.05-0.1 at those two entries. The w4a8 input
+    rounding turns fp32 summation-order differences into whole code steps: teacher-forced rel L2
+    0.013 for q4 against 0.0017 for bf16 weights; bench/PERF_NOTES.md.)"""
+    from runtime.synth import iter_tensors, preset_config
+    assert ct.gemv_q4_stream("norm_swiglu", 2 * 1536, 512, bulk_stream=True) == "bulk"
+    assert ct.gemv_q4_stream("residual", 512, 1536, bulk_stream=True) == "bulk"
+    config = preset_config("demo", hidden_size=512, intermediate_size=1536)
+    tensors = dict(iter_tensors(config, seed=0))
     scheme = WeightScheme.make("q4", "all", True)
     ref = ReferenceDecoder(config, _quantized_tensors(config, tensors, scheme), kv_dtype="int8", max_seq_len=128)
     tokens, ref_logits = _decode(ref.step, PROMPT, 64)
@@ -388,7 +408,7 @@ def test_bulk_stream_in_the_engine_against_the_reference_teacher_forced():
         logits = [engine.step(t) for t in PROMPT + tokens[:-1]][len(PROMPT) - 1:]
     errors = [rel_l2(g, r) for g, r in zip(logits, ref_logits)]
     agree = np.mean([int(np.argmax(g)) == int(np.argmax(r)) for g, r in zip(logits, ref_logits)])
-    print(f"demo q4 teacher-forced, 64 steps: logits rel L2 median {np.median(errors):.3g}, max {max(errors):.3g}; "
+    print(f"widened demo q4 teacher-forced, 64 steps: logits rel L2 median {np.median(errors):.3g}, max {max(errors):.3g}; "
           f"top-1 agreement {agree:.0%}")
     assert max(errors) < Q4_LOGITS_BOUND and agree >= 0.9
 
@@ -459,6 +479,22 @@ def test_missing_scale_is_a_missing_weight_and_changes_nothing():
         session.run_nongraph()
         session.end()
         assert session.position == 1
+    finally:
+        session.close()
+
+
+def test_set_weight_refuses_a_negative_q4_scale():
+    config, tensors = synthetic("tiny-dense")
+    session = GpuSession(config, [], kv="int8", max_seq_len=16, weights=WeightScheme.make("q4", "dense"))
+    try:
+        name = "model.layers.0.self_attn.q_proj.weight"
+        q4 = quantize(tensors[name], "q4")
+        session.set_weight(name, q4)
+        scale = q4.scale.copy()
+        scale[5, 2] = -scale[5, 2]
+        with pytest.raises(capi.LibraryError, match=r"q_proj.weight.scale: q4 scale \[5, 2\] is negative"):
+            session._upload(name + ".scale", capi.OG_DTYPE_BF16, scale.shape, scale)
+        session._upload(name + ".scale", capi.OG_DTYPE_BF16, q4.scale.shape, q4.scale)  # still takes a good one
     finally:
         session.close()
 
