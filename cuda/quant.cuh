@@ -55,7 +55,8 @@ __host__ __device__ constexpr int weight_scale_bytes(int format) {
 // of two: a q4 row is 17 bytes per 32 weights instead of 18.
 constexpr uint8_t kE5m3Nan = 0xFF;
 // bf16 bits -> e5m3 code, the nearest value (ties to even, one rounding from the value itself;
-// past 61440 0xF8, inf; NaN 0xFF); false for a negative scale (the code is then 0).
+// from 63488, halfway past the largest finite value 61440, 0xF8: inf; NaN 0xFF); false for a
+// negative scale (the code is then 0).
 inline bool q4_scale_code(uint16_t bf16_bits, uint8_t *code) {
     *code = 0;
     const uint32_t bits = (uint32_t)bf16_bits << 16, mag = bits & 0x7FFFFFFFu;
@@ -69,7 +70,7 @@ inline bool q4_scale_code(uint16_t bf16_bits, uint8_t *code) {
     if (exp8 >= 113) {           // an e5m3 normal: the exponent rebased, 20 mantissa bits dropped
         const uint32_t x = mag - (112u << 23);
         const uint32_t c = (x + 0x7FFFFu + ((x >> 20) & 1u)) >> 20;
-        *code = (uint8_t)(c > 0xF8u ? 0xF8u : c);
+        *code = (uint8_t)(c > 0xF8u ? 0xF8u : c);  // from 0xF8 on: inf
         return true;
     }
     // An e5m3 subnormal (below 2^-14): the value in steps of 2^-17 is sig * 2^(exp8 - 133).

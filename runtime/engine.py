@@ -684,7 +684,7 @@ class Engine:
                     return None
                 if not fed:  # the chained step was refused: go on step by step
                     return result
-        except GraphError as e:
+        except (GraphError, capi.LibraryError) as e:  # a capture (og_enqueue) or a launch failed
             log.warning("onegraph: pipelined graph steps failed (%s); continuing on the non-graph "
                         "path, capturing again in %d steps", e, self.recapture_after)
             self.last_graph_error = str(e)

@@ -157,8 +157,8 @@ def q4_groups(cols: int) -> int:
 def q4_scale_codes(scale: np.ndarray) -> np.ndarray:
     """bf16 (or fp32) scales -> their e5m3 codes uint8, as the library stores them (quant.cuh
     q4_scale_code, the same integer steps): the nearest e5m3 value, ties to even, in one rounding
-    from the fp32 value; past 61440 0xF8 (inf); NaN 0xFF. ValueError for a negative scale (the
-    library refuses it too)."""
+    from the fp32 value; from 63488 (halfway past the largest finite value, 61440) 0xF8, inf;
+    NaN 0xFF. ValueError for a negative scale (the library refuses it too)."""
     s = np.asarray(scale).astype(_F32)
     if (s < 0).any():
         bad = np.argwhere(s < 0)[0]

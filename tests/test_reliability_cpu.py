@@ -508,7 +508,8 @@ def test_decode_greedy_goes_on_step_by_step_after_a_refused_chained_step(tiny):
     assert engine._gpu.chained == 0  # the rest went step by step, as step_greedy
 
 
-def test_decode_greedy_graph_failure_continues_uncaptured_with_the_same_tokens(tiny):
+@pytest.mark.parametrize("failure", ["launch", "capture"])
+def test_decode_greedy_graph_failure_continues_uncaptured_with_the_same_tokens(tiny, failure):
     config, tensors = tiny
     engine, first = _prompted_fake_engine(config, tensors)
     engine.recapture_after = 3
@@ -517,12 +518,16 @@ def test_decode_greedy_graph_failure_continues_uncaptured_with_the_same_tokens(t
 
     def fail_a_launch(token):
         if token == want[2]:
-            fake.fail_replays = 1  # the next launch: the chained step after want[3]'s
+            if failure == "launch":
+                fake.fail_replays = 1  # the next launch: the chained step after want[3]'s
+            else:
+                fake.drop_graph()      # the next launch captures again, and that fails
+                fake.fail_captures = 1
     assert engine.decode_greedy(first, 10, on_token=fail_a_launch) == want
     assert engine.position == len(PROMPT) + 10 == fake.ref.position
     st = engine.stats()
     assert st["graph_failures"] == 1 and st["nongraph_steps"] >= 1
-    assert "stand-in" in engine.last_graph_error
+    assert "stand-in" in engine.last_graph_error or "injected" in engine.last_graph_error
 
 
 def test_decode_greedy_error_in_on_token_keeps_only_the_ended_steps(tiny):
