@@ -3,9 +3,9 @@
 // on the integer dot-product instruction: dp4a multiplies 4 weight codes by 4 input codes and
 // adds them in one instruction.
 //
-// Why: batch-1 decode reads every weight once, and a q4 weight is 0.5625 bytes with its scale,
-// so at DRAM speed a q4 GEMV has ~3.5x fewer instruction slots per weight than a bf16 one.
-// (0.53125 bytes since its group scale became one e5m3 byte instead of a bf16: quant.cuh.)
+// Why: batch-1 decode reads every weight once, and a q4 weight is 0.53125 bytes with its
+// one-byte group scale (e5m3: quant.cuh), so at DRAM speed a q4 GEMV has ~3.8x fewer
+// instruction slots per weight than a bf16 one.
 // Dequantizing to fp16 for the tensor cores costs 9 instructions per 8 weights before the mma
 // (gemv.cu's int8 kernel still does that: int8 has twice the bytes per weight), which left the
 // q4 GEMVs bound by instruction issue (8B q4 step 2.37 ms, bench/PERF_NOTES.md). Here 8
