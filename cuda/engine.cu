@@ -751,14 +751,7 @@ int32_t expected_dtype(const WeightSlot &s) {
 }
 
 og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *data) {
-    if (s.kind == WeightSlot::kScales && s.format == OG_WEIGHTS_Q4) {
-        // bf16 in, e5m3 stored (quant.cuh); og_set_weight has refused negative scales.
-        const size_t n = (size_t)(s.rows * s.pitch);
-        std::vector<uint8_t> codes(n);
-        const uint16_t *bits = static_cast<const uint16_t *>(data);
-        for (size_t i = 0; i < n; ++i) q4_scale_code(bits[i], &codes[i]);
-        OG_CUDA_TRY(cudaMemcpyAsync(s.dst, codes.data(), n, cudaMemcpyHostToDevice, e->stream));
-    } else if (s.kind == WeightSlot::kScales) {
+    if (s.kind == WeightSlot::kScales) {  // q4: the e5m3 codes og_set_weight made
         OG_CUDA_TRY(cudaMemcpyAsync(s.dst, data, (size_t)(s.rows * s.pitch),
                                     cudaMemcpyHostToDevice, e->stream));
     } else if (s.kind == WeightSlot::kMatrix) {
@@ -1088,16 +1081,20 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
                              name, shape_text(1, want).c_str(), got.c_str());
     }
     if (data == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "%s: data is NULL", name);
+    // q4 scales arrive as bf16 and are stored as e5m3 (quant.cuh): converted here, in one pass
+    // that also refuses a negative scale before anything changes.
+    std::vector<uint8_t> q4_codes;
     if (s.kind == WeightSlot::kScales && s.format == OG_WEIGHTS_Q4) {
         const uint16_t *bits = static_cast<const uint16_t *>(data);
-        uint8_t code;
-        for (int64_t i = 0; i < s.rows * s.pitch; ++i)
-            if (!q4_scale_code(bits[i], &code))
+        q4_codes.resize((size_t)(s.rows * s.pitch));
+        for (size_t i = 0; i < q4_codes.size(); ++i)
+            if (!q4_scale_code(bits[i], &q4_codes[i]))
                 return set_error(OG_E_WEIGHT_MISMATCH,
                                  "%s: q4 scale [%lld, %lld] is negative (bf16 bits 0x%04x); a q4 "
                                  "scale is max|w| / 7 of its group",
                                  name, (long long)(i / s.pitch), (long long)(i % s.pitch),
                                  (unsigned)bits[i]);
+        data = q4_codes.data();
     }
     og_status status = use_device(e);
     if (status != OG_OK) return status;
