@@ -18,7 +18,7 @@ class BuildPyWithLibrary(build_py):
         if getattr(self, "editable_mode", False):
             out_dir = os.path.join(HERE, "runtime", "_lib")
         else:
-            out_dir = os.path.join(self.build_lib, "runtime", "_lib")
+            out_dir = os.path.join(self.build_lib, "onegraph", "_lib")
         module.build_library(out_dir)
 
 

@@ -2,7 +2,7 @@
 plus thin numpy wrappers the kernel tests call.
 
 Each C declaration is repeated as a comment above its binding; argtypes and restype are
-set once, in `_bind`. The library is loaded through `runtime.capi.load_library()` (which
+set once, in `_bind`. The library is loaded through `onegraph.capi.load_library()` (which
 checks the ABI version); failures raise `capi.LibraryError` with the library's message.
 The wrappers fill every output with NaN before the call unless the caller passes its own
 buffer, so an element a kernel fails to write shows up.
@@ -15,7 +15,7 @@ from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_uint16, c_uin
 
 import numpy as np
 
-from runtime import capi
+from onegraph import capi
 
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = capi.OG_KV_F32, capi.OG_KV_BF16, capi.OG_KV_INT8
 KV_NUMPY_DTYPES = {OG_KV_F32: np.float32, OG_KV_BF16: np.uint16, OG_KV_INT8: np.int8}
@@ -332,7 +332,7 @@ GEMV_MODES = {"plain": 0, "norm": 1, "residual": 2, "norm_swiglu": 3}
 
 def gemv_quant(qm, mode: str, x: np.ndarray, norm_weight=None, eps: float = 0.0, y=None,
                bulk_stream: bool = False):
-    """The quantized GEMV on a runtime.quant.QuantizedMatrix `qm` -> (y, normed).
+    """The quantized GEMV on a onegraph.quant.QuantizedMatrix `qm` -> (y, normed).
 
     y: the residual's input for mode "residual" (not modified); normed (the normalized input) is
     None unless mode is "norm" or "norm_swiglu". For "norm_swiglu" qm holds 2 * inter rows (gate

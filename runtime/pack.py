@@ -18,13 +18,13 @@ Tensors are in ``config.tensor_shapes()`` order and tile the data section withou
 
 From C: ``og_open_packed(path, OG_KV_INT8, 4096, &engine)`` (cuda/onegraph.h). From Python::
 
-    from runtime.engine import Engine
-    from runtime.pack import open_packed
+    from onegraph.engine import Engine
+    from onegraph.pack import open_packed
     config, tensors = open_packed("model.og.safetensors")
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=4096) as engine:
         print(engine.generate([1, 2, 3], 32, stop_token_ids=()))
 
-``python -m runtime.pack decode FILE N ID...`` does that and prints what examples/c and
+``python -m onegraph.pack decode FILE N ID...`` does that and prints what examples/c and
 examples/rust print, so the three can be compared token for token.
 """
 from __future__ import annotations
@@ -240,10 +240,10 @@ def default_max_seq_len(config: ModelConfig) -> int:
     return min(DEFAULT_MAX_SEQ_LEN, config.max_position_embeddings)
 
 
-# ---- `python -m runtime.pack decode`: the Python twin of examples/c and examples/rust ----
+# ---- `python -m onegraph.pack decode`: the Python twin of examples/c and examples/rust ----
 
 def decode_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.pack decode",
+    p = argparse.ArgumentParser(prog="python -m onegraph.pack decode",
                                 description="greedy decode from a packed file; prints the new ids on one line")
     p.add_argument("--kv", choices=["fp32", "bf16", "int8"], default="int8")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
@@ -274,7 +274,7 @@ def decode_main(argv=None) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "decode":
-        print("usage: python -m runtime.pack decode [--kv KV] [--max-seq-len N] FILE N ID [ID ...]\n"
+        print("usage: python -m onegraph.pack decode [--kv KV] [--max-seq-len N] FILE N ID [ID ...]\n"
               "(packing is 'onegraph pack --model DIR --out FILE')", file=sys.stderr)
         return 2
     return decode_main(argv[1:])

@@ -415,10 +415,10 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> str:
     return final
 
 
-# ---- command line: python -m runtime.synth PRESET OUT_DIR ----------------------------------
+# ---- command line: python -m onegraph.synth PRESET OUT_DIR ----------------------------------
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.synth", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m onegraph.synth", description=__doc__.split("\n")[0])
     parser.add_argument("preset", choices=list(PRESETS))
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)

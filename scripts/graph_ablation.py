@@ -61,8 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 def open_engine(args, max_seq_len: int):
     """(bench target, graph Engine on the GPU) for add_engine_args' flags."""
-    from runtime import bench
-    from runtime.engine import Engine
+    from onegraph import bench
+    from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
                                                 "quantize_lm_head": args.quantize_lm_head}
@@ -71,7 +71,7 @@ def open_engine(args, max_seq_len: int):
 
 
 def measure(args) -> dict:
-    from runtime import bench, capi_testing
+    from onegraph import bench, capi_testing
     target, engine = open_engine(args, args.context + 8)
     with engine:
         gpu = engine._gpu

@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def run(args) -> None:
     import numpy as np
     from cuda.bindings import runtime as rt
-    from runtime.engine import Engine
-    from runtime.synth import iter_tensors, preset_config
+    from onegraph.engine import Engine
+    from onegraph.synth import iter_tensors, preset_config
     config = preset_config(args.preset, num_hidden_layers=args.layers)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, args.context)]
     if args.prefill:

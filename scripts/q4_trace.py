@@ -50,8 +50,8 @@ def kind(launch: dict, vocab: int, hidden: int) -> str:
 
 
 def trace(args) -> tuple[np.ndarray, object]:
-    from runtime import bench
-    from runtime.engine import Engine
+    from onegraph import bench
+    from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
                     device="gpu", weights="q4", quantize="all", quantize_lm_head=True)

@@ -32,11 +32,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import capi_testing  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.graph import _check, _runtime  # noqa: E402
-from runtime.reference import ReferenceDecoder  # noqa: E402
-from runtime.synth import iter_tensors, preset_config  # noqa: E402
+from onegraph import capi_testing  # noqa: E402
+from onegraph.engine import Engine  # noqa: E402
+from onegraph.graph import _check, _runtime  # noqa: E402
+from onegraph.reference import ReferenceDecoder  # noqa: E402
+from onegraph.synth import iter_tensors, preset_config  # noqa: E402
 
 # Same bounds and reasons as tests/test_engine_gpu.py LOGITS_BOUND.
 LOGITS_BOUND = {"fp32": 1e-4, "bf16": 1e-2, "int8": 1e-2}

@@ -29,7 +29,7 @@ def build_library_or_skip():
 
 
 def require_gpu():
-    from runtime.engine import library_status
+    from onegraph.engine import library_status
     usable, reason = library_status()
     if not usable:
         pytest.skip(f"GPU path unusable: {reason}")
@@ -37,7 +37,7 @@ def require_gpu():
 
 def synthetic(preset, layers=None, seed=0):
     """(config, tensors dict) of a synthetic preset, generated in memory."""
-    from runtime.synth import iter_tensors, preset_config
+    from onegraph.synth import iter_tensors, preset_config
     config = preset_config(preset, num_hidden_layers=layers)
     return config, dict(iter_tensors(config, seed=seed))
 

@@ -16,9 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-from runtime import bench
-from runtime.engine import Engine as CpuEngine
-from runtime.synth import iter_tensors, preset_config
+from onegraph import bench
+from onegraph.engine import Engine as CpuEngine
+from onegraph.synth import iter_tensors, preset_config
 
 NORM = 4  # bytes per RMSNorm weight (fp32 on the device)
 
@@ -67,7 +67,7 @@ def test_qwen3_30b_a3b_active_hand_count():
 
 
 def test_every_preset_sums_its_parts():
-    from runtime.synth import PRESETS
+    from onegraph.synth import PRESETS
     for name in PRESETS:
         parts = bench.weight_bytes_per_token(preset_config(name))
         assert parts["total"] == sum(v for k, v in parts.items() if k != "total"), name
@@ -358,7 +358,7 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
         engines.append(FakeGpuEngine(*args, **kwargs))
         return engines[-1]
 
-    monkeypatch.setattr("runtime.engine.Engine", make_engine)
+    monkeypatch.setattr("onegraph.engine.Engine", make_engine)
     s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2,
                        step_output=step_output, pipeline=pipeline)
     target = bench.preset_target("tiny-dense", None, seed=0)
@@ -400,7 +400,7 @@ def test_kv_page_option():
 
 
 def test_runtime_bench_never_imports_torch():
-    code = "import sys, runtime.bench, runtime.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, onegraph.bench, onegraph.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -443,7 +443,7 @@ def test_peers_need_cuda_when_asked():
 
 
 def _reference_greedy(config, prompt, n):
-    from runtime.reference import ReferenceDecoder
+    from onegraph.reference import ReferenceDecoder
     ref = ReferenceDecoder(config, dict(iter_tensors(config)), kv_dtype="fp32", max_seq_len=len(prompt) + n + 1)
     for t in prompt:
         logits = ref.step(t)

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from runtime.config import ConfigError, ModelConfig
-from runtime.synth import PRESETS, preset_config
+from onegraph.config import ConfigError, ModelConfig
+from onegraph.synth import PRESETS, preset_config
 
 
 def qwen3(**changes):

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from gpu_support import synthetic
-from runtime.engine import Engine, EngineError, library_status
-from runtime.reference import ReferenceDecoder
-from runtime.sampling import SamplingParams
+from onegraph.engine import Engine, EngineError, library_status
+from onegraph.reference import ReferenceDecoder
+from onegraph.sampling import SamplingParams
 
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8]
 

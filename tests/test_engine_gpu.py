@@ -7,9 +7,9 @@ import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
-from runtime import capi
-from runtime.engine import Engine, GpuSession
-from runtime.reference import ReferenceDecoder
+from onegraph import capi
+from onegraph.engine import Engine, GpuSession
+from onegraph.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
 

@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.reference import ReferenceDecoder  # noqa: E402
+from onegraph.config import ModelConfig  # noqa: E402
+from onegraph.reference import ReferenceDecoder  # noqa: E402
 
 # Both sides compute in fp32 from the same bf16 weights but in different orders (HF: batched
 # prefill, torch matmul blocking, expert sums in expert-index order; ours: gemv per token, expert

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from gpu_support import require_gpu
-from runtime import capi
-from runtime import capi_testing as ct
-from runtime.reference import kv_quantize_int8, rope_inv_freq
+from onegraph import capi
+from onegraph import capi_testing as ct
+from onegraph.reference import kv_quantize_int8, rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 

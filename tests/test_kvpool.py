@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from gpu_support import build_library_or_skip, load_build_module, synthetic
-from runtime import capi
-from runtime.engine import Engine, EngineError
-from runtime.kvpool import PoolLayout, zero_blocks
-from runtime.synth import preset_config
+from onegraph import capi
+from onegraph.engine import Engine, EngineError
+from onegraph.kvpool import PoolLayout, zero_blocks
+from onegraph.synth import preset_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8]
@@ -151,7 +151,7 @@ def test_zeroing_one_segment_leaves_its_neighbours():
 def allocator_type():
     build_library_or_skip()
     try:
-        from runtime import capi_testing
+        from onegraph import capi_testing
         capi_testing.load()
     except capi.LibraryUnavailable as e:
         pytest.skip(f"library unavailable: {e}")
@@ -212,8 +212,8 @@ def test_allocator_free_order_hook(allocator_type):
 
 
 def test_zero_blocks_kernel_entry_point_without_gpu(allocator_type):
-    from runtime import capi_testing
-    from runtime.engine import library_status
+    from onegraph import capi_testing
+    from onegraph.engine import library_status
     if library_status()[0]:
         pytest.skip("a GPU is present: tests/test_paged_gpu.py runs the kernel")
     backing, stride, segments = seed_scenario()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpu_support import build_library_or_skip
-from runtime import capi
+from onegraph import capi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER = ROOT / "cuda" / "onegraph.h"
@@ -224,8 +224,8 @@ def test_last_error_is_per_thread_and_never_null(lib):
 
 def test_rope_table_matches_reference_bit_for_bit(lib):
     # The table is computed on the host, so this runs without a GPU.
-    from runtime import capi_testing
-    from runtime.reference import rope_inv_freq
+    from onegraph import capi_testing
+    from onegraph.reference import rope_inv_freq
     for head_dim, theta, factor in [(128, 1e6, 1.0), (64, 1e4, 1.0), (16, 5e5, 8.0), (80, 1e6, 4.0),
                                     (2, 1e4, 1.0)]:
         got = capi_testing.rope_inv_freq(head_dim, theta, factor)
@@ -237,7 +237,7 @@ def test_rope_table_matches_reference_bit_for_bit(lib):
 def test_kernel_entry_points_without_gpu(lib, has_gpu):
     if has_gpu:
         pytest.skip("a GPU is present")
-    from runtime import capi_testing
+    from onegraph import capi_testing
     w = capi_testing.bf16_bits(np.ones((3, 5), np.float32))
     with pytest.raises(capi.LibraryError) as err:
         capi_testing.gemv(w, np.ones(5, np.float32))

@@ -14,9 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import synth
-from runtime.config import ConfigError
-from runtime.loader import INDEX_FILE, SINGLE_FILE, LoaderError, load_model, read_header
+from onegraph import synth
+from onegraph.config import ConfigError
+from onegraph.loader import INDEX_FILE, SINGLE_FILE, LoaderError, load_model, read_header
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 Q_NORM = "model.layers.1.self_attn.q_norm.weight"
@@ -471,7 +471,7 @@ def test_single_file_wins_over_index(sharded_dir, dense_dir):
 RSS_PROBE = textwrap.dedent("""
     import resource, sys, json
     import numpy as np
-    from runtime.loader import load_model
+    from onegraph.loader import load_model
     import safetensors, ml_dtypes
     def peak_bytes():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -5,8 +5,8 @@ import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
-from runtime.engine import Engine
-from runtime.reference import ReferenceDecoder
+from onegraph.engine import Engine
+from onegraph.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def test_30b_a3b_shape_matches_reference():
 def test_tiny_moe_matches_hugging_face(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from runtime.synth import preset_config, write_model
+    from onegraph.synth import preset_config, write_model
     config = preset_config("tiny-moe")
     write_model(config, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32,

@@ -22,11 +22,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import capi
-from runtime.config import ModelConfig
-from runtime.pack import (KEY_CONFIG, KEY_FORMAT_VERSION, KEY_OG_CONFIG, KEY_WEIGHTS, PackError,
+from onegraph import capi
+from onegraph.config import ModelConfig
+from onegraph.pack import (KEY_CONFIG, KEY_FORMAT_VERSION, KEY_OG_CONFIG, KEY_WEIGHTS, PackError,
                           og_config_fields, open_packed, write_packed)
-from runtime.synth import iter_tensors, preset_config, write_model
+from onegraph.synth import iter_tensors, preset_config, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DIR = os.path.join(ROOT, "cuda")
@@ -380,7 +380,7 @@ def test_write_packed_rejects(tmp_path):
 
 
 def test_cli_pack(tmp_path, capsys):
-    from runtime.cli import main
+    from onegraph.cli import main
     config, tensors = _small("tiny-moe")
     folder = tmp_path / "hf"
     write_model(config, folder, seed=3)
@@ -396,7 +396,7 @@ def test_cli_pack(tmp_path, capsys):
 
 def test_python_engine_decodes_packed_like_the_folder(models, tmp_path):
     """CPU path: the same tokens from the packed file as from the HF folder it stands for."""
-    from runtime.engine import Engine
+    from onegraph.engine import Engine
     config, tensors, path = models["tiny-moe"]
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as engine:
         expected = engine.generate(PROMPT, 6, stop_token_ids=())
@@ -541,7 +541,7 @@ def test_open_packed_failures_free_the_engine(models, open_packed_mock):
 # ---- the C and Rust examples -------------------------------------------------------------
 
 def _gpu_usable() -> bool:
-    from runtime.engine import library_status
+    from onegraph.engine import library_status
     return library_status()[0]
 
 
@@ -607,7 +607,7 @@ def test_three_programs_print_the_same_tokens(models, tmp_path, preset):
         pytest.skip("no usable GPU")
     path = models[preset][2]
     args = [path, "32"] + [str(t) for t in PROMPT]
-    programs = [("python", [sys.executable, "-m", "runtime.pack", "decode", "--device", "gpu"]),
+    programs = [("python", [sys.executable, "-m", "onegraph.pack", "decode", "--device", "gpu"]),
                 ("c", [_build_c_example(tmp_path)])]
     if shutil.which("cargo"):
         programs.append(("rust", [_build_rust_example(tmp_path)]))

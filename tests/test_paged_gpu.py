@@ -10,12 +10,12 @@ import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as decode
-from runtime import capi
-from runtime import capi_testing as ct
-from runtime.engine import Engine, EngineError
-from runtime.kvpool import KV_STORAGE, PoolLayout, zero_blocks
-from runtime.reference import ReferenceDecoder, rope_inv_freq
-from runtime.synth import iter_tensors, preset_config
+from onegraph import capi
+from onegraph import capi_testing as ct
+from onegraph.engine import Engine, EngineError
+from onegraph.kvpool import KV_STORAGE, PoolLayout, zero_blocks
+from onegraph.reference import ReferenceDecoder, rope_inv_freq
+from onegraph.synth import iter_tensors, preset_config
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from runtime import capi
-from runtime.engine import Engine, EngineError
-from runtime.reference import ReferenceDecoder
+from onegraph import capi
+from onegraph.engine import Engine, EngineError
+from onegraph.reference import ReferenceDecoder
 from test_library_cpu import init, lib, small_config  # noqa: F401  (lib is a fixture)
 from test_reliability_cpu import PROMPT, _FakeSession, tiny  # noqa: F401  (tiny is a fixture)
 
@@ -42,7 +42,7 @@ def test_bf16_split_is_within_2_to_the_minus_16():
     """The GEMM inputs of og_prefill (cuda/prefill.cuh, "Numerics"): x = hi + lo, hi = bf16(x),
     lo = bf16(x - hi): within 2^-16 |x| (2^-8 of a residual at most 2^-8 |x|), rms ~2^-18.5
     relative; the numerics statement and the GPU tests' bounds rest on this."""
-    from runtime import capi_testing as ct
+    from onegraph import capi_testing as ct
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(200_000), rng.standard_normal(1000) * 1e30,
                         rng.standard_normal(1000) * 1e-30, [0.0, -0.0, 1.0, 3.0e38]]).astype(np.float32)
@@ -189,7 +189,7 @@ def test_library_refusals_are_engine_errors_and_change_nothing(tiny, status):  #
 
 
 def test_bench_ttft_records_on_the_cpu(tmp_path, capsys):
-    from runtime import bench
+    from onegraph import bench
     out = tmp_path / "b.json"
     assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--prompt", "3", "--n", "2",
                        "--repeats", "1", "--ttft", "5,9", "--json", str(out)]) == 0

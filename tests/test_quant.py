@@ -14,11 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import quant
-from runtime.quant import (QuantizedMatrix, WeightScheme, dequantize_q4, pack_q4, quantize_int8,
+from onegraph import quant
+from onegraph.quant import (QuantizedMatrix, WeightScheme, dequantize_q4, pack_q4, quantize_int8,
                            quantize_q4, quantize_stream, tensor_class, unpack_q4)
-from runtime.reference import ReferenceDecoder
-from runtime.synth import iter_tensors, preset_config
+from onegraph.reference import ReferenceDecoder
+from onegraph.synth import iter_tensors, preset_config
 from test_reference import Float64Model, rel_l2, tiny_config, tiny_tensors
 
 BF16 = ml_dtypes.bfloat16
@@ -336,7 +336,7 @@ def test_q4_dequantize_matches_manual_unpacking():
 # ---- the engine's CPU path, the C ABI's config, the benchmark's byte counts ---------------------
 
 def test_engine_cpu_path_decodes_the_quantized_model():
-    from runtime.engine import Engine
+    from onegraph.engine import Engine
     config = preset_config("tiny-moe")
     tensors = dict(iter_tensors(config))
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu", weights="q4",
@@ -353,7 +353,7 @@ def test_engine_cpu_path_decodes_the_quantized_model():
 
 def test_config_default_and_validation_of_weight_formats():
     import ctypes
-    from runtime import capi
+    from onegraph import capi
     try:
         lib = capi.load_library()
     except capi.LibraryUnavailable as e:
@@ -373,7 +373,7 @@ def test_config_default_and_validation_of_weight_formats():
 
 
 def test_benchmark_counts_quantized_bytes():
-    from runtime import bench
+    from onegraph import bench
     c = preset_config("qwen3-8b")
     bf16 = bench.weight_bytes_per_token(c)
     q4 = bench.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")

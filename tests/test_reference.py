@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import reference
-from runtime.config import ModelConfig
-from runtime.reference import (
+from onegraph import reference
+from onegraph.config import ModelConfig
+from onegraph.reference import (
     ReferenceDecoder, attention_decode, kv_dequantize_int8, kv_quantize_int8, moe_topk,
     rmsnorm, rope, rope_inv_freq,
 )

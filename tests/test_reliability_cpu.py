@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from gpu_support import build_library_or_skip, synthetic
-from runtime import capi
-from runtime.engine import Engine, EngineError, check_finite
-from runtime.graph import GraphError
-from runtime.reference import ReferenceDecoder
+from onegraph import capi
+from onegraph.engine import Engine, EngineError, check_finite
+from onegraph.graph import GraphError
+from onegraph.reference import ReferenceDecoder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA = ROOT / "cuda"
@@ -50,7 +50,7 @@ def lib():
         library = capi.load_library()
     except capi.LibraryUnavailable as e:
         pytest.fail(f"the library does not load: {e}")
-    from runtime import capi_testing
+    from onegraph import capi_testing
     capi_testing.load()
     capi_testing.reliability()
     return library
@@ -131,7 +131,7 @@ def test_engine_allocations_go_through_the_counted_wrappers():
 
 
 def test_fault_hooks_validate_their_arguments(lib):
-    from runtime import capi_testing
+    from onegraph import capi_testing
     with pytest.raises(capi.LibraryError) as err:
         capi_testing.fail_allocation_at(-2)
     assert err.value.status == capi.OG_E_INVALID_ARGUMENT and "n=-2" in str(err.value)

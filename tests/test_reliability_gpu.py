@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from gpu_support import require_gpu, synthetic
-from runtime import capi
-from runtime.engine import Engine, EngineError, GpuSession
+from onegraph import capi
+from onegraph.engine import Engine, EngineError, GpuSession
 from test_reliability_cpu import _all_handle_functions, _poisoned, _zero_args
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ def _gpu():
 
 @pytest.fixture(scope="module")
 def hooks():
-    from runtime import capi_testing
+    from onegraph import capi_testing
     capi_testing.load()
     capi_testing.reliability()
     yield capi_testing
@@ -77,7 +77,7 @@ def _assert_same(a, b):
 
 
 def device_free_bytes() -> int:
-    from runtime.graph import _check, _runtime
+    from onegraph.graph import _check, _runtime
     free, _total = _check(_runtime().cudaMemGetInfo(), "cudaMemGetInfo")
     return int(free)
 

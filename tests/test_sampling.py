@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.sampling import SamplingParams, filtered_distribution, generate, sample
+from onegraph.sampling import SamplingParams, filtered_distribution, generate, sample
 
 LOGITS = np.array([1.0, 3.0, 2.5, 3.0, -1.0, 0.0, 2.0, -np.inf], np.float32)
 

@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from runtime import synth
-from runtime.loader import INDEX_FILE, SINGLE_FILE, load_model
+from onegraph import synth
+from onegraph.loader import INDEX_FILE, SINGLE_FILE, load_model
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

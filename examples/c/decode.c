@@ -6,7 +6,7 @@
  * Feeds the prompt ids one step each, then chooses N tokens greedily (the last one is not
  * fed back, as runtime/sampling.py generate does); prints the N new ids on one line on
  * stdout and the timing on stderr. Defaults (kv int8, max_seq_len 4096) are the Python
- * engine's, so `python -m runtime.pack decode FILE N ID...` prints the same ids.
+ * engine's, so `python -m onegraph.pack decode FILE N ID...` prints the same ids.
  * Exit status: 0 done, 1 a library error (its message is printed), 2 usage, 3 no CUDA device.
  *
  * Build from the repository root (the library is runtime/_lib/libonegraph.so, `python build.py`):
