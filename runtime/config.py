@@ -24,6 +24,7 @@ MODEL_TYPE_ARCHITECTURES = {model_type: arch for arch, model_type in _MODEL_TYPE
 # rope_scaling kinds the reference and the CUDA body implement.
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 SUPPORTED_HIDDEN_ACTS = ("silu",)
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ConfigError(ValueError):
@@ -111,11 +112,13 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids, duplicates dropped, in order: config.json's eos_token_id,
+        then (from_file) generation_config.json's. Engine.generate's default stop tokens."""
         if self.eos_token_id is None:
             return ()
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
-        return tuple(int(t) for t in self.eos_token_id)
+        return tuple(dict.fromkeys(int(t) for t in self.eos_token_id))
 
     # ---- the tensor table ----------------------------------------------------------
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -234,11 +237,24 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
+        """config.json (or a folder's), with the eos_token_id of a generation_config.json beside
+        it added to its own: generation stops at any of them, as transformers' generate does."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: config file not found")
-        return cls.from_dict(read_json_file(path, ConfigError), source=path)
+        cfg = cls.from_dict(read_json_file(path, ConfigError), source=path)
+        generation = os.path.join(os.path.dirname(path), GENERATION_CONFIG)
+        if os.path.isfile(generation):
+            cfg = cfg.with_eos_token_ids(_generation_eos_token_ids(generation, cfg.vocab_size))
+        return cfg
+
+    def with_eos_token_ids(self, extra: tuple[int, ...]) -> "ModelConfig":
+        """eos_token_id = its own ids, then those of `extra` not among them (in order)."""
+        merged = list(dict.fromkeys([*self.eos_token_ids, *extra]))
+        if merged == list(self.eos_token_ids):
+            return self
+        return self.replace(eos_token_id=merged[0] if len(merged) == 1 else merged)
 
     def replace(self, **changes) -> "ModelConfig":
         from dataclasses import replace
@@ -382,6 +398,21 @@ def _classic_keys(raw: dict, source: str) -> dict:
             raise ConfigError(f"{source}: rope_scaling={classic!r} disagrees with rope_parameters={rope!r}")
         raw["rope_scaling"] = scaling
     return raw
+
+
+def _generation_eos_token_ids(path: str, vocab_size: int) -> tuple[int, ...]:
+    """The eos_token_id (an id or a list of ids) of a generation_config.json; () when absent."""
+    raw = read_json_file(path, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    eos = raw.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ConfigError(f"{path}: eos_token_id={eos!r} must be a token id or a list of token ids")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ConfigError(f"{path}: eos_token_id={eos!r} is outside the vocabulary 0..{vocab_size - 1}")
+    return tuple(ids)
 
 
 def _rope_type(rope_scaling: dict) -> str:

@@ -257,3 +257,43 @@ def test_transformers_saved_config_reads_as_its_classic_twin(tmp_path, family):
     assert "rope_parameters" in saved and "rope_theta" not in saved and "rope_scaling" not in saved
     path = str(tmp_path / "config.json")
     assert ModelConfig.from_file(path) == ModelConfig.from_dict(classic, source=path)
+
+
+def _folder(tmp_path, config: dict, generation=None):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("config_eos, generation_eos, expected", [
+    (7, [9, 7, 11], (7, 9, 11)),        # the union, config.json's first, duplicates dropped
+    ([7, 9], 11, (7, 9, 11)),           # an int in generation_config.json
+    ([7, 7, 9], None, (7, 9)),          # duplicates in config.json alone
+    (None, [5, 6], (5, 6)),             # only generation_config.json names them
+    (7, {}, (7,)),                      # generation_config.json without eos_token_id
+])
+def test_eos_token_ids_join_generation_config(tmp_path, config_eos, generation_eos, expected):
+    generation = generation_eos if isinstance(generation_eos, dict) else {"eos_token_id": generation_eos}
+    cfg = ModelConfig.from_file(_folder(tmp_path, qwen3(eos_token_id=config_eos), generation))
+    assert cfg.eos_token_ids == expected
+
+
+def test_eos_token_ids_without_generation_config(tmp_path):
+    assert ModelConfig.from_file(_folder(tmp_path, qwen3(eos_token_id=[4, 3]))).eos_token_ids == (4, 3)
+
+
+@pytest.mark.parametrize("generation, fragments", [
+    ({"eos_token_id": "2"}, ("eos_token_id='2'", "token id")),
+    ({"eos_token_id": [2, True]}, ("eos_token_id=[2, True]",)),
+    ({"eos_token_id": [2, 512]}, ("eos_token_id=[2, 512]", "0..511")),
+    ([2], ("JSON object", "list")),
+])
+def test_bad_generation_config_names_the_file(tmp_path, generation, fragments):
+    folder = _folder(tmp_path, qwen3(), generation)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(folder)
+    message = str(info.value)
+    assert message.startswith(str(tmp_path / "generation_config.json")), message
+    for fragment in fragments:
+        assert fragment in message, message

@@ -105,3 +105,19 @@ def test_invalid_engine_options(tiny):
         Engine.from_tensors(config, tensors, device="cpu", kv="fp8")
     with pytest.raises(ValueError, match="device="):
         Engine.from_tensors(config, tensors, device="tpu")
+
+
+def test_generate_stops_at_an_eos_of_generation_config(tmp_path):
+    """An eos id listed only in generation_config.json ends generate() by default."""
+    import json
+    from onegraph.synth import preset_config, write_model
+    config = preset_config("tiny-dense", eos_token_id=0)
+    write_model(config, tmp_path)
+    with Engine.from_pretrained(str(tmp_path), kv="int8", max_seq_len=64, device="cpu") as engine:
+        free_run = engine.generate(PROMPT, 16, stop_token_ids=())
+    # the first occurrence of a token, some steps in, before any 0 (config.json's eos)
+    stop_at = next(i for i, t in enumerate(free_run) if i >= 3 and t not in free_run[:i] and 0 not in free_run[:i + 1])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [free_run[stop_at], 0]}))
+    with Engine.from_pretrained(str(tmp_path), kv="int8", max_seq_len=64, device="cpu") as engine:
+        assert engine.config.eos_token_ids == (0, free_run[stop_at])
+        assert engine.generate(PROMPT, 16) == free_run[:stop_at + 1]
