@@ -166,14 +166,25 @@ RSS_PROBE = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss units are Linux's")
 def test_cpu_engine_peak_rss_stays_below_one_and_a_half_times_the_file(tmp_path):
-    """The CPU path keeps the weights as mapped file pages (~1x once read) and widens one matrix
-    at a time into an fp32 buffer of the largest (here gate|up, 0.2x), never the whole model."""
+    """With no fp32 budget the CPU path keeps the weights as mapped file pages (~1x once read) and
+    widens one matrix at a time into an fp32 buffer of the largest (here gate|up, 0.2x), never
+    the whole model. (The default budget keeps fp32 copies of models this small, for speed.)"""
     config = preset_config("tiny-dense", vocab_size=4096, hidden_size=640, intermediate_size=1728,
                            num_attention_heads=10, num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
     write_model(config, tmp_path)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path)], capture_output=True, text=True,
-                         cwd=repo, env=dict(os.environ), check=True)
+                         cwd=repo, env=dict(os.environ, ONEGRAPH_CPU_FP32_BUDGET_MB="0"), check=True)
     m = json.loads(out.stdout)
     assert m["file_bytes"] > 40e6
     assert m["after"] - m["before"] < 1.5 * m["file_bytes"], m
+
+
+def test_kept_fp32_copies_give_the_same_logits_as_widening_at_every_use():
+    config, tensors = synthetic("tiny-dense")
+    lean = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64, fp32_budget_bytes=0)
+    kept = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64, fp32_budget_bytes=1 << 40)
+    assert all(m.kept is None for m in (lean.lm_head, lean.layers[0].qkv_proj))
+    assert all(m.kept is not None for m in (kept.lm_head, kept.layers[0].qkv_proj))
+    for token in PROMPT:
+        np.testing.assert_array_equal(lean.step(token), kept.step(token))
