@@ -257,3 +257,37 @@ def test_synthetic_gguf_tensors_bit_exact_with_transformers(tmp_path, arch, kind
     # a K-quant / block file really holds that type (not a silent float fallback)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == kind
+
+
+# ---- memory: tensors stream one at a time ---------------------------------------------------
+
+# VmHWM (peak RSS) rather than getrusage's ru_maxrss: a child started from this big pytest
+# process inherits the parent's ru_maxrss across exec, while VmHWM belongs to the new process.
+RSS_SCRIPT = """
+import sys
+import numpy as np
+from onegraph.loader import load_model
+def kib(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":"))
+base = kib("VmRSS")
+model = load_model(sys.argv[1])
+for name in model.tensors:
+    int(np.ascontiguousarray(model.tensors[name]).view(np.uint8).sum(dtype=np.uint64))  # every byte
+print((kib("VmHWM") - base) * 1024, model.total_bytes)
+"""
+
+
+def test_loading_and_touching_every_tensor_streams():
+    """Peak RSS growth of load + read every tensor stays below the engine-layout total (what a
+    loader that dequantizes everything up front would hold on top of the file): the mapped
+    file's pages, the reader's parsed metadata and one dequantized tensor at a time."""
+    import subprocess
+    import sys
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    path = smollm2_gguf()
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, path], capture_output=True, text=True, check=True)
+    growth, total = map(int, out.stdout.split())
+    print(f"peak RSS growth {growth / 2**20:.1f} MiB; file {os.path.getsize(path) / 2**20:.1f} MiB; "
+          f"all tensors {total / 2**20:.1f} MiB")
+    assert growth < total
