@@ -74,7 +74,7 @@ def measure(args) -> dict:
     from onegraph import bench, capi_testing
     target, engine = open_engine(args, args.context + 8)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         capi_testing.reliability()
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
         keep_only = getattr(args, "keep_only", False)

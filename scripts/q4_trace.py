@@ -56,7 +56,7 @@ def trace(args) -> tuple[np.ndarray, object]:
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
                     device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         if not hasattr(gpu.lib, "og_q4_trace_read"):
             raise SystemExit("this library has no trace: build it with build.py --trace and point "
                              "ONEGRAPH_LIB at it")

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     target, engine = open_engine(args, args.context + 16)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
         for output in ("next_token", "logits"):
             gpu.set_output(output)

@@ -74,7 +74,7 @@ def measure(args) -> dict:
     ms = {(c, v): [] for c in args.contexts for v in args.variants}
     diffs, reference = {}, None
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         engine.prefill(bench.make_prompt(target.config, min(args.contexts) - 1, 0))
         for context in args.contexts:
             with bench.pinned_position(engine, context - 1):
