@@ -50,7 +50,7 @@ def kind(launch: dict, vocab: int, hidden: int) -> str:
 
 
 def trace(args) -> tuple[np.ndarray, object]:
-    from onegraph import bench
+    from bench import benchmark as bench
     from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,

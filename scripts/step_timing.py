@@ -69,7 +69,7 @@ def set_variant(variant: str, variants: list) -> None:
 
 
 def measure(args) -> dict:
-    from onegraph import bench
+    from bench import benchmark as bench
     target, engine = open_engine(args, max(args.contexts) + 16)
     ms = {(c, v): [] for c in args.contexts for v in args.variants}
     diffs, reference = {}, None

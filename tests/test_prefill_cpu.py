@@ -189,7 +189,7 @@ def test_library_refusals_are_engine_errors_and_change_nothing(tiny, status):  #
 
 
 def test_bench_ttft_records_on_the_cpu(tmp_path, capsys):
-    from onegraph import bench
+    from bench import benchmark as bench
     out = tmp_path / "b.json"
     assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--prompt", "3", "--n", "2",
                        "--repeats", "1", "--ttft", "5,9", "--json", str(out)]) == 0
