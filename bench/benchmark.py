@@ -26,7 +26,7 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
 - Engines (--engines E): E engines are built for every (model, KV format, weight format, page),
   in rounds: round e builds engine e of every weight format in turn, so the formats share the
   GPU's conditions round by round. The weights' placement in memory moves a step by a few
-  percent from one engine to the next (bench/PERF_NOTES.md), more than many effects worth
+  percent from one engine to the next (docs/journal.md), more than many effects worth
   measuring. Each result is then the record of the engine with the median graph tok/s (the
   lower middle for an even E) and lists every engine's tok/s in build order; the context sweep
   runs on the first round's engines.
