@@ -239,6 +239,11 @@ class Engine:
         return len(self._history)
 
     @property
+    def history(self) -> tuple[int, ...]:
+        """The tokens in the selected sequence's KV cache, oldest first."""
+        return tuple(self._history)
+
+    @property
     def session(self) -> GpuSession | None:
         """The GPU session (the library handle, its streams and graphs); None on the CPU path."""
         return self._gpu
