@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from .engine import EngineError
 from .sampling import SamplingParams, sample
 
 log = logging.getLogger("onegraph.server")
@@ -439,7 +440,7 @@ class Scheduler:
         seq, reused = self._sequence_for(prompt)
         job.seq, job.fed = seq, list(prompt[:reused])
         engine.use(seq)
-        job.logits = engine.prefill(prompt[reused:])
+        job.logits = self._with_room(lambda: engine.prefill(prompt[reused:]))
         job.fed = list(prompt)
         job.prefix_hit = reused
         self.counters["prompt_tokens"] += len(prompt)
@@ -467,12 +468,13 @@ class Scheduler:
             return self._with_room(lambda: self.engine.fork(best, best_len)), best_len
         return self._with_room(self.engine.new_sequence), 0
 
-    def _with_room(self, make):
-        """make() a sequence; if the engine is out of sequences or blocks, free cached ones first."""
+    def _with_room(self, call):
+        """call() (a new sequence, a prefill, a step); while the engine refuses it (out of
+        sequences or KV blocks: EngineError, nothing changed), free cached sequences and retry."""
         while True:
             try:
-                return make()
-            except Exception:
+                return call()
+            except EngineError:
                 if not self.cache:
                     raise
                 seq, _ = self.cache.popitem(last=False)
@@ -482,11 +484,11 @@ class Scheduler:
         token = job.next_token
         self.engine.use(job.seq)
         if job.request.logprobs or not job.request.sampling.greedy:
-            logits = self.engine.step(token)
+            logits = self._with_room(lambda: self.engine.step(token))
             job.fed.append(token)
             self._choose(job, logits)
         else:
-            nxt = self.engine.step_greedy(token)
+            nxt = self._with_room(lambda: self.engine.step_greedy(token))
             job.fed.append(token)
             self._take(job, int(nxt), None)
 

@@ -2,8 +2,9 @@
 
 The model is a tiny synthetic one (tiny-dense with SmolLM2's vocabulary of 49152) on the CPU
 path, the tokenizer SmolLM2's (from the GGUF). Expected answers come from a second Engine of
-the same weights driven directly (prefill, step, sampling.sample): the server must give what
-one sequence decoded alone gives, whatever else it interleaves."""
+the same weights driven directly (the numpy reference decoder, which is also the engine's CPU
+path, and sampling.sample): the server must give what one sequence decoded alone gives,
+whatever else it interleaves or reuses from its prefix cache."""
 import concurrent.futures
 import json
 import os
@@ -24,6 +25,7 @@ pytest.importorskip("onegraph.text")
 
 from real_model import smollm2_gguf  # noqa: E402
 from onegraph.engine import Engine  # noqa: E402
+from onegraph.reference import ReferenceDecoder  # noqa: E402
 from onegraph.sampling import SamplingParams, sample  # noqa: E402
 from onegraph.server import ServerThread, StopMatcher, make_app  # noqa: E402
 from onegraph.synth import iter_tensors, preset_config  # noqa: E402
@@ -32,7 +34,7 @@ MODEL = "tiny-smol"
 KEY = "test-key-123"
 CONTEXT = 256
 MAX_ACTIVE = 4
-CACHE = 3
+CACHE = 8
 POISON = "POISONED-PROMPT"  # a prompt the test engine fails on (an engine failure)
 
 
@@ -77,9 +79,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def reference():
-    """An engine of the same weights that the tests drive directly."""
+    """The numpy reference decoder of the same weights (and the engine's default int8 KV),
+    driven directly."""
     config = tiny_config()
-    return Engine.from_tensors(config, lambda: iter_tensors(config), device="cpu", max_seq_len=CONTEXT)
+    return ReferenceDecoder(config, dict(iter_tensors(config)), kv_dtype="int8", max_seq_len=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -99,23 +102,19 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def decode_alone(engine, prompt, max_tokens, sampling=SamplingParams(), stop_ids=(), want_logits=False):
-    """(tokens, logits of each) of one request decoded alone on `engine`, from scratch."""
-    seq = engine.new_sequence()
-    engine.use(seq)
-    try:
-        rng = np.random.default_rng(sampling.seed)
-        logits = engine.prefill(list(prompt))
-        tokens, all_logits = [], []
-        while True:
-            token = sample(logits, sampling, rng)
-            tokens.append(token)
-            all_logits.append(logits)
-            if token in stop_ids or len(tokens) == max_tokens:
-                return (tokens, all_logits) if want_logits else tokens
-            logits = engine.step(token)
-    finally:
-        engine.free_sequence(seq)
+def decode_alone(ref, prompt, max_tokens, sampling=SamplingParams(), stop_ids=(), want_logits=False):
+    """(tokens, logits of each) of one request decoded alone from scratch on the reference."""
+    ref.reset()
+    rng = np.random.default_rng(sampling.seed)
+    logits = ref.prefill(list(prompt))
+    tokens, all_logits = [], []
+    while True:
+        token = sample(logits, sampling, rng)
+        tokens.append(token)
+        all_logits.append(logits)
+        if token in stop_ids or len(tokens) == max_tokens:
+            return (tokens, all_logits) if want_logits else tokens
+        logits = ref.step(token)
 
 
 def expected_text(tokenizer, tokens):
@@ -451,8 +450,10 @@ def test_queue_full_gets_429(tokenizer):
 
 
 def test_load_concurrent_streams(server, tokenizer, reference):
-    """16 streaming clients x 8 requests each, greedy: every answer equals the request alone."""
-    questions = [chat([("user", f"Question number {i}: what is {i} plus {i}?")]) for i in range(8)]
+    """16 streaming clients x 8 requests each, greedy: every answer equals the request alone.
+    Eight questions, as many as the prefix cache holds: after its first time a question is
+    mostly forked from the cache, which keeps the CPU run short."""
+    questions = [chat([("user", f"What is {i} plus {i}?")]) for i in range(CACHE)]
     want = [expected_text(tokenizer, decode_alone(reference, tokenizer.encode_chat(q), 4,
                                                   stop_ids=tokenizer.stop_token_ids)) for q in questions]
     before = wait_idle(server)
