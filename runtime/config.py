@@ -18,9 +18,13 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
 _MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama"}
+# A config.json without 'architectures' (transformers writes none when a bare config is saved)
+# names its family by model_type alone.
+MODEL_TYPE_ARCHITECTURES = {model_type: arch for arch, model_type in _MODEL_TYPES.items()}
 # rope_scaling kinds the reference and the CUDA body implement.
 SUPPORTED_ROPE_TYPES = ("default", "linear")
 SUPPORTED_HIDDEN_ACTS = ("silu",)
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ConfigError(ValueError):
@@ -108,11 +112,13 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence ids, duplicates dropped, in order: config.json's eos_token_id,
+        then (from_file) generation_config.json's. Engine.generate's default stop tokens."""
         if self.eos_token_id is None:
             return ()
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
-        return tuple(int(t) for t in self.eos_token_id)
+        return tuple(dict.fromkeys(int(t) for t in self.eos_token_id))
 
     # ---- the tensor table ----------------------------------------------------------
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -173,14 +179,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         raw = _classic_keys(raw, source)
-        archs = raw.get("architectures")
-        if not archs or not isinstance(archs, list):
-            raise ConfigError(f"{source}: key 'architectures' is missing or not a list (got {archs!r})")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"{source}: architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture(raw, source)
 
         def need(key: str, kind=int):
             if key not in raw:
@@ -210,12 +209,12 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=opt("rms_norm_eps", 1e-6, float),
             rope_theta=opt("rope_theta", 10000.0 if arch == "LlamaForCausalLM" else 1_000_000.0, float),
-            rope_scaling=raw.get("rope_scaling"),
+            rope_scaling=_canonical_rope_scaling(raw.get("rope_scaling")),
             max_position_embeddings=opt("max_position_embeddings", 40960, int),
             tie_word_embeddings=opt("tie_word_embeddings", False, bool),
             hidden_act=raw.get("hidden_act", "silu"),
             attention_bias=opt("attention_bias", False, bool),
-            torch_dtype=raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16",
+            torch_dtype=_dtype(raw, source),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             source=source,
@@ -238,11 +237,24 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
+        """config.json (or a folder's), with the eos_token_id of a generation_config.json beside
+        it added to its own: generation stops at any of them, as transformers' generate does."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: config file not found")
-        return cls.from_dict(read_json_file(path, ConfigError), source=path)
+        cfg = cls.from_dict(read_json_file(path, ConfigError), source=path)
+        generation = os.path.join(os.path.dirname(path), GENERATION_CONFIG)
+        if os.path.isfile(generation):
+            cfg = cfg.with_eos_token_ids(_generation_eos_token_ids(generation, cfg.vocab_size))
+        return cfg
+
+    def with_eos_token_ids(self, extra: tuple[int, ...]) -> "ModelConfig":
+        """eos_token_id = its own ids, then those of `extra` not among them (in order)."""
+        merged = list(dict.fromkeys([*self.eos_token_ids, *extra]))
+        if merged == list(self.eos_token_ids):
+            return self
+        return self.replace(eos_token_id=merged[0] if len(merged) == 1 else merged)
 
     def replace(self, **changes) -> "ModelConfig":
         from dataclasses import replace
@@ -312,24 +324,95 @@ class ModelConfig:
                 bad("eos_token_id", self.eos_token_id, f"is outside the vocabulary 0..{self.vocab_size - 1}")
 
 
+def _architecture(raw: dict, source: str) -> str:
+    """architectures[0], or the architecture model_type names when 'architectures' is absent;
+    a model_type of another supported family than architectures[0] is refused."""
+    archs = raw.get("architectures")
+    model_type = raw.get("model_type")
+    if archs is None or archs == []:
+        arch = MODEL_TYPE_ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+        if arch is None:
+            raise ConfigError(
+                f"{source}: architectures={archs!r} and model_type={model_type!r} name no supported model; "
+                f"supported: architectures {', '.join(SUPPORTED_ARCHITECTURES)} or model_type "
+                f"{', '.join(MODEL_TYPE_ARCHITECTURES)}")
+        return arch
+    if not isinstance(archs, list):
+        raise ConfigError(f"{source}: architectures={archs!r} must be a list of class names")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if model_type in MODEL_TYPE_ARCHITECTURES and MODEL_TYPE_ARCHITECTURES[model_type] != arch:
+        raise ConfigError(f"{source}: architectures={archs!r} disagrees with model_type={model_type!r} "
+                          f"(which means {MODEL_TYPE_ARCHITECTURES[model_type]})")
+    return arch
+
+
+def _dtype(raw: dict, source: str) -> str:
+    """The weights' dtype: 'torch_dtype' (transformers < 5) or 'dtype' (transformers >= 5)."""
+    classic, v5 = raw.get("torch_dtype"), raw.get("dtype")
+    if classic is not None and v5 is not None and classic != v5:
+        raise ConfigError(f"{source}: torch_dtype={classic!r} disagrees with dtype={v5!r}")
+    return classic or v5 or "bfloat16"
+
+
+def _canonical_rope_scaling(rope_scaling):
+    """rope_scaling as {"rope_type": kind, **parameters}, None for the default rotary embedding,
+    so that the old 'type' key, an explicit default and transformers 5's rope_parameters all
+    give one ModelConfig. Anything but an object is left for validate() to refuse."""
+    if not isinstance(rope_scaling, dict):
+        return rope_scaling
+    kind = _rope_type(rope_scaling)
+    rest = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_type", "rope_theta")}
+    if kind == "default" and not rest:
+        return None
+    return {"rope_type": kind, **rest}
+
+
 def _classic_keys(raw: dict, source: str) -> dict:
     """transformers >= 5 saves num_experts as 'num_local_experts' and rope_theta/rope_scaling
-    inside one 'rope_parameters' object; read them as the classic keys (which win if both)."""
+    inside one 'rope_parameters' object; read them as the classic keys. A config holding both
+    spellings must say the same thing in each (ConfigError naming both otherwise)."""
     if "num_local_experts" not in raw and "rope_parameters" not in raw:
         return raw
     raw = dict(raw)
     if "num_local_experts" in raw:
-        raw.setdefault("num_experts", raw["num_local_experts"])
+        local, classic = raw["num_local_experts"], raw.get("num_experts")
+        if classic is not None and classic != local:
+            raise ConfigError(f"{source}: num_experts={classic!r} disagrees with num_local_experts={local!r}")
+        raw["num_experts"] = local
     rope = raw.get("rope_parameters")
     if rope is not None:
         if not isinstance(rope, dict):
             raise ConfigError(f"{source}: rope_parameters={rope!r} must be an object")
         if "rope_theta" in rope:
-            raw.setdefault("rope_theta", rope["rope_theta"])
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if raw.get("rope_scaling") is None and _rope_type(scaling) != "default":
-            raw["rope_scaling"] = scaling
+            theta = raw.get("rope_theta")
+            if theta is not None and theta != rope["rope_theta"]:
+                raise ConfigError(f"{source}: rope_theta={theta!r} disagrees with rope_parameters={rope!r}")
+            raw["rope_theta"] = rope["rope_theta"]
+        scaling = _canonical_rope_scaling(rope)
+        classic = raw.get("rope_scaling")
+        if classic is not None and _canonical_rope_scaling(classic) != scaling:
+            raise ConfigError(f"{source}: rope_scaling={classic!r} disagrees with rope_parameters={rope!r}")
+        raw["rope_scaling"] = scaling
     return raw
+
+
+def _generation_eos_token_ids(path: str, vocab_size: int) -> tuple[int, ...]:
+    """The eos_token_id (an id or a list of ids) of a generation_config.json; () when absent."""
+    raw = read_json_file(path, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    eos = raw.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ConfigError(f"{path}: eos_token_id={eos!r} must be a token id or a list of token ids")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ConfigError(f"{path}: eos_token_id={eos!r} is outside the vocabulary 0..{vocab_size - 1}")
+    return tuple(ids)
 
 
 def _rope_type(rope_scaling: dict) -> str:

@@ -331,11 +331,17 @@ def _progress(items, enabled: bool, desc: str):
 
 
 def load_model(path: str | os.PathLike, progress: bool = False) -> LoadedModel:
-    """Read config.json and the weights of a Hugging Face model folder (see module docstring).
+    """Read config.json and the weights of a Hugging Face model folder (see module docstring),
+    or a GGUF file (by its magic or a .gguf name; runtime/gguf_model.py), whose tensors are
+    then dequantized on access.
 
     Raises LoaderError for file and weight problems and ConfigError for config.json problems.
     """
     folder = os.fspath(path)
+    if os.path.isfile(folder):
+        from .gguf_model import is_gguf_file, load_gguf  # a GGUF file: runtime/gguf_model.py
+        if is_gguf_file(folder):
+            return load_gguf(folder)
     if not os.path.exists(folder):
         raise LoaderError(f"{folder}: model folder not found")
     if not os.path.isdir(folder):

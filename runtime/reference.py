@@ -17,20 +17,30 @@ One decode step reads top to bottom in ``ReferenceDecoder.step``, in the order t
                  or MoE     (router_logits -> moe_topk -> weighted sum of the selected experts)
     normed = rmsnorm(x, norm);  logits = gemv(lm_head, normed)        logits [vocab]
 
-Numerics (DESIGN.md, "Numerics"): weights are converted once to fp32 (bf16 -> fp32 is exact, so
-an fp32 GEMV over converted bf16 weights computes what the GPU's bf16-weight GEMV computes, up to
-the order of fp32 accumulation); every activation is fp32 and every matmul is a float32 matmul;
-RMSNorm, softmax and RoPE are in fp32. The KV cache holds fp32, bf16 (round to nearest even) or
-int8 with one fp32 scale per (token, KV head); attention uses the fp32 query against K/V
-dequantized on the fly. The MoE weighted sum runs in selection order, as launch_moe_down_weighted_
-residual does (cuda/moe.cuh).
+Numerics (DESIGN.md, "Numerics"): every activation is fp32 and every matmul is a float32 matmul
+over the whole [out, in] matrix widened to fp32; RMSNorm, softmax and RoPE are in fp32. The KV
+cache holds fp32, bf16 (round to nearest even) or int8 with one fp32 scale per (token, KV head);
+attention uses the fp32 query against K/V dequantized on the fly. The MoE weighted sum runs in
+selection order, as launch_moe_down_weighted_residual does (cuda/moe.cuh).
+
+Weights are kept as the loader gives them (bf16 views into the mapped file, or quantized
+matrices) and widened to fp32 one matrix at a time, when a GEMV uses it, into a scratch buffer
+the decoder reuses: memory holds the file's pages plus one fp32 matrix, not an fp32 copy of the
+model. The rule is the GPU's (GpuSession.set_weight), so the two stay comparable:
+  - a matrix (ndim 2: projections, router, embedding, lm_head) is used as bf16: bf16 -> fp32 is
+    exact, so the fp32 GEMV computes what the GPU's bf16-weight GEMV computes, up to the order of
+    fp32 accumulation; a float16 matrix is first rounded to bf16 (nearest even), as the GPU stores
+    it; a float32 matrix is used as given;
+  - a vector (the norms) is widened to fp32 once (exact from bf16, float16 or fp32).
+Widening is exact and each GEMV is one matmul over the same contiguous fp32 [out, in] matrix as
+when the weights were widened up front, so the logits are bit for bit the same as then.
 
 Quantized weights (runtime/quant.py: int8 per row, q4 in groups of 32) arrive as QuantizedMatrix
-values and are dequantized once to fp32 with the GPU's rule, w = float32(q) * scale: the same weight
-values the kernels multiply by (bit for bit for q4, whose products q * scale are exact in fp32).
-A q4 matrix is kept as a Q4Weights, and gemv quantizes its input to int8 per group of 32 first
-(quant.quantize_input_q8), as the GPU's q4 kernel does (w4a8, cuda/gemv_q4.cu). So GPU vs
-reference stays a comparison of fp32 rounding only.
+values and are dequantized when used, in row blocks into the same scratch buffer, with the GPU's
+rule, w = float32(q) * scale: the same weight values the kernels multiply by (bit for bit for q4,
+whose products q * scale are exact in fp32). For a q4 matrix gemv quantizes its input to int8
+per group of 32 first (quant.quantize_input_q8), as the GPU's q4 kernel does (w4a8,
+cuda/gemv_q4.cu). So GPU vs reference stays a comparison of fp32 rounding only.
 
 The pure functions below (rmsnorm, rope, kv_quantize_int8, kv_dequantize_int8, attention_decode,
 moe_topk, swiglu, gemv) are public so that GPU kernel tests can compare against them.
@@ -41,6 +51,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
+
+import os
 
 import ml_dtypes
 import numpy as np
@@ -237,56 +249,115 @@ class KVCache:
 
 # ---- weights -----------------------------------------------------------------------------
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_WEIGHT_DTYPES = (_BF16, np.dtype(np.float16), np.dtype(np.float32))
+_DEQUANTIZE_ROWS = 256   # rows per dequantization pass: bounds its temporaries (~13 B per weight)
+FP32_BUDGET_BYTES = 2 << 30   # fp32 weight copies a decoder keeps by default (ReferenceDecoder)
+
+
+def fp32_budget() -> int:
+    """Bytes of fp32 weight copies a ReferenceDecoder keeps: $ONEGRAPH_CPU_FP32_BUDGET_MB, else
+    FP32_BUDGET_BYTES."""
+    mb = os.environ.get("ONEGRAPH_CPU_FP32_BUDGET_MB")
+    if mb is None:
+        return FP32_BUDGET_BYTES
+    try:
+        return max(0, int(mb)) << 20
+    except ValueError:
+        raise ValueError(f"ONEGRAPH_CPU_FP32_BUDGET_MB={mb!r} must be a whole number of megabytes") from None
+
+
+def _widen_into(out: np.ndarray, part) -> None:
+    """Write one stored matrix part [rows, cols] into out [rows, cols] fp32 (the rule above)."""
+    if isinstance(part, QuantizedMatrix):
+        for r0 in range(0, part.shape[0], _DEQUANTIZE_ROWS):
+            rows = slice(r0, r0 + _DEQUANTIZE_ROWS)
+            out[rows] = part.dequantize(rows)
+    elif part.dtype == _BF16:  # fp32 bits = bf16 bits << 16 (exact), without a temporary
+        np.left_shift(part.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif part.dtype == np.float16:  # rounded to bf16 as the GPU stores it
+        for r0 in range(0, part.shape[0], _DEQUANTIZE_ROWS):
+            rows = slice(r0, r0 + _DEQUANTIZE_ROWS)
+            out[rows] = part[rows].astype(_F32).astype(_BF16)
+    else:
+        out[...] = part
+
+
+class Matrix:
+    """A GEMV weight [rows, cols] as stored: `parts` stacked by rows (q | k | v, gate | up, or a
+    single matrix), each a bf16 / float16 / fp32 array or a QuantizedMatrix, widened to fp32 only
+    when used (widen). q4: every part is q4 (the scheme quantizes a fused matrix's parts alike),
+    and gemv then quantizes its input (w4a8)."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = tuple(parts)
+        cols = {p.shape[1] for p in self.parts}
+        if len(cols) != 1:
+            raise ValueError(f"fused matrix parts have different column counts {sorted(cols)}")
+        self.shape = (sum(p.shape[0] for p in self.parts), cols.pop())
+        q4 = [isinstance(p, QuantizedMatrix) and p.format == "q4" for p in self.parts]
+        if any(q4) and not all(q4):
+            raise ValueError("a fused matrix mixes q4 and other formats")
+        self.q4 = all(q4)
+        self.kept: np.ndarray | None = None   # an fp32 copy held for good (keep_widened)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def keep_widened(self) -> None:
+        """Hold the fp32 weights from now on instead of widening them at every use."""
+        self.kept = None
+        self.kept = self.widen(np.empty(self.size, _F32))
+
+    def widen(self, scratch: np.ndarray) -> "np.ndarray | Q4Weights":
+        """The fp32 weights [rows, cols] (Q4Weights for q4), written into the first rows * cols
+        floats of `scratch` (a flat fp32 buffer) and valid until the next widen into it; the
+        kept copy instead when there is one."""
+        if self.kept is not None:
+            return self.kept
+        w = scratch[:self.size].reshape(self.shape)
+        r0 = 0
+        for part in self.parts:
+            _widen_into(w[r0:r0 + part.shape[0]], part)
+            r0 += part.shape[0]
+        return Q4Weights(w) if self.q4 else w
+
+    def row(self, index: int) -> np.ndarray:
+        """Row `index` [cols] fp32 (the embedding gather), by the same rule as widen."""
+        for part in self.parts:
+            if index < part.shape[0]:
+                if isinstance(part, QuantizedMatrix):
+                    return part.dequantize(slice(index, index + 1))[0]
+                out = np.empty((1, self.shape[1]), _F32)
+                _widen_into(out, part[index:index + 1])
+                return out[0]
+            index -= part.shape[0]
+        raise IndexError(f"row {index} is outside the matrix's {self.shape[0]} rows")
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights, fp32, in the GPU's fused layouts (a q4 GEMV weight: Q4Weights)."""
+    """One decoder layer's weights in the GPU's fused layouts: GEMV weights as stored (Matrix),
+    norm weights fp32."""
     input_layernorm: np.ndarray            # [hidden]
-    qkv_proj: np.ndarray                   # [q_size + 2 kv_size, hidden]: rows q | k | v
+    qkv_proj: Matrix                       # [q_size + 2 kv_size, hidden]: rows q | k | v
     q_norm: np.ndarray | None              # [head_dim] (Qwen3 QK-norm; None for Llama)
     k_norm: np.ndarray | None              # [head_dim]
-    o_proj: np.ndarray                     # [hidden, q_size]
+    o_proj: Matrix                         # [hidden, q_size]
     post_attention_layernorm: np.ndarray   # [hidden]
     # dense FFN
-    gate_up_proj: np.ndarray | None = None  # [2 intermediate, hidden]: rows gate | up
-    down_proj: np.ndarray | None = None     # [hidden, intermediate]
+    gate_up_proj: Matrix | None = None     # [2 intermediate, hidden]: rows gate | up
+    down_proj: Matrix | None = None        # [hidden, intermediate]
     # MoE FFN
-    router: np.ndarray | None = None                    # mlp.gate.weight [E, hidden]
-    experts_gate_up: "Sequence[np.ndarray] | None" = None  # E x [2 moe_inter, hidden] (gate | up)
-    experts_down: "Sequence[np.ndarray] | None" = None     # E x [hidden, moe_inter]
+    router: Matrix | None = None                       # mlp.gate.weight [E, hidden]
+    experts_gate_up: "Sequence[Matrix] | None" = None  # E x [2 moe_inter, hidden] (gate | up)
+    experts_down: "Sequence[Matrix] | None" = None     # E x [hidden, moe_inter]
 
 
-class ExpertsOnDemand:
-    """E expert matrices kept as given (bf16) and converted to fp32 when indexed.
-
-    bf16 -> fp32 is exact, so this computes exactly what converting at init computes, while
-    holding a Qwen3-30B-A3B's experts in 61 GB of bf16 instead of 122 GB of fp32.
-    experts[e] -> the fp32 matrix [rows, cols] (row blocks of parts[e] concatenated)."""
-
-    def __init__(self, parts: list[list[np.ndarray]]):
-        self.parts = parts
-
-    def __len__(self) -> int:
-        return len(self.parts)
-
-    def __getitem__(self, expert: int) -> "np.ndarray | Q4Weights":
-        return _matrix(self.parts[expert])
-
-
-def _fp32(t) -> np.ndarray:
-    """A weight as fp32: bf16 / fp32 arrays converted (exact), quantized matrices dequantized."""
-    if isinstance(t, QuantizedMatrix):
-        return t.dequantize()
-    return np.asarray(t, dtype=_F32)
-
-
-def _matrix(parts: Sequence) -> "np.ndarray | Q4Weights":
-    """The GEMV weight of parts stacked by rows (fused QKV, gate|up): fp32, or Q4Weights when the
-    parts are q4 (the scheme quantizes a fused matrix's parts alike)."""
-    w = np.ascontiguousarray(np.concatenate([_fp32(t) for t in parts]))
-    q4 = [isinstance(t, QuantizedMatrix) and t.format == "q4" for t in parts]
-    if any(q4) and not all(q4):
-        raise ValueError("a fused matrix mixes q4 and other formats")
-    return Q4Weights(w) if all(q4) else w
+def _vector(t) -> np.ndarray:
+    """A norm weight as fp32 (exact from bf16, float16 or fp32)."""
+    return np.ascontiguousarray(t, dtype=_F32)
 
 
 def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> None:
@@ -299,47 +370,41 @@ def _check_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> No
             raise ValueError(f"tensor '{name}': expected shape {shape}, got {tuple(t.shape)}")
         if isinstance(t, QuantizedMatrix):
             continue
-        if t.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
-            raise ValueError(f"tensor '{name}': expected dtype bfloat16 or float32, got {t.dtype}")
+        if t.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"tensor '{name}': expected dtype bfloat16, float16 or float32, got {t.dtype}")
 
 
-def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray], experts_fp32: bool):
-    def f32(name: str) -> np.ndarray:
-        return np.ascontiguousarray(_fp32(tensors[name]))
-
-    def gemv_weight(*names: str) -> "np.ndarray | Q4Weights":  # rows of names stacked (q4: Q4Weights)
-        return _matrix([tensors[n] for n in names])
+def _load_weights(config: ModelConfig, tensors: Mapping[str, np.ndarray]):
+    def matrix(*names: str) -> Matrix:  # rows of names stacked
+        return Matrix([tensors[n] for n in names])
 
     layers = []
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         w = LayerWeights(
-            input_layernorm=f32(p + "input_layernorm.weight"),
-            qkv_proj=gemv_weight(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                           p + "self_attn.v_proj.weight"),
-            q_norm=f32(p + "self_attn.q_norm.weight") if config.has_qk_norm else None,
-            k_norm=f32(p + "self_attn.k_norm.weight") if config.has_qk_norm else None,
-            o_proj=gemv_weight(p + "self_attn.o_proj.weight"),
-            post_attention_layernorm=f32(p + "post_attention_layernorm.weight"),
+            input_layernorm=_vector(tensors[p + "input_layernorm.weight"]),
+            qkv_proj=matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                            p + "self_attn.v_proj.weight"),
+            q_norm=_vector(tensors[p + "self_attn.q_norm.weight"]) if config.has_qk_norm else None,
+            k_norm=_vector(tensors[p + "self_attn.k_norm.weight"]) if config.has_qk_norm else None,
+            o_proj=matrix(p + "self_attn.o_proj.weight"),
+            post_attention_layernorm=_vector(tensors[p + "post_attention_layernorm.weight"]),
         )
         if config.is_moe_layer(layer):
-            w.router = f32(p + "mlp.gate.weight")
+            w.router = matrix(p + "mlp.gate.weight")
             E, expert = config.num_experts, f"{p}mlp.experts."
-            gate_up = ExpertsOnDemand([[tensors[f"{expert}{e}.gate_proj.weight"], tensors[f"{expert}{e}.up_proj.weight"]]
-                                       for e in range(E)])
-            down = ExpertsOnDemand([[tensors[f"{expert}{e}.down_proj.weight"]] for e in range(E)])
-            if experts_fp32:  # convert every expert now
-                gate_up, down = [gate_up[e] for e in range(E)], [down[e] for e in range(E)]
-            w.experts_gate_up, w.experts_down = gate_up, down
+            w.experts_gate_up = [matrix(f"{expert}{e}.gate_proj.weight", f"{expert}{e}.up_proj.weight")
+                                 for e in range(E)]
+            w.experts_down = [matrix(f"{expert}{e}.down_proj.weight") for e in range(E)]
         else:
-            w.gate_up_proj = gemv_weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            w.down_proj = gemv_weight(p + "mlp.down_proj.weight")
+            w.gate_up_proj = matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            w.down_proj = matrix(p + "mlp.down_proj.weight")
         layers.append(w)
-    embed_tokens = f32("model.embed_tokens.weight")                        # [vocab, hidden]
+    embed_tokens = matrix("model.embed_tokens.weight")                     # [vocab, hidden]
     # A tied model's quantized lm_head is a separate tensor (quant.quantize_stream makes it).
     tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
-    lm_head = embed_tokens if tied else gemv_weight("lm_head.weight")       # [vocab, hidden]
-    return embed_tokens, layers, f32("model.norm.weight"), lm_head
+    lm_head = embed_tokens if tied else matrix("lm_head.weight")            # [vocab, hidden]
+    return embed_tokens, layers, _vector(tensors["model.norm.weight"]), lm_head
 
 
 # ---- the decoder -------------------------------------------------------------------------
@@ -350,13 +415,14 @@ class ReferenceDecoder:
     tensors: every tensor of ``config.tensor_shapes()`` by Hugging Face name, as
     ml_dtypes.bfloat16 or float32 arrays (extra names are ignored). kv_dtype: "fp32", "bf16" or
     "int8". max_seq_len: rows of the KV cache (the most tokens one sequence can hold).
-    experts_fp32: convert MoE expert weights to fp32 at init (default, fastest); False keeps
-    them as given and converts the selected experts per step (same results, a quarter of the
-    fp32 memory for large MoE models when the tensors are bf16).
+    The tensors are kept (not copied): widened to fp32 per matrix when used (module docstring),
+    except that the first matrices whose fp32 copies fit in fp32_budget_bytes keep them, since
+    widening at every use costs far more than the GEMV itself (default FP32_BUDGET_BYTES, or
+    $ONEGRAPH_CPU_FP32_BUDGET_MB; 0: widen every matrix at every use, the least memory).
     """
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray],
-                 kv_dtype: str = "fp32", max_seq_len: int = 4096, experts_fp32: bool = True):
+                 kv_dtype: str = "fp32", max_seq_len: int = 4096, fp32_budget_bytes: int | None = None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; supported: {KV_DTYPES}")
         if not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
@@ -365,7 +431,18 @@ class ReferenceDecoder:
         self.config = config
         self.kv_dtype = kv_dtype
         self.max_seq_len = int(max_seq_len)
-        self.embed_tokens, self.layers, self.norm, self.lm_head = _load_weights(config, tensors, experts_fp32)
+        self.embed_tokens, self.layers, self.norm, self.lm_head = _load_weights(config, tensors)
+        # One fp32 buffer of the largest GEMV weight, each matrix widened into it when used.
+        matrices = [self.lm_head] + [m for w in self.layers for m in (
+            w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj, w.router,
+            *(w.experts_gate_up or ()), *(w.experts_down or ())) if m is not None]
+        self._scratch = np.empty(max(m.size for m in matrices), _F32)
+        budget = fp32_budget() if fp32_budget_bytes is None else fp32_budget_bytes
+        for m in sorted(matrices, key=lambda m: m.size):   # small ones first: most matrices per byte
+            if 4 * m.size > budget:
+                break
+            m.keep_widened()
+            budget -= 4 * m.size
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_linear_factor)
         self.kv_cache = KVCache.allocate(kv_dtype, config.num_hidden_layers, self.max_seq_len,
                                          config.num_key_value_heads, config.head_dim)
@@ -427,6 +504,10 @@ class ReferenceDecoder:
                 f"KV cache full: position {self._position} + {count} token(s) exceeds max_seq_len {self.max_seq_len}")
 
     # -- the body --
+    def _gemv(self, weight: Matrix, x: np.ndarray) -> np.ndarray:
+        """weight @ x [rows] fp32, the weight widened into the scratch buffer first."""
+        return gemv(weight.widen(self._scratch), x)
+
     def _forward(self, token: int, want_logits: bool) -> np.ndarray | None:
         cfg = self.config
         n_heads, n_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -434,11 +515,11 @@ class ReferenceDecoder:
         eps = cfg.rms_norm_eps
         position = self._position
 
-        x = self.embed_tokens[token].copy()                              # [hidden]
+        x = self.embed_tokens.row(token)                                 # [hidden]
         for layer, w in enumerate(self.layers):
             # ---- attention ----
             normed = rmsnorm(x, w.input_layernorm, eps)                  # [hidden]
-            qkv = gemv(w.qkv_proj, normed)                               # [q_size + 2 kv_size]
+            qkv = self._gemv(w.qkv_proj, normed)                         # [q_size + 2 kv_size]
             q = qkv[:q_size].reshape(n_heads, head_dim)                  # [n_heads, head_dim]
             k = qkv[q_size:q_size + kv_size].reshape(n_kv, head_dim)     # [n_kv, head_dim]
             v = qkv[q_size + kv_size:].reshape(n_kv, head_dim)           # [n_kv, head_dim]
@@ -450,21 +531,21 @@ class ReferenceDecoder:
             self.kv_cache.write(layer, position, k, v)
             k_rows, v_rows = self.kv_cache.read(layer, position + 1)     # [position + 1, n_kv, head_dim]
             attn_out = attention_decode(q, k_rows, v_rows).reshape(q_size)  # [n_heads * head_dim]
-            x += gemv(w.o_proj, attn_out)
+            x += self._gemv(w.o_proj, attn_out)
 
             # ---- feed-forward ----
             normed = rmsnorm(x, w.post_attention_layernorm, eps)         # [hidden]
             if w.router is None:
-                act = swiglu(gemv(w.gate_up_proj, normed))               # [intermediate]
-                x += gemv(w.down_proj, act)
+                act = swiglu(self._gemv(w.gate_up_proj, normed))         # [intermediate]
+                x += self._gemv(w.down_proj, act)
             else:
-                router_logits = gemv(w.router, normed)                   # [E]
+                router_logits = self._gemv(w.router, normed)             # [E]
                 selected_experts, selected_weights = moe_topk(           # [top_k], [top_k]
                     router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
                 y = np.zeros_like(x)                                     # [hidden]
                 for e, weight in zip(selected_experts, selected_weights):  # selection order
-                    act = swiglu(gemv(w.experts_gate_up[e], normed))     # [moe_inter]
-                    y += weight * gemv(w.experts_down[e], act)
+                    act = swiglu(self._gemv(w.experts_gate_up[e], normed))  # [moe_inter]
+                    y += weight * self._gemv(w.experts_down[e], act)
                 x += y
 
         # Every layer has written its row: only now does the visible length advance.
@@ -472,5 +553,5 @@ class ReferenceDecoder:
         if not want_logits:
             return None
         normed = rmsnorm(x, self.norm, eps)                              # [hidden]
-        logits = gemv(self.lm_head, normed)                              # [vocab]
+        logits = self._gemv(self.lm_head, normed)                        # [vocab]
         return logits

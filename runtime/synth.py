@@ -381,6 +381,32 @@ def write_model(config: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
     return written
 
 
+def write_tensors(config: ModelConfig, out_dir: str | os.PathLike, tensors: dict[str, np.ndarray]) -> str:
+    """Write config.json and a model.safetensors holding `tensors` (by name, in their own dtype:
+    bfloat16, float16 or float32) into out_dir, e.g. a float16 checkpoint made from a synthetic
+    one. Returns the weights file's path."""
+    dtypes = {BF16: "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, array in tensors.items():
+        if array.dtype not in dtypes:
+            raise ValueError(f"tensor '{name}': dtype {array.dtype} is not one of bfloat16, float16, float32")
+        header[name] = {"dtype": dtypes[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(os.fspath(out_dir), SINGLE_FILE)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
+    with open(os.path.join(os.fspath(out_dir), "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config.to_hf_dict(), f, indent=2)
+    return path
+
+
 # ---- the embedded demo model ------------------------------------------------------------
 
 DEMO_PRESET = "demo"

@@ -42,6 +42,28 @@ def synthetic(preset, layers=None, seed=0):
     return config, dict(iter_tensors(config, seed=seed))
 
 
+def float16_checkpoint(config, tensors):
+    """(float16 tensors, the same rounded to bf16 as the GPU stores matrices): every matrix
+    carries mantissa bits bf16 cannot hold (scaled by 1 + 2^-10), so the rounding rule is
+    exercised; the norm vectors are bf16 values, exact in float16 and in bf16, since the rule
+    keeps vectors at full precision and a bf16 file could not hold more."""
+    import ml_dtypes
+    import numpy as np
+    f16, bf16 = {}, {}
+    for name, t in tensors.items():
+        wide = t.astype(np.float32)
+        if t.ndim == 2:
+            wide = wide * np.float32(1 + 2 ** -10)
+        f16[name] = wide.astype(np.float16)
+        bf16[name] = f16[name].astype(np.float32).astype(ml_dtypes.bfloat16)
+    matrices = [n for n, t in f16.items() if t.ndim == 2]
+    inexact = sum(int(np.sum(f16[n].astype(np.float32) != bf16[n].astype(np.float32))) for n in matrices)
+    assert inexact > 0.5 * sum(f16[n].size for n in matrices)  # most matrix values do round
+    assert all(np.array_equal(f16[n].astype(np.float32), bf16[n].astype(np.float32))
+               for n, t in f16.items() if t.ndim == 1)
+    return f16, bf16
+
+
 def rel_l2(a, b):
     import numpy as np
     a = np.asarray(a, dtype=np.float64)

@@ -69,6 +69,27 @@ REJECTIONS = {
     "negative rope_theta": (qwen3(rope_theta=-1.0), "rope_theta=-1.0", "positive"),
     "gelu": (qwen3(hidden_act="gelu"), "hidden_act='gelu'"),
     "eos outside vocab": (qwen3(eos_token_id=[5, 512]), "eos_token_id=[5, 512]", "0..511"),
+    "neither architectures nor model_type": (
+        {k: v for k, v in qwen3().items() if k != "architectures"}, "architectures=None", "model_type=None",
+        "LlamaForCausalLM", "qwen3_moe"),
+    "unknown model_type, no architectures": (
+        {**{k: v for k, v in qwen3().items() if k != "architectures"}, "model_type": "gpt2"},
+        "model_type='gpt2'", "Qwen3ForCausalLM", "qwen3, qwen3_moe, llama"),
+    "architectures not a list": (qwen3(architectures="Qwen3ForCausalLM"), "architectures='Qwen3ForCausalLM'", "list"),
+    "model_type of another family": (qwen3(model_type="llama"), "model_type='llama'", "Qwen3ForCausalLM"),
+    "rope_theta and rope_parameters disagree": (
+        qwen3(rope_theta=1e6, rope_parameters={"rope_type": "default", "rope_theta": 5e5}), "rope_theta=1000000.0",
+        "rope_parameters="),
+    "rope_scaling and rope_parameters disagree": (
+        qwen3(rope_scaling={"type": "linear", "factor": 2.0},
+              rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}),
+        "rope_scaling={'type': 'linear', 'factor': 2.0}", "'factor': 4.0"),
+    "rope_scaling linear, rope_parameters default": (
+        qwen3(rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_parameters={"rope_type": "default"}),
+        "rope_scaling=", "disagrees", "rope_parameters="),
+    "num_experts and num_local_experts disagree": (moe(num_local_experts=16), "num_experts=8", "num_local_experts=16"),
+    "torch_dtype and dtype disagree": (qwen3(torch_dtype="bfloat16", dtype="float16"), "torch_dtype='bfloat16'",
+                                       "dtype='float16'"),
 }
 
 
@@ -175,3 +196,104 @@ def test_transformers_v5_key_names():
     assert ModelConfig.from_dict(linear).rope_linear_factor == 2.0
     rejects(dict(v5, rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}), "rope_scaling", "yarn")
     rejects(dict(v5, rope_parameters=5e5), "rope_parameters=500000.0")
+
+
+@pytest.mark.parametrize("preset, model_type", [("tiny-dense", "qwen3"), ("tiny-moe", "qwen3_moe"),
+                                                ("tiny-llama", "llama")])
+def test_model_type_names_the_architecture_when_architectures_is_absent(preset, model_type):
+    raw = json.loads(json.dumps(PRESETS[preset]))
+    expected = ModelConfig.from_dict(raw, source="cfg.json")
+    del raw["architectures"]
+    raw["model_type"] = model_type
+    assert ModelConfig.from_dict(raw, source="cfg.json") == expected
+    assert ModelConfig.from_dict(dict(raw, architectures=[]), source="cfg.json") == expected
+
+
+def test_rope_scaling_spellings_give_one_config():
+    """The old 'type' key, 'rope_type', an explicit default and rope_parameters agree."""
+    linear = ModelConfig.from_dict(qwen3(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert ModelConfig.from_dict(qwen3(rope_scaling={"type": "linear", "factor": 2.0})) == linear
+    both = qwen3(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0},
+                 rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6})
+    assert ModelConfig.from_dict(both) == linear
+    assert ModelConfig.from_dict(qwen3(rope_scaling={"rope_type": "default"})).rope_scaling is None
+
+
+# Shapes and ids shared by the transformers-saved configs and their classic twins.
+_HF_COMMON = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=[2, 7], hidden_act="silu", attention_bias=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_transformers_saved_config_reads_as_its_classic_twin(tmp_path, family):
+    """transformers 5 writes no 'architectures' for a bare config, 'dtype' for torch_dtype,
+    rope_parameters for rope_theta / rope_scaling and num_local_experts for num_experts:
+    the folder it saves must read as the same ModelConfig as the classic spelling."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(_HF_COMMON)
+    rope = {"rope_type": "linear", "factor": 2.0} if family == "llama" else None
+    classic = dict(common, rope_theta=500_000.0, rope_scaling=None if rope is None else {"type": "linear", "factor": 2.0},
+                   torch_dtype="float16")
+    if family == "llama":
+        hf = transformers.LlamaConfig(**common, rope_parameters={"rope_theta": 500_000.0, **rope}, dtype="float16")
+        classic.update(architectures=["LlamaForCausalLM"])
+    elif family == "qwen3":
+        hf = transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
+                                      dtype="float16")
+        classic.update(architectures=["Qwen3ForCausalLM"])
+    else:
+        moe_keys = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                        decoder_sparse_step=1, mlp_only_layers=[1])
+        hf = transformers.Qwen3MoeConfig(**common, **moe_keys, dtype="float16",
+                                         rope_parameters={"rope_type": "default", "rope_theta": 500_000.0})
+        classic.update(architectures=["Qwen3MoeForCausalLM"], **moe_keys)
+    hf.save_pretrained(str(tmp_path))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    # What transformers 5 writes: the keys this reader must understand.
+    assert "architectures" not in saved and saved["model_type"] == family
+    assert saved["dtype"] == "float16" and "torch_dtype" not in saved
+    assert "rope_parameters" in saved and "rope_theta" not in saved and "rope_scaling" not in saved
+    path = str(tmp_path / "config.json")
+    assert ModelConfig.from_file(path) == ModelConfig.from_dict(classic, source=path)
+
+
+def _folder(tmp_path, config: dict, generation=None):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("config_eos, generation_eos, expected", [
+    (7, [9, 7, 11], (7, 9, 11)),        # the union, config.json's first, duplicates dropped
+    ([7, 9], 11, (7, 9, 11)),           # an int in generation_config.json
+    ([7, 7, 9], None, (7, 9)),          # duplicates in config.json alone
+    (None, [5, 6], (5, 6)),             # only generation_config.json names them
+    (7, {}, (7,)),                      # generation_config.json without eos_token_id
+])
+def test_eos_token_ids_join_generation_config(tmp_path, config_eos, generation_eos, expected):
+    generation = generation_eos if isinstance(generation_eos, dict) else {"eos_token_id": generation_eos}
+    cfg = ModelConfig.from_file(_folder(tmp_path, qwen3(eos_token_id=config_eos), generation))
+    assert cfg.eos_token_ids == expected
+
+
+def test_eos_token_ids_without_generation_config(tmp_path):
+    assert ModelConfig.from_file(_folder(tmp_path, qwen3(eos_token_id=[4, 3]))).eos_token_ids == (4, 3)
+
+
+@pytest.mark.parametrize("generation, fragments", [
+    ({"eos_token_id": "2"}, ("eos_token_id='2'", "token id")),
+    ({"eos_token_id": [2, True]}, ("eos_token_id=[2, True]",)),
+    ({"eos_token_id": [2, 512]}, ("eos_token_id=[2, 512]", "0..511")),
+    ([2], ("JSON object", "list")),
+])
+def test_bad_generation_config_names_the_file(tmp_path, generation, fragments):
+    folder = _folder(tmp_path, qwen3(), generation)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(folder)
+    message = str(info.value)
+    assert message.startswith(str(tmp_path / "generation_config.json")), message
+    for fragment in fragments:
+        assert fragment in message, message

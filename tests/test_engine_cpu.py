@@ -1,11 +1,18 @@
 """The Engine's contract on the CPU path (runs everywhere, including CI without a GPU)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
-from gpu_support import synthetic
+from gpu_support import float16_checkpoint, synthetic
 from onegraph.engine import Engine, EngineError, library_status
 from onegraph.reference import ReferenceDecoder
 from onegraph.sampling import SamplingParams
+from onegraph.synth import preset_config, write_model, write_tensors
 
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8]
 
@@ -105,3 +112,79 @@ def test_invalid_engine_options(tiny):
         Engine.from_tensors(config, tensors, device="cpu", kv="fp8")
     with pytest.raises(ValueError, match="device="):
         Engine.from_tensors(config, tensors, device="tpu")
+
+
+def test_generate_stops_at_an_eos_of_generation_config(tmp_path):
+    """An eos id listed only in generation_config.json ends generate() by default."""
+    config = preset_config("tiny-dense", eos_token_id=0)
+    write_model(config, tmp_path)
+    with Engine.from_pretrained(str(tmp_path), kv="int8", max_seq_len=64, device="cpu") as engine:
+        free_run = engine.generate(PROMPT, 16, stop_token_ids=())
+    # the first occurrence of a token, some steps in, before any 0 (config.json's eos)
+    stop_at = next(i for i, t in enumerate(free_run) if i >= 3 and t not in free_run[:i] and 0 not in free_run[:i + 1])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [free_run[stop_at], 0]}))
+    with Engine.from_pretrained(str(tmp_path), kv="int8", max_seq_len=64, device="cpu") as engine:
+        assert engine.config.eos_token_ids == (0, free_run[stop_at])
+        assert engine.generate(PROMPT, 16) == free_run[:stop_at + 1]
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-tied", "tiny-moe"])
+def test_float16_checkpoint_loads_as_its_bf16_rounding(tmp_path, preset):
+    """An all-float16 folder decodes on the CPU exactly (bit for bit) as the same weights rounded
+    to bf16: matrices are used as bf16, the GPU's rule (reference.py module docstring)."""
+    config, tensors = synthetic(preset)
+    f16, bf16 = float16_checkpoint(config, tensors)
+    write_tensors(config, tmp_path / "f16", f16)
+    write_tensors(config, tmp_path / "bf16", bf16)
+    runs = []
+    for folder in ("f16", "bf16"):
+        with Engine.from_pretrained(str(tmp_path / folder), kv="int8", max_seq_len=64, device="cpu") as engine:
+            runs.append([engine.step(t) for t in PROMPT])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    # The rounding matters: widening float16 matrices without it gives other logits.
+    unrounded = ReferenceDecoder(config, {n: t.astype(np.float32) for n, t in f16.items()}, kv_dtype="int8",
+                                 max_seq_len=64)
+    assert not np.array_equal(unrounded.prefill(PROMPT), runs[0][-1])
+
+
+RSS_PROBE = textwrap.dedent("""
+    import json, os, resource, sys
+    import numpy as np
+    from onegraph.engine import Engine
+    def peak_bytes():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    before = peak_bytes()
+    with Engine.from_pretrained(sys.argv[1], kv="int8", max_seq_len=64, device="cpu") as engine:
+        token = 3
+        for _ in range(8):
+            token = int(np.argmax(engine.step(token)))
+    print(json.dumps({"before": before, "after": peak_bytes(),
+                      "file_bytes": os.path.getsize(os.path.join(sys.argv[1], "model.safetensors"))}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss units are Linux's")
+def test_cpu_engine_peak_rss_stays_below_one_and_a_half_times_the_file(tmp_path):
+    """With no fp32 budget the CPU path keeps the weights as mapped file pages (~1x once read) and
+    widens one matrix at a time into an fp32 buffer of the largest (here gate|up, 0.2x), never
+    the whole model. (The default budget keeps fp32 copies of models this small, for speed.)"""
+    config = preset_config("tiny-dense", vocab_size=4096, hidden_size=640, intermediate_size=1728,
+                           num_attention_heads=10, num_key_value_heads=2, head_dim=64, num_hidden_layers=4)
+    write_model(config, tmp_path)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path)], capture_output=True, text=True,
+                         cwd=repo, env=dict(os.environ, ONEGRAPH_CPU_FP32_BUDGET_MB="0"), check=True)
+    m = json.loads(out.stdout)
+    assert m["file_bytes"] > 40e6
+    assert m["after"] - m["before"] < 1.5 * m["file_bytes"], m
+
+
+def test_kept_fp32_copies_give_the_same_logits_as_widening_at_every_use():
+    config, tensors = synthetic("tiny-dense")
+    lean = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64, fp32_budget_bytes=0)
+    kept = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64, fp32_budget_bytes=1 << 40)
+    assert all(m.kept is None for m in (lean.lm_head, lean.layers[0].qkv_proj))
+    assert all(m.kept is not None for m in (kept.lm_head, kept.layers[0].qkv_proj))
+    for token in PROMPT:
+        np.testing.assert_array_equal(lean.step(token), kept.step(token))

@@ -5,11 +5,12 @@ import ctypes
 import numpy as np
 import pytest
 
-from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import float16_checkpoint, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph import capi
 from onegraph.engine import Engine, GpuSession
 from onegraph.reference import ReferenceDecoder
+from onegraph.synth import write_tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -292,3 +293,23 @@ def test_chained_step_refusals_change_nothing():
         assert 0 <= token < config.vocab_size and session.position == 24
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_float16_checkpoint_loads_as_its_bf16_rounding(tmp_path, preset):
+    """An all-float16 folder decodes on the GPU bit for bit as the same weights rounded to bf16
+    (set_weight stores float16 matrices as bf16, vectors as fp32), and within the usual bound of
+    the CPU reference of the float16 folder (which applies the same rule)."""
+    config, tensors = synthetic(preset)
+    f16, bf16 = float16_checkpoint(config, tensors)
+    write_tensors(config, tmp_path / "f16", f16)
+    write_tensors(config, tmp_path / "bf16", bf16)
+    runs = []
+    for folder in ("f16", "bf16"):
+        with Engine.from_pretrained(str(tmp_path / folder), kv="fp32", max_seq_len=64, device="gpu") as engine:
+            runs.append([engine.step(t) for t in PROMPT])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    with Engine.from_pretrained(str(tmp_path / "f16"), kv="fp32", max_seq_len=64, device="cpu") as cpu:
+        cpu_logits = [cpu.step(t) for t in PROMPT]
+    assert max(rel_l2(g, c) for g, c in zip(runs[0], cpu_logits)) < LOGITS_BOUND["fp32"]

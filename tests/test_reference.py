@@ -14,6 +14,7 @@ import pytest
 
 from onegraph import reference
 from onegraph.config import ModelConfig
+from onegraph.quant import QuantizedMatrix
 from onegraph.reference import (
     ReferenceDecoder, attention_decode, kv_dequantize_int8, kv_quantize_int8, moe_topk,
     rmsnorm, rope, rope_inv_freq,
@@ -289,14 +290,26 @@ def test_quantized_kv_matches_float64_with_same_rounding(model, kv_dtype, monkey
     assert greedy_tokens(ours) == greedy_tokens(expected)
 
 
-def test_experts_on_demand_equal_experts_converted_at_init():
-    config = tiny_config("qwen3_moe")
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_weights_widened_when_used_equal_weights_widened_up_front(kind, weights):
+    """The decoder keeps the tensors it is given and widens each matrix to fp32 when a GEMV uses
+    it. Widening is exact and each GEMV is the same fp32 matmul over the same contiguous matrix,
+    so the logits are bit for bit those of a decoder given every weight already as fp32 (int8:
+    the dequantized values, which the int8 GEMV multiplies by)."""
+    from onegraph.quant import WeightScheme, quantize_stream
+    config = tiny_config(kind)
     tensors = tiny_tensors(config, seed=8)
-    at_init = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=8)
-    on_demand = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=8, experts_fp32=False)
-    assert isinstance(on_demand.layers[1].experts_down, reference.ExpertsOnDemand)
+    if weights != "bf16":
+        tensors = dict(quantize_stream(config, tensors.items(), WeightScheme.make(weights)))
+    up_front = {n: t.dequantize() if isinstance(t, QuantizedMatrix) else t.astype(np.float32)
+                for n, t in tensors.items()}
+    lazy = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=8)
+    wide = ReferenceDecoder(config, up_front, kv_dtype="int8", max_seq_len=8)
+    q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert lazy.layers[0].qkv_proj.parts[0] is q_proj  # held as given, not copied
     for t in (3, 1, 4, 1, 5):
-        np.testing.assert_array_equal(on_demand.step(t), at_init.step(t))
+        np.testing.assert_array_equal(lazy.step(t), wide.step(t))
 
 
 def test_moe_model_uses_moe_and_dense_layers():
