@@ -218,7 +218,10 @@ def parse_chat(body: Any, tokenizer, context: int) -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array", "messages", "invalid_type")
     messages = [_message_text(m, i) for i, m in enumerate(messages)]
-    prompt_ids = [int(t) for t in tokenizer.encode_chat(messages, add_generation_prompt=True)]
+    try:
+        prompt_ids = [int(t) for t in tokenizer.encode_chat(messages, add_generation_prompt=True)]
+    except ValueError as e:  # the tokenizer's TextError: no chat template, a template error, ...
+        raise _bad(f"the messages cannot be rendered with this model's chat template: {e}", "messages") from None
     fields = _common(body, prompt_ids, context, ("max_tokens", "max_completion_tokens"))
     logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
     top = _get(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
@@ -720,6 +723,9 @@ class App:
                                headers={"Retry-After": str(self.retry_after)}) from None
         except APIError as e:
             return _error_response(e)
+        except Exception as e:  # a bug, not the client's fault: an OpenAI-shaped 500, still serving
+            log.exception("onegraph: request failed before reaching the engine")
+            return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
         if req.stream:
             return self._stream(request, job, chat)
         return await self._collect(request, job, chat)
