@@ -1,7 +1,7 @@
-"""Token sampling and the generation loop, shared by the CPU (reference) and GPU paths.
+"""Token sampling: choosing the next token from the logits, the same way on every path.
 
-Both paths hand ``generate`` a ``step_fn(token) -> logits [vocab]``; everything about choosing
-the next token lives here, so the two paths pick the same tokens from the same logits.
+The generation loop that calls it is the engine's (runtime/engine.py, Engine.stream); the CPU
+(reference) and GPU paths hand it the same logits, so they pick the same tokens.
 
 sample(): temperature 0 is greedy (argmax, ties to the lowest id). Otherwise the distribution
 softmax(logits / temperature) is computed in float64, restricted to the top_k most likely ids
@@ -12,7 +12,6 @@ one uniform number from a numpy Generator (inverse CDF), so a seed fixes the tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -22,7 +21,7 @@ class SamplingParams:
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = no top-k filter
     top_p: float = 1.0         # 1.0 = no nucleus filter
-    seed: int | None = None    # None = fresh OS entropy per generate() call
+    seed: int | None = None    # None = fresh OS entropy per stream() or generate() call
 
     def __post_init__(self):
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -75,54 +74,3 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(ids[min(index, ids.size - 1)])
-
-
-def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], max_new_tokens: int,
-             params: SamplingParams = SamplingParams(), stop_token_ids: Iterable[int] = (),
-             on_token: Callable[[int], None] | None = None,
-             prefill_fn: Callable[[list[int]], np.ndarray] | None = None,
-             greedy_step_fn: Callable[[int], int] | None = None,
-             greedy_decode_fn: Callable | None = None) -> list[int]:
-    """Feed the prompt, then sample up to max_new_tokens tokens; returns the new tokens.
-
-    step_fn(token) -> logits [vocab] decodes one token. prefill_fn(tokens) -> logits of the last
-    token, if given, feeds the whole prompt at once (the reference decoder's prefill skips the
-    lm_head of all but the last token). Generation stops after a token of stop_token_ids (it is
-    included in the result) or after max_new_tokens. on_token(token) is called for each new
-    token as it is chosen. The last new token is not fed back to step_fn: the model state then
-    holds the prompt and all but the last new token. greedy_step_fn(token) -> the greedy next
-    token, if given, replaces step_fn + sample for greedy params after the prompt (an engine
-    takes the argmax on the device; it must raise ValueError on NaN logits as sample() does).
-    greedy_decode_fn(token, max_steps, stop_token_ids, on_token) -> tokens, if given, replaces
-    that loop as a whole (Engine.decode_greedy: the same tokens, its steps pipelined).
-    """
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    stop = {int(t) for t in stop_token_ids}
-    rng = np.random.default_rng(params.seed)
-
-    if prefill_fn is not None:
-        logits = prefill_fn(prompt)
-    else:
-        for token in prompt:
-            logits = step_fn(token)
-
-    new_tokens: list[int] = []
-    if max_new_tokens == 0:
-        return new_tokens
-    token = sample(logits, params, rng)
-    while True:
-        new_tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in stop or len(new_tokens) == max_new_tokens:
-            return new_tokens
-        if params.greedy and greedy_decode_fn is not None:
-            return new_tokens + list(greedy_decode_fn(token, max_new_tokens - len(new_tokens), stop, on_token))
-        if params.greedy and greedy_step_fn is not None:
-            token = int(greedy_step_fn(token))
-        else:
-            token = sample(step_fn(token), params, rng)

@@ -37,7 +37,7 @@ fi
 
 # The benchmark: BENCH_ARGS overrides (e.g. one model per call to stay inside a time limit).
 BENCH_ARGS=${BENCH_ARGS:---preset qwen3-0.6b --kv int8 --peers hf-eager,hf-compile --contexts 128,1024,4096,16384,32768}
-timeout "${BENCH_TIMEOUT:-400}" python3 -m onegraph.cli bench $BENCH_ARGS \
+timeout "${BENCH_TIMEOUT:-400}" python3 -m bench $BENCH_ARGS \
   --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
 note "bench: rc=$?"
 

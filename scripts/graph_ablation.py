@@ -61,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 def open_engine(args, max_seq_len: int):
     """(bench target, graph Engine on the GPU) for add_engine_args' flags."""
-    from onegraph import bench
+    from bench import benchmark as bench
     from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
@@ -74,7 +74,7 @@ def measure(args) -> dict:
     from onegraph import bench, capi_testing
     target, engine = open_engine(args, args.context + 8)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         capi_testing.reliability()
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
         keep_only = getattr(args, "keep_only", False)

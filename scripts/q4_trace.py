@@ -50,13 +50,13 @@ def kind(launch: dict, vocab: int, hidden: int) -> str:
 
 
 def trace(args) -> tuple[np.ndarray, object]:
-    from onegraph import bench
+    from bench import benchmark as bench
     from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
                     device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         if not hasattr(gpu.lib, "og_q4_trace_read"):
             raise SystemExit("this library has no trace: build it with build.py --trace and point "
                              "ONEGRAPH_LIB at it")

@@ -72,7 +72,7 @@ def paged_decode(config, tensors, kv: str, prompt: list[int], n: int) -> list[li
     from onegraph import capi_testing
     with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=64, device="gpu", kv_page_size=16,
                              kv_pool_blocks=24, kv_max_sequences=4) as engine:
-        capi_testing.kv_set_free_order(engine._gpu.handle, np.random.default_rng(2).permutation(24).tolist())
+        capi_testing.kv_set_free_order(engine.session.handle, np.random.default_rng(2).permutation(24).tolist())
         a = engine.sequence
         engine.prefill(prompt[:11])            # 11 rows: the fork shares a partial block
         b = engine.fork()

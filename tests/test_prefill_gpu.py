@@ -10,7 +10,8 @@ import pytest
 
 from gpu_support import rel_l2, require_gpu
 from onegraph import capi
-from onegraph.engine import Engine, EngineError, GpuSession
+from onegraph.engine import Engine, EngineError
+from onegraph.session import GpuSession
 from onegraph.kvpool import PoolLayout
 from onegraph.quant import WeightScheme, quantize_stream
 from onegraph.reference import ReferenceDecoder
