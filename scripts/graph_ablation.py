@@ -71,7 +71,8 @@ def open_engine(args, max_seq_len: int):
 
 
 def measure(args) -> dict:
-    from onegraph import bench, capi_testing
+    from bench import benchmark as bench
+    from onegraph import capi_testing
     target, engine = open_engine(args, args.context + 8)
     with engine:
         gpu = engine.session
