@@ -130,13 +130,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise TextError(f"{self.source}: the model has no chat template")
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise TextError(f"{self.source}: chat messages must be a list of dicts, got {messages!r:.80}")
         if self._template is None:
             self._template = _compile_template(self.chat_template, self.source)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
-        except jinja2.TemplateError as e:
-            raise TextError(f"{self.source}: chat template: {_one_line(e)}") from None
+        # Templates index and concatenate message fields: a message without "content", or with a
+        # None in it, fails inside the template as well as through raise_exception.
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
+            raise TextError(f"{self.source}: chat template: {type(e).__name__}: {_one_line(e)}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, so the post-processor adds nothing (as in HF).
