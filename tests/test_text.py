@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import random
-import shutil
 
 import pytest
 
@@ -117,7 +116,7 @@ def smollm2_tokenizer_metadata(gguf_path):
     return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
 
 
-def write_gguf_tokenizer(path, metadata, pre):
+def write_gguf_tokenizer(path, metadata, pre, eot_token_id=None):
     """SmolLM2's vocabulary and merges under another tokenizer.ggml.pre (None: the key left out)."""
     import gguf
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -130,6 +129,8 @@ def write_gguf_tokenizer(path, metadata, pre):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,6 +149,13 @@ def test_gguf_pre_tokenizers_match_transformers(smollm2_tokenizer_metadata, tmp_
     for text in (MIXED_TEXT, "a  1  22   333\n\n\n x"):
         assert tokenizer.encode(text) == reference.encode(text)
         assert tokenizer.encode(text)[0] == 1  # add_bos_token
+
+
+def test_gguf_eot_token_is_a_stop_token(smollm2_tokenizer_metadata, tmp_path):
+    path = write_gguf_tokenizer(tmp_path / "tokenizer.gguf", smollm2_tokenizer_metadata, "smollm", eot_token_id=0)
+    tokenizer = Tokenizer.from_model(path)
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.stop_token_ids == (2, 0)  # no template here, so no end-of-turn token from it
 
 
 def test_gguf_unknown_pre_tokenizer(smollm2_tokenizer_metadata, tmp_path):
