@@ -130,13 +130,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise TextError(f"{self.source}: the model has no chat template")
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+            raise TextError(f"{self.source}: chat messages must be a list of dicts, got {messages!r:.80}")
         if self._template is None:
             self._template = _compile_template(self.chat_template, self.source)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
-        except jinja2.TemplateError as e:
-            raise TextError(f"{self.source}: chat template: {_one_line(e)}") from None
+        # Templates index and concatenate message fields: a message without "content", or with a
+        # None in it, fails inside the template as well as through raise_exception.
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
+            raise TextError(f"{self.source}: chat template: {type(e).__name__}: {_one_line(e)}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, so the post-processor adds nothing (as in HF).
@@ -169,7 +173,9 @@ class StreamDecoder:
         return text[len(done):] if text.startswith(done) else text
 
     def push(self, token_id: int) -> str:
-        self._tokenizer.decode([token_id])  # TextError for an id outside the vocabulary
+        if not 0 <= int(token_id) < self._tokenizer.vocab_size:
+            raise TextError(f"{self._tokenizer.source}: token id {token_id} is outside the vocabulary "
+                            f"[0, {self._tokenizer.vocab_size})")
         self._ids.append(int(token_id))
         piece = self._pending()
         if not piece or piece.endswith("\ufffd"):
@@ -376,8 +382,8 @@ def _from_gguf(path: str) -> Tokenizer:
     _set_post_processor(backend, special["bos_token"], special["eos_token"],
                         bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                         bool(meta.get("tokenizer.ggml.add_eos_token", False)))
-    eos_ids = [meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else []
-    if "tokenizer.ggml.eot_token_id" in meta:
-        eos_ids.append(meta["tokenizer.ggml.eot_token_id"])
+    # eot (end of turn) and eom (end of message, Llama 3.1 tool calls) end a reply as eos does.
+    eos_ids = [meta[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id") if key in meta]
     return Tokenizer(backend, source=path, chat_template=meta.get("tokenizer.chat_template"),
                      special_tokens=special, eos_token_ids=eos_ids)

@@ -9,10 +9,10 @@ pre-tokenizer in SmolLM2's published tokenizer.json. transformers' GGUF converte
 ("a  1"). So the encode reference is transformers' tokenizer with that published pre-tokenizer put
 back; everything else (vocabulary, merges, added tokens, decoder, template) is transformers' own.
 """
+import copy
 import json
 import os
 import random
-import shutil
 
 import pytest
 
@@ -58,15 +58,14 @@ def hf(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_published(gguf_path):
+def hf_published(hf):
     """transformers' tokenizer of the GGUF with SmolLM2's published pre-tokenizer (module docstring)."""
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
     from tokenizers import pre_tokenizers
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                           gguf_file=os.path.basename(gguf_path))
+    tokenizer = copy.deepcopy(hf)
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    assert tokenizer.backend_tokenizer is not hf.backend_tokenizer
     return tokenizer
 
 
@@ -108,6 +107,60 @@ def test_gguf_chat_template_matches_transformers(ours, hf, hf_published):
                 hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
             assert ours.encode_chat(messages, add_generation_prompt) == \
                 hf_chat_ids(hf_published, messages, add_generation_prompt)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_metadata(gguf_path):
+    import gguf
+    reader = gguf.GGUFReader(gguf_path)
+    return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+
+
+def write_gguf_tokenizer(path, metadata, pre, eot_token_id=None):
+    """SmolLM2's vocabulary and merges under another tokenizer.ggml.pre (None: the key left out)."""
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(metadata["tokenizer.ggml.tokens"])
+    writer.add_token_types(metadata["tokenizer.ggml.token_type"])
+    writer.add_token_merges(metadata["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", None])
+def test_gguf_pre_tokenizers_match_transformers(smollm2_tokenizer_metadata, tmp_path, pre):
+    """The split regexes of the Llama 3 and Qwen2 families (and plain GPT-2), with add_bos_token,
+    against transformers' GGUF converter, which maps these names to the same splits."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    path = write_gguf_tokenizer(tmp_path / "tokenizer.gguf", smollm2_tokenizer_metadata, pre)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tokenizer = Tokenizer.from_model(path)
+    for text in (MIXED_TEXT, "a  1  22   333\n\n\n x"):
+        assert tokenizer.encode(text) == reference.encode(text)
+        assert tokenizer.encode(text)[0] == 1  # add_bos_token
+
+
+def test_gguf_eot_token_is_a_stop_token(smollm2_tokenizer_metadata, tmp_path):
+    path = write_gguf_tokenizer(tmp_path / "tokenizer.gguf", smollm2_tokenizer_metadata, "smollm", eot_token_id=0)
+    tokenizer = Tokenizer.from_model(path)
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.stop_token_ids == (2, 0)  # no template here, so no end-of-turn token from it
+
+
+def test_gguf_unknown_pre_tokenizer(smollm2_tokenizer_metadata, tmp_path):
+    path = write_gguf_tokenizer(tmp_path / "tokenizer.gguf", smollm2_tokenizer_metadata, "made-up")
+    one_line_error(path, "pre-tokenizer 'made-up' .tokenizer.ggml.pre. is not supported")
 
 
 # --- streaming ---------------------------------------------------------------------------------
@@ -312,7 +365,7 @@ def test_broken_templates(saved_folder, hf):
 
     (saved_folder / "chat_template.jinja").write_text(
         "{% if messages[0].role != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}")
-    with pytest.raises(TextError, match="chat template: first message must be system"):
+    with pytest.raises(TextError, match="chat template: TemplateError: first message must be system"):
         Tokenizer.from_model(saved_folder).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
@@ -322,3 +375,11 @@ def test_no_template(saved_folder):
     assert not tokenizer.has_chat_template
     with pytest.raises(TextError, match="no chat template"):
         tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_bad_messages(ours):
+    with pytest.raises(TextError, match="chat template: TypeError") as info:
+        ours.apply_chat_template([{"role": "user", "content": None}])  # the template adds strings to it
+    assert "\n" not in str(info.value) and ours.source in str(info.value)
+    with pytest.raises(TextError, match="must be a list of dicts"):
+        ours.apply_chat_template("hello")
