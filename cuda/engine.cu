@@ -29,10 +29,12 @@
 #include "kv_pool.h"
 #include "moe.cuh"
 #include "quant.cuh"
-#include "onegraph_testing.h"
 #include "packed_file.h"
 #include "prefill.cuh"
 #include "reliability.cuh"
+#ifdef OG_TESTING
+#include "onegraph_testing.h"
+#endif
 
 namespace og {
 
@@ -204,7 +206,9 @@ struct og_engine {
     float *selected_weights = nullptr;   // (top_k)
     float *moe_act = nullptr;            // (top_k, Im)
     PrefillScratch prefill;              // og_prefill's chunk buffers (prefill.cuh)
+#ifdef OG_TESTING
     int32_t test_omit = 0;               // og_test_set_omit: OG_TEST_OMIT_* kinds left out
+#endif
 
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     AttentionPlan plan_attention;
@@ -781,12 +785,28 @@ og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *d
     return OG_OK;
 }
 
+// The parts of the body, as og_test_set_omit names them (OG_TEST_OMIT_*, onegraph_testing.h).
+// The product library enqueues every part; the testing library can leave parts out so that a
+// benchmark can time a step without them.
+enum BodyPart { kPartQkv = 1, kPartAttention = 2, kPartOProj = 4, kPartFfnIn = 8, kPartFfnOut = 16,
+                kPartLmHead = 32 };
+#ifdef OG_TESTING
+static_assert(kPartQkv == OG_TEST_OMIT_QKV && kPartAttention == OG_TEST_OMIT_ATTENTION &&
+                  kPartOProj == OG_TEST_OMIT_O_PROJ && kPartFfnIn == OG_TEST_OMIT_FFN_IN &&
+                  kPartFfnOut == OG_TEST_OMIT_FFN_OUT && kPartLmHead == OG_TEST_OMIT_LM_HEAD,
+              "BodyPart mirrors OG_TEST_OMIT_*");
+bool keep(const og_engine *e, BodyPart part) { return (e->test_omit & part) == 0; }
+bool whole_body(const og_engine *e) { return e->test_omit == 0; }
+#else
+constexpr bool keep(const og_engine *, BodyPart) { return true; }
+constexpr bool whole_body(const og_engine *) { return true; }
+#endif
+
 // THE BODY: one decode step, enqueued on `stream`.
 og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const Dims &d = e->d;
     const og_config &c = e->cfg;
     const bool pdl = e->pdl;
-    const auto keep = [e](int kind) { return (e->test_omit & kind) == 0; };  // og_test_set_omit
     // The newest begun step's slot: its pinned record in, its pinned result out.
     const int slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
     OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host + slot, sizeof(og_step_record),
@@ -800,7 +820,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         // ---- attention block: x += o_proj(attention(rope(qkv_proj(rmsnorm(x))))) ----
         GemvArgs qkv_proj = {w.qkv.data, d.qkv_rows, d.H, e->x, w.input_layernorm,
                              c.rms_norm_eps, e->qkv, nullptr, w.qkv.scales, w.qkv.format};
-        if (keep(OG_TEST_OMIT_QKV)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
+        if (keep(e, kPartQkv)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
 
         // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
         // stores the row's block into the block table; later layers read it there.
@@ -821,13 +841,13 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         attn.partials = e->attn_partials;
         attn.counters = e->attn_counters;
         attn.out = e->attn_out;
-        if (keep(OG_TEST_OMIT_ATTENTION)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
+        if (keep(e, kPartAttention)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
         GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x,
                            nullptr, w.o_proj.scales, w.o_proj.format};
         // x's last writer is the previous layer's FFN, three kernels back (none when omitted).
-        o_proj.residual_settled = e->test_omit == 0;
-        if (keep(OG_TEST_OMIT_O_PROJ)) OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
+        o_proj.residual_settled = whole_body(e);
+        if (keep(e, kPartOProj)) OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
 
         // ---- FFN block: x += mlp(rmsnorm(x)) ----
         if (w.is_moe) {
@@ -837,14 +857,14 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
                                         w.expert_gate_up.format};
             const MoeExperts down = {w.expert_down.data, w.expert_down.scales,
                                      w.expert_down.format};
-            if (keep(OG_TEST_OMIT_FFN_IN)) {
+            if (keep(e, kPartFfnIn)) {
                 OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
                 OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
                                             e->selected_experts, e->selected_weights, stream, pdl));
                 OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
                                                       d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
             }
-            if (keep(OG_TEST_OMIT_FFN_OUT))
+            if (keep(e, kPartFfnOut))
                 OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
                                                               e->selected_weights, d.top_k, d.H,
                                                               d.Im, e->x, stream, pdl));
@@ -852,13 +872,13 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
             GemvArgs gate_up = {w.gate_up.data, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
                                 c.rms_norm_eps, e->act, nullptr, w.gate_up.scales,
                                 w.gate_up.format};
-            if (keep(OG_TEST_OMIT_FFN_IN))
+            if (keep(e, kPartFfnIn))
                 OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
             GemvArgs down = {w.down.data, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr,
                              w.down.scales, w.down.format};
             // x's last writer is the O projection, two kernels back (none when omitted).
-            down.residual_settled = e->test_omit == 0;
-            if (keep(OG_TEST_OMIT_FFN_OUT))
+            down.residual_settled = whole_body(e);
+            if (keep(e, kPartFfnOut))
                 OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_down, down, stream, pdl));
         }
     }
@@ -866,7 +886,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     // ---- logits = lm_head(rmsnorm(x)) ----
     GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps,
                         e->logits, nullptr, e->lm_head.scales, e->lm_head.format};
-    if (keep(OG_TEST_OMIT_LM_HEAD)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
+    if (keep(e, kPartLmHead)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
     // ---- the one device->host copy: the logits, or only their argmax (og_set_output) ----
     if (e->output == OG_OUTPUT_NEXT_TOKEN) {
         OG_CUDA_TRY(launch_argmax(e->logits, d.V, e->argmax_partials, e->argmax_ticket,
@@ -1216,8 +1236,10 @@ OG_API og_status og_enqueue(og_engine *e, void *stream) {
     status = use_device(e);
     if (status != OG_OK) return status;
     const cudaStream_t s = stream != nullptr ? static_cast<cudaStream_t>(stream) : e->stream;
-    status = capture_fault_hook(s);  // test-only, a no-op unless armed (reliability.cuh)
+#ifdef OG_TESTING
+    status = capture_fault_hook(s);  // a no-op unless a test armed it (reliability.cuh)
     if (status != OG_OK) return status;
+#endif
     return enqueue_body(e, s);
 }
 
@@ -1395,7 +1417,8 @@ OG_API og_status og_free(og_engine *e) {
     return OG_OK;
 }
 
-// ---- reliability entry points (onegraph_testing.h) --------------------------------------
+#ifdef OG_TESTING
+// ---- test entry points on an engine (onegraph_testing.h; testing library only) ------------
 OG_API og_status og_check_guards(og_engine *e) {
     OG_CHECK_HANDLE(e);
     const og_status status = use_device(e);
@@ -1424,6 +1447,12 @@ OG_API og_status og_test_set_omit(og_engine *e, int32_t kinds) {
     e->test_omit = kinds;
     return OG_OK;
 }
+
+OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count) {
+    OG_CHECK_HANDLE(e);
+    return e->kv.blocks.set_free_order(blocks, count);
+}
+#endif  // OG_TESTING
 
 // ---- sequences and the KV block pool (the work is in kv_pool.cu) -----------------------
 
@@ -1579,11 +1608,6 @@ OG_API og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t cou
     const og_status status = use_device(e);
     if (status != OG_OK) return status;
     return e->kv.zero_blocks(blocks, count, e->stream);
-}
-
-OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count) {
-    OG_CHECK_HANDLE(e);
-    return e->kv.blocks.set_free_order(blocks, count);
 }
 
 }  // extern "C"

@@ -29,6 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (libonegraph_testing.so)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 KINDS = ("qkv", "attention", "o_proj", "ffn_in", "ffn_out", "lm_head")
 
@@ -71,7 +73,8 @@ def open_engine(args, max_seq_len: int):
 
 
 def measure(args) -> dict:
-    from onegraph import bench, capi_testing
+    import capi_testing
+    from onegraph import bench
     target, engine = open_engine(args, args.context + 8)
     with engine:
         gpu = engine._gpu

@@ -5,7 +5,7 @@ launches, synchronizes and downloads. Weights are passed in the device layout, r
 zeros to a multiple of 8 elements by this module. Outputs are poisoned (NaN, or -7 for expert
 ids) before each call, so an element the kernel never writes fails the comparison.
 
-Skips cleanly unless the library ($ONEGRAPH_LIB, else runtime/_lib/libonegraph.so) loads and
+Skips cleanly unless the library ($ONEGRAPH_LIB, else runtime/_lib/libonegraph_testing.so) loads and
 og_device_count reports a usable device.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ c_int = ctypes.c_int
 
 def _library_path() -> pathlib.Path:
     env = os.environ.get("ONEGRAPH_LIB")
-    return pathlib.Path(env) if env else ROOT / "runtime" / "_lib" / "libonegraph.so"
+    return pathlib.Path(env) if env else ROOT / "runtime" / "_lib" / "libonegraph_testing.so"
 
 
 @pytest.fixture(scope="module")

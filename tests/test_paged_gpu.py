@@ -11,7 +11,7 @@ import pytest
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as decode
 from onegraph import capi
-from onegraph import capi_testing as ct
+import capi_testing as ct
 from onegraph.engine import Engine, EngineError
 from onegraph.kvpool import KV_STORAGE, PoolLayout, zero_blocks
 from onegraph.reference import ReferenceDecoder, rope_inv_freq
