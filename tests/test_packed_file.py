@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from gpu_support import skip_or_fail
 from onegraph import capi
 from onegraph.config import ModelConfig
 from onegraph.pack import (KEY_CONFIG, KEY_FORMAT_VERSION, KEY_OG_CONFIG, KEY_WEIGHTS, PackError,
@@ -614,7 +615,7 @@ def _rust_program(tmp_path):
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-tied", "tiny-moe"])
 def test_three_programs_print_the_same_tokens(models, tmp_path, preset):
     if not _gpu_usable():
-        pytest.skip("no usable GPU")
+        skip_or_fail("no usable GPU")
     path = models[preset][2]
     args = [path, "32"] + [str(t) for t in PROMPT]
     programs = [("python", [sys.executable, "-m", "onegraph.pack", "decode", "--device", "gpu"]),
@@ -641,7 +642,7 @@ def test_open_packed_failures_leave_nothing(models, tmp_path):
     """og_open_packed on a file missing a tensor: OG_E_MISSING_WEIGHT naming the file, *out
     NULL; on a file whose tensor disagrees with the config: OG_E_WEIGHT_MISMATCH."""
     if not _gpu_usable():
-        pytest.skip("no usable GPU")
+        skip_or_fail("no usable GPU")
     lib = capi.load_library()
     raw = open(models["tiny-dense"][2], "rb").read()
     header_text, data = split_file(raw)
