@@ -990,6 +990,33 @@ extern "C" {
 
 OG_API int32_t og_abi_version(void) { return OG_ABI_VERSION; }
 
+OG_API void og_abi_version_numbers(int32_t *major, int32_t *minor) {
+    if (major != nullptr) *major = OG_ABI_VERSION_MAJOR;
+    if (minor != nullptr) *minor = OG_ABI_VERSION_MINOR;
+}
+
+OG_API const char *og_status_string(og_status status) {
+    switch (status) {
+        case OG_OK: return "OG_OK";
+        case OG_E_INVALID_ARGUMENT: return "OG_E_INVALID_ARGUMENT";
+        case OG_E_INVALID_HANDLE: return "OG_E_INVALID_HANDLE";
+        case OG_E_NO_DEVICE: return "OG_E_NO_DEVICE";
+        case OG_E_CUDA: return "OG_E_CUDA";
+        case OG_E_OUT_OF_MEMORY: return "OG_E_OUT_OF_MEMORY";
+        case OG_E_UNKNOWN_WEIGHT: return "OG_E_UNKNOWN_WEIGHT";
+        case OG_E_WEIGHT_MISMATCH: return "OG_E_WEIGHT_MISMATCH";
+        case OG_E_MISSING_WEIGHT: return "OG_E_MISSING_WEIGHT";
+        case OG_E_TOKEN_OUT_OF_RANGE: return "OG_E_TOKEN_OUT_OF_RANGE";
+        case OG_E_CONTEXT_FULL: return "OG_E_CONTEXT_FULL";
+        case OG_E_UNSUPPORTED: return "OG_E_UNSUPPORTED";
+        case OG_E_BAD_STATE: return "OG_E_BAD_STATE";
+        case OG_E_BAD_FILE: return "OG_E_BAD_FILE";
+        case OG_E_CORRUPTED: return "OG_E_CORRUPTED";
+        case OG_E_POOL_EXHAUSTED: return "OG_E_POOL_EXHAUSTED";
+    }
+    return "unknown og_status";
+}
+
 OG_API const char *og_last_error(void) { return t_last_error.c_str(); }
 
 // packed_file.c reports its errors through here (declared in packed_file.h).
@@ -1141,20 +1168,28 @@ OG_API og_status og_precheck(og_engine *e) {
 
 OG_API og_status og_begin_step(og_engine *e, int32_t token) {
     OG_CHECK_HANDLE(e);
-    if (token < 0 || token >= e->d.V)
-        return set_error(OG_E_TOKEN_OUT_OF_RANGE, "token %d is outside the vocabulary [0, %d)",
-                         token, e->d.V);
     const int32_t id = e->kv.current;
     KvSequence *seq = nullptr;
     if (id < 0 || e->kv.lookup(id, "og_begin_step", &seq) != OG_OK)
         return set_error(OG_E_BAD_STATE, "og_begin_step: no sequence is selected (og_seq_select)");
+    return og_begin_step_seq(e, id, token);
+}
+
+OG_API og_status og_begin_step_seq(og_engine *e, int32_t id, int32_t token) {
+    OG_CHECK_HANDLE(e);
+    if (token < 0 || token >= e->d.V)
+        return set_error(OG_E_TOKEN_OUT_OF_RANGE, "token %d is outside the vocabulary [0, %d)",
+                         token, e->d.V);
+    KvSequence *seq = nullptr;
+    og_status status = e->kv.lookup(id, "og_begin_step_seq", &seq);
+    if (status != OG_OK) return status;
     const int32_t position = seq->length;
     if (position >= e->d.max_seq)
         return set_error(OG_E_CONTEXT_FULL,
                          "position %d: sequence %d is full (max_seq_len=%d); og_reset starts it "
                          "over",
                          position, id, e->d.max_seq);
-    og_status status = precheck(e);
+    status = precheck(e);
     if (status != OG_OK) return status;
     status = use_device(e);
     if (status != OG_OK) return status;
@@ -1297,6 +1332,18 @@ OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_token
     KvSequence *seq = nullptr;
     if (id < 0 || e->kv.lookup(id, "og_prefill", &seq) != OG_OK)
         return set_error(OG_E_BAD_STATE, "og_prefill: no sequence is selected (og_seq_select)");
+    return og_prefill_seq(e, id, tokens, n_tokens, logits);
+}
+
+OG_API og_status og_prefill_seq(og_engine *e, int32_t id, const int32_t *tokens, int32_t n_tokens,
+                                float *logits) {
+    OG_CHECK_HANDLE(e);
+    if (tokens == nullptr || n_tokens <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_prefill: tokens is NULL or n_tokens=%d < 1",
+                         n_tokens);
+    KvSequence *seq = nullptr;
+    og_status status = e->kv.lookup(id, "og_prefill_seq", &seq);
+    if (status != OG_OK) return status;
     for (int32_t i = 0; i < n_tokens; ++i)
         if (tokens[i] < 0 || tokens[i] >= e->d.V)
             return set_error(OG_E_TOKEN_OUT_OF_RANGE,
@@ -1307,7 +1354,7 @@ OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_token
                          "og_prefill: sequence %d holds %d rows; %d more would exceed "
                          "max_seq_len=%d",
                          id, seq->length, n_tokens, e->d.max_seq);
-    og_status status = precheck(e);
+    status = precheck(e);
     if (status != OG_OK) return status;
     status = use_device(e);
     if (status != OG_OK) return status;

@@ -67,6 +67,21 @@ def init(lib, cfg) -> tuple[int, capi.Handle]:
 def test_abi_version_matches_header(lib):
     assert lib.og_abi_version() == capi.header_abi_version(str(HEADER))
     assert lib.og_abi_version() == capi.ABI_VERSION
+    major, minor = ctypes.c_int32(-1), ctypes.c_int32(-1)
+    lib.og_abi_version_numbers(ctypes.byref(major), ctypes.byref(minor))
+    assert (major.value, minor.value) == capi.header_abi_version_numbers(str(HEADER))
+    assert major.value == capi.ABI_VERSION and minor.value >= capi.ABI_MINOR_REQUIRED
+    lib.og_abi_version_numbers(None, None)  # either pointer may be NULL
+
+
+def test_status_string_names_every_status_of_the_header(lib):
+    import re
+    codes = re.findall(r"#define\s+(OG_(?:OK|E_\w+))\s+(-?\d+)", HEADER.read_text())
+    assert len(codes) >= 16
+    for name, value in codes:
+        assert lib.og_status_string(int(value)) == name.encode()
+    assert lib.og_status_string(-999) == b"unknown og_status"
+    assert lib.og_status_string(1) == b"unknown og_status"
 
 
 def test_config_default(lib):
