@@ -24,7 +24,7 @@ namespace og {
 
 // ---- allocations ----------------------------------------------------------------------
 // Every device and pinned host allocation an engine makes goes through these (a CPU test
-// checks engine.cu for raw cudaMalloc / cudaHostAlloc), so fault injection reaches each one.
+// checks cuda/ for raw cudaMalloc / cudaHostAlloc), so fault injection reaches each one.
 // They return what cudaMalloc / cudaHostAlloc(cudaHostAllocDefault) return, and
 // cudaErrorMemoryAllocation for an injected failure (nothing is allocated then).
 cudaError_t device_alloc(void **ptr, size_t bytes);

@@ -19,7 +19,7 @@ graph with none. Back to back, each kernel of the kind waits for the one before,
 whole latency, boundaries included, which the weights' bytes over the copy bandwidth can be set
 against. Leaving a kind out cannot show that part: another kernel's boundary takes its place.
 (Any variant that omits a kind also drops the O and down projections' settled residual read,
-engine.cu, since their residual's writer may be gone.)
+body.cu, since their residual's writer may be gone.)
 """
 import argparse
 import json
