@@ -185,7 +185,7 @@ og_status plan_kernels(og_engine *e) {
     OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.q_size, &e->plan_o, dense));
     if (d.any_dense) {
         // The FFN's two projections stream the most bytes of a layer: a q4 one takes the
-        // copy-engine stream (gemv_q4.cu; on the others it measured slower).
+        // copy-engine stream (gemv_q4.cu; the other projections are too short to pay for it).
         OG_CUDA_TRY(gemv_plan(kGemvNormSwiglu, 2 * d.I, d.H, &e->plan_gate_up, dense, true));
         OG_CUDA_TRY(gemv_plan(kGemvResidual, d.H, d.I, &e->plan_down, dense, true));
     }

@@ -43,7 +43,7 @@ constexpr size_t kArenaAlign = 256;
 // A weight matrix in one of the OG_WEIGHTS_* formats; layouts (row bytes, scales) in quant.cuh.
 struct DeviceMatrix {
     char *data = nullptr;                      // [rows, weight_row_bytes(format, cols)]
-    char *scales = nullptr;                    // int8: [rows] fp32; q4: [rows, groups] bf16
+    char *scales = nullptr;                    // int8: [rows] fp32; q4: [rows, groups] e5m3 bytes
     int format = OG_WEIGHTS_BF16;
 };
 

@@ -57,7 +57,7 @@ struct GemvArgs {
     float eps;                    // RMSNorm epsilon (norm modes)
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
-    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
+    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] e5m3 bytes
     int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
     // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
     // kernel may read y before its PDL wait. Why that is safe: every kernel of the body

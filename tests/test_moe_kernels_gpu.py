@@ -51,11 +51,11 @@ def _library_path() -> pathlib.Path:
 def lib():
     path = _library_path()
     if not path.is_file():
-        pytest.skip(f"library not built: {path}")
+        skip_or_fail(f"library not built: {path}")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        pytest.skip(f"library does not load: {e}")
+        skip_or_fail(f"library does not load: {e}")
     lib.og_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
     lib.og_device_count.restype = ctypes.c_int32
     count = ctypes.c_int32(0)
