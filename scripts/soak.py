@@ -31,8 +31,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (libonegraph_testing.so)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from onegraph import capi_testing  # noqa: E402
+import capi_testing  # noqa: E402
 from onegraph.engine import Engine  # noqa: E402
 from onegraph.graph import check_cuda, cuda_runtime  # noqa: E402
 from onegraph.reference import ReferenceDecoder  # noqa: E402

@@ -42,7 +42,7 @@ def test_bf16_split_is_within_2_to_the_minus_16():
     """The GEMM inputs of og_prefill (cuda/prefill.cuh, "Numerics"): x = hi + lo, hi = bf16(x),
     lo = bf16(x - hi): within 2^-16 |x| (2^-8 of a residual at most 2^-8 |x|), rms ~2^-18.5
     relative; the numerics statement and the GPU tests' bounds rest on this."""
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(200_000), rng.standard_normal(1000) * 1e30,
                         rng.standard_normal(1000) * 1e-30, [0.0, -0.0, 1.0, 3.0e38]]).astype(np.float32)

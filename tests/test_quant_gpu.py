@@ -36,7 +36,7 @@ import pytest
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph import capi
-from onegraph import capi_testing as ct
+import capi_testing as ct
 from onegraph.engine import Engine
 from onegraph.session import GpuSession
 from onegraph.quant import QuantizedMatrix, WeightScheme, e5m3, quantize, quantize_input_q8, quantize_stream

@@ -44,7 +44,7 @@ def _gpu():
 
 @pytest.fixture(scope="module")
 def hooks():
-    from onegraph import capi_testing
+    import capi_testing
     capi_testing.load()
     capi_testing.reliability()
     yield capi_testing
