@@ -820,7 +820,8 @@ class Engine:
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
                          stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill,
-                         greedy_step_fn=self.step_greedy, greedy_decode_fn=self.decode_greedy)
+                         greedy_step_fn=self.step_greedy, greedy_decode_fn=self.decode_greedy,
+                         start_position=len(self._history))
 
     def _reserve(self, n_tokens: int) -> None:
         """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not
