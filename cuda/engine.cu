@@ -27,6 +27,7 @@
 
 #include "kernels.cuh"
 #include "kv_pool.h"
+#include "sample.cuh"
 #include "moe.cuh"
 #include "quant.cuh"
 #include "onegraph_testing.h"
@@ -174,7 +175,8 @@ struct og_engine {
     // begun while the first's copies may still be pending.
     og_step_record *step_host = nullptr; // [kStepSlots]
     float *logits_host = nullptr;        // pinned (V)
-    og::NextToken *next_host = nullptr;  // [kStepSlots]: the greedy result of an OG_OUTPUT_NEXT_TOKEN step
+    og::SampledResult *next_host = nullptr;  // [kStepSlots]: the result of a next-token step
+                                         // (greedy: .next only; sampled: the stage's result)
     int32_t output = OG_OUTPUT_LOGITS;   // og_set_output: what the body copies to the host
 
     // weights
@@ -194,7 +196,15 @@ struct og_engine {
     float *attn_out = nullptr;           // (q)
     float *act = nullptr;                // (I) silu(gate) * up
     float *logits = nullptr;             // (V)
-    og::NextToken *next_token = nullptr; // the argmax of the logits (OG_OUTPUT_NEXT_TOKEN)
+    og::NextToken *next_token = nullptr; // the argmax of the logits (OG_OUTPUT_NEXT_TOKEN), or
+                                         // the sampled token: &sampled->next
+    // ---- the sampling stage (OG_OUTPUT_SAMPLED, sample.cuh) ----
+    og::SampledResult *sampled = nullptr;
+    og::SampleState *sample_state = nullptr;
+    float *sample_z = nullptr;           // (V) scratch
+    int32_t *sample_counts = nullptr;    // (max_sequences, V) tokens generated per sequence slot
+    std::vector<og_sampling_params> seq_sampling;  // per sequence slot (og_seq_set_sampling)
+    int32_t result_output = OG_OUTPUT_NEXT_TOKEN;  // output of the last ended next-token step
     og::NextToken *argmax_partials = nullptr;  // (argmax_partials(V)) its per-block candidates
     unsigned *argmax_ticket = nullptr;   // its last-block counter (0 between steps)
     float *attn_partials = nullptr;      // split-KV scratch
@@ -226,6 +236,21 @@ struct og_engine {
 };
 
 namespace {
+
+// ---- sampling state per sequence slot (sample.cuh) ----
+og_sampling_params default_sampling() {
+    og_sampling_params p = {};
+    p.top_p = 1.f;
+    p.repetition_penalty = 1.f;
+    return p;  // temperature 0: greedy
+}
+
+og_status clear_counts(og_engine *e, int32_t slot) {
+    OG_CUDA_TRY(cudaMemsetAsync(e->sample_counts + (size_t)slot * e->d.V, 0,
+                                (size_t)e->d.V * sizeof(int32_t), e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
 
 std::mutex g_registry_mutex;
 std::unordered_set<og_engine *> &registry() {
@@ -497,7 +522,11 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->attn_out = a.take<float>(d.q_size);
     e->act = a.take<float>(d.I > 0 ? d.I : 1);
     e->logits = a.take<float>(d.V);
-    e->next_token = a.take<NextToken>(1);
+    e->sampled = a.take<SampledResult>(1);
+    e->next_token = &e->sampled->next;
+    e->sample_state = a.take<SampleState>(1);
+    e->sample_z = a.take<float>(d.V);
+    e->sample_counts = a.take<int32_t>((size_t)e->kv.layout.max_sequences * d.V);
     e->argmax_partials = a.take<NextToken>(argmax_partials(d.V));
     e->argmax_ticket = a.take<unsigned>(1);
     e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
@@ -705,9 +734,11 @@ og_status init_engine(og_engine *e) {
     OG_CUDA_TRY(pinned_alloc(&e->logits_host, (size_t)e->d.V * sizeof(float)));
     memset(e->step_host, 0, kStepSlots * sizeof(og_step_record));
     memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
-    OG_CUDA_TRY(pinned_alloc(&e->next_host, kStepSlots * sizeof(NextToken)));
+    OG_CUDA_TRY(pinned_alloc(&e->next_host, kStepSlots * sizeof(SampledResult)));
+    memset(e->next_host, 0, kStepSlots * sizeof(SampledResult));
     for (int slot = 0; slot < kStepSlots; ++slot)
-        e->next_host[slot] = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
+        e->next_host[slot].next = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
+    e->seq_sampling.assign((size_t)e->kv.layout.max_sequences, default_sampling());
 
     std::vector<float> inv_freq(e->d.hd / 2);
     rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,
@@ -872,6 +903,13 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         OG_CUDA_TRY(launch_argmax(e->logits, d.V, e->argmax_partials, e->argmax_ticket,
                                   e->next_token, stream, pdl));
         OG_CUDA_TRY(cudaMemcpyAsync(e->next_host + slot, e->next_token, sizeof(NextToken),
+                                    cudaMemcpyDeviceToHost, stream));
+    } else if (e->output == OG_OUTPUT_SAMPLED || e->output == OG_OUTPUT_SAMPLED_LOGPROBS) {
+        const SampleArgs sample = {e->logits, d.V, e->step, e->next_token, e->sample_counts,
+                                   e->sample_z, e->sample_state, e->sampled};
+        OG_CUDA_TRY(launch_sample(sample, stream, pdl));
+        const size_t bytes = e->output == OG_OUTPUT_SAMPLED ? sizeof(NextToken) : sizeof(SampledResult);
+        OG_CUDA_TRY(cudaMemcpyAsync(e->next_host + slot, e->sampled, bytes,
                                     cudaMemcpyDeviceToHost, stream));
     } else {
         OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
@@ -1143,7 +1181,8 @@ OG_API og_status og_begin_step(og_engine *e, int32_t token) {
     status = e->kv.reserve(id, 1, e->stream);
     if (status != OG_OK) return status;
     e->step_host[0] = og_step_record{token, position, seq->slot,
-                                     seq->blocks[position / e->kv.layout.page_size]};
+                                     seq->blocks[position / e->kv.layout.page_size],
+                                     e->seq_sampling[seq->slot]};
     e->pending[0] = og_engine::PendingStep{id, 0, position, e->output};
     e->n_pending = 1;
     return OG_OK;
@@ -1159,10 +1198,11 @@ OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot) {
                          "(%d are)",
                          e->n_pending);
     const og_engine::PendingStep prev = e->pending[0];
-    if (prev.output != OG_OUTPUT_NEXT_TOKEN || e->output != OG_OUTPUT_NEXT_TOKEN)
+    if (prev.output == OG_OUTPUT_LOGITS || e->output == OG_OUTPUT_LOGITS)
         return set_error(OG_E_BAD_STATE,
-                         "og_begin_chained_step: the token is the previous step's argmax on the "
-                         "device: both steps need og_set_output(OG_OUTPUT_NEXT_TOKEN)");
+                         "og_begin_chained_step: the token is the previous step's argmax or "
+                         "sample on the device: both steps need og_set_output("
+                         "OG_OUTPUT_NEXT_TOKEN or OG_OUTPUT_SAMPLED[_LOGPROBS])");
     const int32_t id = e->kv.current;
     if (id != prev.seq)
         return set_error(OG_E_BAD_STATE,
@@ -1188,7 +1228,8 @@ OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot) {
     if (status != OG_OK) return status;
     const int32_t next = 1 - prev.slot;
     e->step_host[next] = og_step_record{OG_TOKEN_PREVIOUS_ARGMAX, position, seq->slot,
-                                        seq->blocks[position / e->kv.layout.page_size]};
+                                        seq->blocks[position / e->kv.layout.page_size],
+                                        e->seq_sampling[seq->slot]};
     e->pending[1] = og_engine::PendingStep{id, next, position, e->output};
     e->n_pending = 2;
     *slot = next;
@@ -1244,7 +1285,7 @@ OG_API og_status og_end_step(og_engine *e) {
     const og_status status = e->kv.lookup(ended.seq, "og_end_step", &seq);
     if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its steps
     seq->length += 1;
-    if (ended.output == OG_OUTPUT_NEXT_TOKEN) e->result_slot = ended.slot;
+    if (ended.output != OG_OUTPUT_LOGITS) e->result_slot = ended.slot, e->result_output = ended.output;
     for (int i = 1; i < e->n_pending; ++i) e->pending[i - 1] = e->pending[i];
     e->n_pending -= 1;
     e->stats.steps += 1;
@@ -1333,11 +1374,13 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size) {
 
 OG_API og_status og_set_output(og_engine *e, int32_t output) {
     OG_CHECK_HANDLE(e);
-    if (output != OG_OUTPUT_LOGITS && output != OG_OUTPUT_NEXT_TOKEN)
+    if (output < OG_OUTPUT_LOGITS || output > OG_OUTPUT_SAMPLED_LOGPROBS)
         return set_error(OG_E_INVALID_ARGUMENT,
-                         "og_set_output: output=%d is neither OG_OUTPUT_LOGITS (%d) nor "
-                         "OG_OUTPUT_NEXT_TOKEN (%d)",
-                         output, OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN);
+                         "og_set_output: output=%d is none of OG_OUTPUT_LOGITS (%d), "
+                         "OG_OUTPUT_NEXT_TOKEN (%d), OG_OUTPUT_SAMPLED (%d), "
+                         "OG_OUTPUT_SAMPLED_LOGPROBS (%d)",
+                         output, OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN, OG_OUTPUT_SAMPLED,
+                         OG_OUTPUT_SAMPLED_LOGPROBS);
     e->output = output;
     return OG_OK;
 }
@@ -1345,8 +1388,60 @@ OG_API og_status og_set_output(og_engine *e, int32_t output) {
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit) {
     OG_CHECK_HANDLE(e);
     if (token == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_next_token: token is NULL");
-    *token = e->next_host[e->result_slot].token;
-    if (logit != nullptr) *logit = e->next_host[e->result_slot].logit;
+    const NextToken next = e->next_host[e->result_slot].next;
+    *token = next.token;
+    if (logit != nullptr) *logit = next.logit;
+    if (e->result_output != OG_OUTPUT_NEXT_TOKEN && next.token == OG_TOKEN_NONFINITE)
+        return set_error(OG_E_NONFINITE_LOGITS,
+                         "og_next_token: the sampled step's logits hold a NaN or +inf (or overflow "
+                         "to +inf over the temperature, or are all -inf)");
+    if (e->result_output != OG_OUTPUT_NEXT_TOKEN && next.token == OG_TOKEN_OVERFLOW)
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_next_token: more than %d ids lie within 1/8 nat of the sampling "
+                         "filters' cut (a flat distribution with top_k=0 and top_p < 1, or top_k "
+                         "> %d): use a smaller top_k",
+                         kSampleCandidates, kSampleCandidates);
+    return OG_OK;
+}
+
+// ---- sampling parameters and counts per sequence (sample.cuh) ----
+OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params) {
+    OG_CHECK_HANDLE(e);
+    if (params == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_seq_set_sampling: params is NULL");
+    const og_sampling_params &p = *params;
+    const char *bad = !(p.temperature >= 0.f && std::isfinite(p.temperature)) ? "temperature >= 0"
+                    : p.top_k < 0 ? "top_k >= 0"
+                    : !(p.top_p > 0.f && p.top_p <= 1.f) ? "top_p in (0, 1]"
+                    : !(p.min_p >= 0.f && p.min_p <= 1.f) ? "min_p in [0, 1]"
+                    : !(p.repetition_penalty > 0.f && std::isfinite(p.repetition_penalty)) ? "repetition_penalty > 0"
+                    : !std::isfinite(p.presence_penalty) ? "a finite presence_penalty"
+                    : !std::isfinite(p.frequency_penalty) ? "a finite frequency_penalty"
+                    : (p.logprobs < 0 || p.logprobs > OG_MAX_LOGPROBS) ? "logprobs in [0, 20]"
+                    : nullptr;
+    if (bad != nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_seq_set_sampling: the parameters need %s", bad);
+    KvSequence *found = nullptr;
+    og_status status = e->kv.lookup(seq, "og_seq_set_sampling", &found);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // New parameters start the generated-token counts over (a new generation).
+    status = clear_counts(e, found->slot);
+    if (status != OG_OK) return status;
+    e->seq_sampling[found->slot] = p;
+    return OG_OK;
+}
+
+OG_API og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity,
+                                 int32_t *count) {
+    OG_CHECK_HANDLE(e);
+    if (count == nullptr || (top == nullptr && capacity > 0) || capacity < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_top_logprobs: count is NULL or top/capacity bad");
+    const SampledResult &r = e->next_host[e->result_slot];
+    const int n = e->result_output == OG_OUTPUT_SAMPLED_LOGPROBS && r.next.token >= 0 ? r.n_top : 0;
+    for (int j = 0; j < n && j < capacity; ++j) top[j] = r.top[j];
+    *count = n;
     return OG_OK;
 }
 
@@ -1446,9 +1541,21 @@ OG_API og_status og_seq_create(og_engine *e, int32_t *seq) {
 OG_API og_status og_seq_fork(og_engine *e, int32_t src, int32_t *seq) {
     OG_CHECK_HANDLE(e);
     OG_CHECK_OUT(seq);
-    const og_status status = use_device(e);
+    og_status status = use_device(e);
     if (status != OG_OK) return status;
-    return e->kv.fork(src, seq, e->stream);
+    status = e->kv.fork(src, seq, e->stream);
+    if (status != OG_OK) return status;
+    // The fork continues src's generation: its sampling parameters and generated-token counts.
+    KvSequence *from = nullptr, *to = nullptr;
+    if (e->kv.lookup(src, "og_seq_fork", &from) != OG_OK || e->kv.lookup(*seq, "og_seq_fork", &to) != OG_OK)
+        return OG_OK;  // unreachable: both were just used
+    e->seq_sampling[to->slot] = e->seq_sampling[from->slot];
+    const size_t row = (size_t)e->d.V * sizeof(int32_t);
+    OG_CUDA_TRY(cudaMemcpyAsync(e->sample_counts + (size_t)to->slot * e->d.V,
+                                e->sample_counts + (size_t)from->slot * e->d.V, row,
+                                cudaMemcpyDeviceToDevice, e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
 }
 
 OG_API og_status og_seq_select(og_engine *e, int32_t seq) {
@@ -1472,8 +1579,13 @@ OG_API og_status og_seq_reset(og_engine *e, int32_t seq) {
     OG_CHECK_HANDLE(e);
     og_status status = use_device(e);
     if (status != OG_OK) return status;
+    KvSequence *found = nullptr;
+    status = e->kv.lookup(seq, "og_seq_reset", &found);
+    if (status != OG_OK) return status;
+    const int32_t slot = found->slot;
     status = e->kv.reset(seq, e->stream);
     if (status == OG_OK) cancel_step_of(e, seq);
+    if (status == OG_OK) status = clear_counts(e, slot);
     return status;
 }
 
@@ -1481,8 +1593,16 @@ OG_API og_status og_seq_free(og_engine *e, int32_t seq) {
     OG_CHECK_HANDLE(e);
     og_status status = use_device(e);
     if (status != OG_OK) return status;
+    KvSequence *found = nullptr;
+    status = e->kv.lookup(seq, "og_seq_free", &found);
+    if (status != OG_OK) return status;
+    const int32_t slot = found->slot;
     status = e->kv.free_sequence(seq, e->stream);
     if (status == OG_OK) cancel_step_of(e, seq);
+    if (status == OG_OK) {  // the slot's next sequence starts from the defaults
+        e->seq_sampling[slot] = default_sampling();
+        status = clear_counts(e, slot);
+    }
     return status;
 }
 

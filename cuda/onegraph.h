@@ -64,13 +64,15 @@ extern "C" {
 
 /* Bumped on any change to a struct layout or a function signature. The Python binding
  * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 6   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+#define OG_ABI_VERSION 7   /* 2: og_config.weights_dense / _experts / _lm_head appended;
                               3: og_config.kv_page_size / _pool_blocks / _max_sequences
                                  appended, og_step_record.seq_slot / row_block, sequences;
                               4: og_config.prefill_chunk appended, og_prefill;
                               5: og_set_output, og_next_token;
                               6: og_begin_chained_step, og_cancel_step, og_step_slot,
-                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX */
+                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX;
+                              7: og_step_record.sampling, OG_OUTPUT_SAMPLED(_LOGPROBS),
+                                 og_seq_set_sampling, og_top_logprobs */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -93,6 +95,8 @@ typedef int32_t og_status;
                                        og_check_guards, onegraph_testing.h)                     */
 #define OG_E_POOL_EXHAUSTED   -15  /* the KV block pool has too few free blocks, or every
                                        sequence slot is in use; nothing was changed            */
+#define OG_E_NONFINITE_LOGITS -16  /* a sampled step's logits held a NaN or +inf (or overflowed
+                                       to +inf over the temperature, or were all -inf)          */
 
 /* ---- element types ----------------------------------------------------------------- */
 #define OG_DTYPE_F32  0
@@ -193,6 +197,36 @@ typedef struct og_config {
  * the device (og_begin_chained_step). */
 #define OG_TOKEN_PREVIOUS_ARGMAX (-1)
 
+/* ---- sampling on the device (OG_OUTPUT_SAMPLED; ABI 7) --------------------------------
+ * The stage after the lm_head (cuda/sample.cu) is runtime/sampling.py's sample_step: penalties
+ * over the tokens the sequence generated (counts kept on the device), temperature, top-k, top-p,
+ * min-p, then an exponential race keyed by Philox4x32-10 (seed, the step's position, token id).
+ * A step with output OG_OUTPUT_SAMPLED counts its input token as generated (prompt tokens go in
+ * with another output or og_prefill). The parameters are per sequence (og_seq_set_sampling) and
+ * travel in the step record, so a captured graph serves any parameters. */
+#define OG_MAX_LOGPROBS 20
+
+typedef struct og_sampling_params {
+    uint64_t seed;
+    float temperature;              /* 0 = greedy (the argmax after the penalties)          */
+    int32_t top_k;                  /* 0 (or >= vocab) = off                                */
+    float top_p;                    /* (0, 1]; 1 = off                                      */
+    float min_p;                    /* [0, 1]; 0 = off                                      */
+    float repetition_penalty;       /* > 0; 1 = off                                         */
+    float presence_penalty;         /* 0 = off                                              */
+    float frequency_penalty;        /* 0 = off                                              */
+    int32_t logprobs;               /* top log-probabilities reported, 0..OG_MAX_LOGPROBS  */
+} og_sampling_params;
+
+typedef struct og_top_logprob {
+    int32_t token;
+    float logprob;
+} og_top_logprob;
+
+/* og_next_token's token after a failed sampled step (og_next_token then returns the error). */
+#define OG_TOKEN_NONFINITE (-2)     /* OG_E_NONFINITE_LOGITS                                 */
+#define OG_TOKEN_OVERFLOW  (-3)     /* more than 4096 ids at the filters' cut: OG_E_UNSUPPORTED */
+
 typedef struct og_step_record {
     int32_t token;                  /* or OG_TOKEN_PREVIOUS_ARGMAX                          */
     int32_t position;               /* row of the sequence this step writes; visible length
@@ -200,6 +234,7 @@ typedef struct og_step_record {
     int32_t seq_slot;               /* the sequence's row of the device block tables         */
     int32_t row_block;              /* the KV block that holds row `position`; the body also
                                        stores it into the sequence's block table             */
+    og_sampling_params sampling;    /* the sequence's (og_seq_set_sampling), ABI 7           */
 } og_step_record;
 
 /* The KV block pool, as og_get_kv_pool_info reports it. */
@@ -348,6 +383,8 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
 /* What the body's one device->host copy carries (og_set_output). */
 #define OG_OUTPUT_LOGITS     0  /* the logits [vocab_size] fp32 into og_logits() (default)      */
 #define OG_OUTPUT_NEXT_TOKEN 1  /* only their argmax, taken on the device: og_next_token()      */
+#define OG_OUTPUT_SAMPLED    2  /* the sampling stage's {token, log-probability}: og_next_token() */
+#define OG_OUTPUT_SAMPLED_LOGPROBS 3 /* the same plus the top log-probabilities (og_top_logprobs) */
 
 /* Choose the output of the steps enqueued from now on (og_enqueue, og_run, og_step; og_prefill
  * always gives logits). OG_OUTPUT_NEXT_TOKEN is greedy decoding without the logits copy: the
@@ -362,6 +399,18 @@ OG_API og_status og_set_output(og_engine *e, int32_t output);
  * logit (NaN when a logit was NaN: the token is then the first NaN's id). Before any such
  * step: token -1. logit may be NULL. */
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit);
+
+/* The sampling parameters of sequence `seq` from now on (the next og_begin_step copies them into
+ * the record; a graph never needs recapturing). Defaults: greedy, every filter off. Checked as
+ * runtime/sampling.py's SamplingParams: OG_E_INVALID_ARGUMENT naming the field. A new or freed
+ * sequence slot starts from the defaults; og_seq_fork copies the source's parameters. */
+OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params);
+
+/* The top log-probabilities of the last ended OG_OUTPUT_SAMPLED_LOGPROBS step (the kept ids in
+ * the final distribution's order, at most its params.logprobs): up to capacity into top, the
+ * number in *count. */
+OG_API og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity,
+                                 int32_t *count);
 
 /* The engine's own stream (a cudaStream_t), e.g. to capture on it. */
 OG_API og_status og_stream(og_engine *e, void **stream);

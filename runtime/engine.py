@@ -63,7 +63,7 @@ from .config import ModelConfig
 from .graph import GraphError
 from .kvpool import DevicePool
 from .quant import QuantizedMatrix, WeightScheme, quantize_stream
-from .sampling import SamplingParams, generate as _generate
+from .sampling import NonFiniteLogits, SamplingParams, generate as _generate
 
 log = logging.getLogger("onegraph")
 
@@ -290,8 +290,21 @@ class GpuSession:
         if self.output == "logits":
             return self.logits_view.copy()
         token, logit = ctypes.c_int32(), ctypes.c_float()
-        capi.check(self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit)), "og_next_token")
+        status = self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit))
+        if status == capi.OG_E_NONFINITE_LOGITS:   # a user-facing ValueError, as sample_step's
+            raise NonFiniteLogits(f"og_next_token: {capi.last_error()}")
+        capi.check(status, "og_next_token")
         return token.value, logit.value
+
+    def set_sampling(self, seq: int, params: SamplingParams, seed: int) -> None:
+        """og_seq_set_sampling: the sampling stage's parameters for library sequence `seq`
+        (its generated-token counts start over)."""
+        p = capi.OgSamplingParams(seed=int(seed), temperature=params.temperature, top_k=int(params.top_k),
+                                  top_p=params.top_p, min_p=params.min_p,
+                                  repetition_penalty=params.repetition_penalty,
+                                  presence_penalty=params.presence_penalty,
+                                  frequency_penalty=params.frequency_penalty, logprobs=int(params.logprobs))
+        capi.check(self.lib.og_seq_set_sampling(self.handle, int(seq), ctypes.byref(p)), "og_seq_set_sampling")
 
     @property
     def graph(self):
@@ -637,13 +650,38 @@ class Engine:
                 break
         return out
 
-    def _pipelined_greedy(self, token: int, n: int, stop: set, on_token, out: list) -> int | None:
+    def decode_sampled(self, token: int, max_steps: int, stop_token_ids: Iterable[int], on_token,
+                       params: SamplingParams, seed: int) -> list[int]:
+        """decode_greedy for sampled params on the GPU: each step ends in the device sampling
+        stage (sampling.sample_step, keyed by seed and the step's row), which counts each fed
+        token as generated; pipelined on the graph path. The counts start at zero here: `token`
+        is the first generated one (generate() samples it from the prompt's logits)."""
+        stop = {int(t) for t in stop_token_ids}
+        out: list[int] = []
+        self._gpu.set_sampling(self._seqs[self._current].lib_id, params, seed)
+        if max_steps > 0 and self.use_graph and self._graph_retry_in <= 0:
+            self._validate(token)
+            fits = min(max_steps, self.max_seq_len - len(self._history))
+            token = self._pipelined_greedy(int(token), fits, stop, on_token, out, output="sampled")
+            if token is None:
+                return out
+        while len(out) < max_steps:
+            token, _ = self._step(token, "sampled")
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop:
+                break
+        return out
+
+    def _pipelined_greedy(self, token: int, n: int, stop: set, on_token, out: list,
+                          output: str = "next_token") -> int | None:
         """Up to n steps from `token` with the next one always launched (decode_greedy). Appends
         the chosen tokens to `out`; returns None when done (n steps, or a stop token), else the
         token to feed next on the step-by-step path (a graph failure, or a chained step the
         library refused: that path then meets the same condition and handles it)."""
         gpu = self._gpu
-        gpu.set_output("next_token")
+        gpu.set_output(output)
         t0 = time.perf_counter()
         try:
             gpu.begin(token)  # validates and prechecks; on error nothing has changed
@@ -821,6 +859,7 @@ class Engine:
         return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
                          stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill,
                          greedy_step_fn=self.step_greedy, greedy_decode_fn=self.decode_greedy,
+                         sampled_decode_fn=self.decode_sampled if self._gpu is not None else None,
                          start_position=len(self._history))
 
     def _reserve(self, n_tokens: int) -> None:

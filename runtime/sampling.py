@@ -91,6 +91,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def filtered_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """The distribution a non-greedy sample() draws from.
@@ -151,11 +155,13 @@ def sample_step(logits: np.ndarray, params: SamplingParams, position: int,
         raise NonFiniteLogits(f"the logits of position {position} contain NaN or +inf "
                               f"(first at id {int(np.flatnonzero(bad)[0])})")
     l = _penalized(logits, params, counts)
-    if params.greedy:
-        return SampleResult(int(np.argmax(l)), 0.0, ())
     with np.errstate(over="ignore"):
-        z = (l / np.float32(params.temperature)).astype(np.float32)
-    if (z == np.inf).any() or not (z.max() > -np.inf):
+        z = l if params.greedy else (l / np.float32(params.temperature)).astype(np.float32)
+    if (z == np.inf).any():
+        raise NonFiniteLogits(f"the penalized logits at position {position} overflow to +inf")
+    if params.greedy:
+        return SampleResult(int(np.argmax(z)), 0.0, ())
+    if not (z.max() > -np.inf):
         raise NonFiniteLogits(f"logits / temperature ({params.temperature}) at position {position} overflow "
                               "to +inf, or every logit is -inf")
     d = (z - z.max()).astype(np.float32)
@@ -253,7 +259,8 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
     if max_new_tokens == 0:
         return new_tokens
     position = start_position + len(prompt) - 1       # the row whose logits are sampled
-    counts = None if params.greedy else np.zeros(np.asarray(logits).size, np.int32)
+    counts = np.zeros(np.asarray(logits).size, np.int32)
+    plain_greedy = params.greedy and not params.penalized and not params.logprobs   # the argmax path
     token = sample_step(logits, params, position, counts, seed).token
     while True:
         new_tokens.append(token)
@@ -262,15 +269,14 @@ def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], ma
         if token in stop or len(new_tokens) == max_new_tokens:
             return new_tokens
         rest = max_new_tokens - len(new_tokens)
-        if params.greedy and greedy_decode_fn is not None:
+        if plain_greedy and greedy_decode_fn is not None:
             return new_tokens + list(greedy_decode_fn(token, rest, stop, on_token))
-        if not params.greedy and sampled_decode_fn is not None:
+        if not plain_greedy and sampled_decode_fn is not None:
             return new_tokens + list(sampled_decode_fn(token, rest, stop, on_token, params, seed))
         position += 1
-        if params.greedy and greedy_step_fn is not None:
+        if plain_greedy and greedy_step_fn is not None:
             token = int(greedy_step_fn(token))
         else:
             logits = step_fn(token)
-            if counts is not None:
-                counts[token] += 1
+            counts[token] += 1
             token = sample_step(logits, params, position, counts, seed).token

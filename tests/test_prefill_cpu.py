@@ -20,11 +20,21 @@ from test_reliability_cpu import PROMPT, _FakeSession, tiny  # noqa: F401  (tiny
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_abi_6_in_header_binding_and_rust():
+def test_abi_7_in_header_binding_and_rust():
     header = (ROOT / "cuda" / "onegraph.h").read_text()
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
-    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 6
-    assert re.search(r"pub const OG_ABI_VERSION: i32 = 6;", rust)
+    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 7
+    assert re.search(r"pub const OG_ABI_VERSION: i32 = 7;", rust)
+    # ABI 7: og_step_record ends with og_sampling_params, whose fields agree in all three
+    params_c = header[header.index("typedef struct og_sampling_params {"):header.index("} og_sampling_params;")]
+    params_rs = rust[rust.index("pub struct og_sampling_params {"):]
+    params_rs = params_rs[:params_rs.index("}")]
+    names = [n for n, _ in capi.OgSamplingParams._fields_]
+    assert re.findall(r"(?:u?int\d+_t|float)\s+(\w+);", params_c) == names == re.findall(r"pub (\w+):", params_rs)
+    assert capi.OgStepRecord._fields_[-1] == ("sampling", capi.OgSamplingParams)
+    assert ctypes.sizeof(capi.OgStepRecord) == 56
+    for name in ("og_seq_set_sampling", "og_top_logprobs"):
+        assert f"OG_API og_status {name}(og_engine *e" in header
     assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
     assert "pub fn og_prefill(" in rust
     for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):  # ABI 6

@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 6;
+pub const OG_ABI_VERSION: i32 = 7;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -70,11 +70,26 @@ pub struct og_config {
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
+pub struct og_sampling_params {
+    pub seed: u64,
+    pub temperature: f32,
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logprobs: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
 pub struct og_step_record {
     pub token: i32,
     pub position: i32,
     pub seq_slot: i32,
     pub row_block: i32,
+    pub sampling: og_sampling_params,
 }
 
 #[repr(C)]
