@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
 """Build libonegraph.so from cuda/*.cu with nvcc (no CMake, no torch).
 
-    python build.py [--arch sm_90|native|...] [--debug] [--trace] [--out DIR] [--force] [--verbose]
+    python build.py [--arch sm_90|native|...] [--testing] [--debug] [--trace] [--out DIR] [--force] [--verbose]
 
-Importable: ``build_library(out_dir=None, arch=None, debug=False) -> str | None`` returns
-the path of the library, or None when nvcc is not installed (the Python package then
+Two libraries come from the same sources:
+  libonegraph.so          the product: the public ABI of cuda/onegraph.h only. cuda/*testing*.cu
+                          are left out and the OG_TESTING parts of the other files compile away.
+  libonegraph_testing.so  (``--testing``) every file compiled with -DOG_TESTING: the product plus
+                          the og_test_* entry points of cuda/onegraph_testing.h, the body's omit
+                          switches, fault injection and (with ``--trace``) the trace hooks. The
+                          tests and the diagnostic scripts load this one.
+
+Importable: ``build_library(out_dir=None, arch=None, debug=False, testing=False) -> str | None``
+returns the path of the library, or None when nvcc is not installed (the Python package then
 falls back to the CPU path). A failed compile raises BuildError with nvcc's output.
 
 Target GPU architecture, first match wins: the ``arch`` argument; ``$ONEGRAPH_CUDA_ARCH``;
 the compute capability nvidia-smi reports for GPU 0; sm_90 (H100/H200). Machine code for
 that architecture is embedded together with its PTX, so newer GPUs can JIT it.
 ``--debug`` (or ``$ONEGRAPH_DEBUG=1``) builds with ``-G -lineinfo`` for compute-sanitizer;
-``--trace`` adds per-block timestamps to the q4 GEMV and the attention kernel (``scripts/q4_trace.py``).
+``--trace`` (implies ``--testing``) adds per-block timestamps to the q4 GEMV and the attention
+kernel (``scripts/q4_trace.py``).
 Never ``--use_fast_math``: the numerics contract relies on IEEE division and sqrt.
 
 The .cu files (nvcc) and .c files (the host C compiler) compile in parallel and link into one shared library with the CUDA runtime
@@ -32,6 +41,7 @@ ROOT = Path(__file__).resolve().parent
 CUDA_DIR = ROOT / "cuda"
 DEFAULT_OUT = ROOT / "runtime" / "_lib"
 LIB_NAME = "libonegraph.so"
+TESTING_LIB_NAME = "libonegraph_testing.so"
 DEFAULT_ARCH = "sm_90"
 
 
@@ -104,10 +114,12 @@ def gencode_flags(arch: str) -> list[str]:
             "-gencode", f"arch=compute_{number},code=compute_{number}"]
 
 
-def compile_flags(arch: str, debug: bool, trace: bool = False) -> list[str]:
+def compile_flags(arch: str, debug: bool, trace: bool = False, testing: bool = False) -> list[str]:
     flags = ["-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
              "-I", str(CUDA_DIR)]
     flags += ["-G", "-lineinfo", "-O0"] if debug else ["-O3", "-lineinfo"]
+    if testing or trace:
+        flags += ["-DOG_TESTING"]
     if trace:
         flags += ["-DOG_Q4_TRACE"]
     if os.environ.get("ONEGRAPH_PTXAS_VERBOSE") == "1":
@@ -115,9 +127,16 @@ def compile_flags(arch: str, debug: bool, trace: bool = False) -> list[str]:
     return flags + gencode_flags(arch)
 
 
-def sources() -> list[Path]:
-    """cuda/*.cu (nvcc) and cuda/*.c (plain C parts such as the packed-file parser)."""
-    return sorted(CUDA_DIR.glob("*.cu")) + sorted(CUDA_DIR.glob("*.c"))
+def is_testing_source(src: Path) -> bool:
+    """The files that hold only test entry points (testing.cu, moe_testing.cu, ...)."""
+    return "testing" in src.stem
+
+
+def sources(testing: bool = False) -> list[Path]:
+    """cuda/*.cu (nvcc) and cuda/*.c (plain C parts such as the packed-file parser); the
+    testing files only in the testing library."""
+    found = sorted(CUDA_DIR.glob("*.cu")) + sorted(CUDA_DIR.glob("*.c"))
+    return [src for src in found if testing or not is_testing_source(src)]
 
 
 def find_host_cc() -> str | None:
@@ -127,17 +146,18 @@ def find_host_cc() -> str | None:
     return None
 
 
-def c_flags(debug: bool) -> list[str]:
+def c_flags(debug: bool, testing: bool = False) -> list[str]:
     flags = ["-std=c11", "-fPIC", "-fvisibility=hidden", "-Wall", "-I", str(CUDA_DIR)]
+    flags += ["-DOG_TESTING"] if testing else []
     return flags + (["-g", "-O0"] if debug else ["-O2", "-g"])
 
 
 def compile_command(nvcc: str, cc: str | None, src: Path, obj: Path, flags: list[str],
-                    debug: bool) -> list[str]:
+                    debug: bool, testing: bool = False) -> list[str]:
     if src.suffix == ".c":
         if cc is None:
             raise BuildError(f"{src.name}: no C compiler found (cc, gcc or clang; or set CC)")
-        return [cc, "-c", str(src), "-o", str(obj)] + c_flags(debug)
+        return [cc, "-c", str(src), "-o", str(obj)] + c_flags(debug, testing)
     return [nvcc, "-c", str(src), "-o", str(obj)] + flags
 
 
@@ -167,10 +187,11 @@ def _run(cmd: list[str], verbose: bool) -> str:
 
 def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = None,
                   debug: bool = False, *, force: bool = False, verbose: bool = False,
-                  jobs: int | None = None, trace: bool = False) -> str | None:
-    """Compile cuda/*.cu into out_dir/libonegraph.so; return its path, or None without nvcc.
-    trace: the diagnostic build with per-block timestamps in the q4 GEMV and the attention kernel
-    (scripts/q4_trace.py)."""
+                  jobs: int | None = None, trace: bool = False, testing: bool = False) -> str | None:
+    """Compile cuda/*.cu into out_dir/libonegraph.so (testing: libonegraph_testing.so, with
+    -DOG_TESTING and the testing files); return its path, or None without nvcc.
+    trace: the diagnostic testing build with per-block timestamps in the q4 GEMV and the
+    attention kernel (scripts/q4_trace.py)."""
     nvcc = find_nvcc()
     if nvcc is None:
         print("onegraph: nvcc not found (install the CUDA toolkit or set CUDA_HOME); "
@@ -181,19 +202,22 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
     arch = resolve_arch(arch)
     out = Path(out_dir) if out_dir is not None else DEFAULT_OUT
     out.mkdir(parents=True, exist_ok=True)
-    lib = out / LIB_NAME
-    stamp = out / (LIB_NAME + ".flags")
-    flags = compile_flags(arch, debug, trace)
-    srcs = sources()
+    testing = testing or trace
+    name = TESTING_LIB_NAME if testing else LIB_NAME
+    lib = out / name
+    stamp = out / (name + ".flags")
+    flags = compile_flags(arch, debug, trace, testing)
+    srcs = sources(testing)
     cc = find_host_cc() if any(src.suffix == ".c" for src in srcs) else None
-    flags_text = " ".join([nvcc] + flags + [str(cc)] + c_flags(debug) + [s.name for s in srcs])
+    flags_text = " ".join([nvcc] + flags + [str(cc)] + c_flags(debug, testing) + [s.name for s in srcs])
     if not force and _up_to_date(lib, stamp, flags_text):
         return str(lib)
 
-    obj_dir = out / ("obj-debug" if debug else "obj-trace" if trace else "obj")
+    obj_dir = out / ("obj" + ("-debug" if debug else "") + ("-trace" if trace else "-testing" if testing else ""))
     obj_dir.mkdir(parents=True, exist_ok=True)
     objects = [obj_dir / (src.name + ".o") for src in srcs]
-    commands = [compile_command(nvcc, cc, src, obj, flags, debug) for src, obj in zip(srcs, objects)]
+    commands = [compile_command(nvcc, cc, src, obj, flags, debug, testing)
+                for src, obj in zip(srcs, objects)]
     workers = jobs or max(1, min(len(srcs), os.cpu_count() or 1))
     if verbose:
         print(f"onegraph: compiling {len(srcs)} files for {arch}"
@@ -211,7 +235,7 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
     if errors:
         raise BuildError("\n\n".join(errors))
 
-    tmp = out / (LIB_NAME + f".tmp{os.getpid()}")
+    tmp = out / (name + f".tmp{os.getpid()}")
     link = [nvcc, "-shared", "-cudart", "static", "-o", str(tmp)] + [str(o) for o in objects] + \
         gencode_flags(arch)
     try:
@@ -225,12 +249,14 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build libonegraph.so with nvcc.")
+    parser = argparse.ArgumentParser(description="Build libonegraph.so (or libonegraph_testing.so) with nvcc.")
     parser.add_argument("--arch", help="sm_90, 90, 9.0, native, ... (default: the GPU's own, else sm_90)")
+    parser.add_argument("--testing", action="store_true",
+                        help="build libonegraph_testing.so (-DOG_TESTING: the og_test_* entry points and hooks)")
     parser.add_argument("--debug", action="store_true", help="-G -lineinfo, for compute-sanitizer")
     parser.add_argument("--trace", action="store_true",
-                        help="-DOG_Q4_TRACE: per-block timestamps in the q4 GEMV and attention (scripts/q4_trace.py); "
-                             "use with --out")
+                        help="-DOG_Q4_TRACE (implies --testing): per-block timestamps in the q4 GEMV and attention "
+                             "(scripts/q4_trace.py); use with --out")
     parser.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     parser.add_argument("--verbose", "-v", action="store_true", help="print the nvcc commands")
@@ -238,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         lib = build_library(args.out, args.arch, args.debug, force=args.force,
-                            verbose=args.verbose, jobs=args.jobs, trace=args.trace)
+                            verbose=args.verbose, jobs=args.jobs, trace=args.trace,
+                            testing=args.testing)
     except (BuildError, ValueError) as e:
         print(f"onegraph: build failed: {e}", file=sys.stderr)
         return 1

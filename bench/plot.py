@@ -1,4 +1,4 @@
-"""The benchmark chart from an `onegraph bench` JSON document (runtime/bench.py, schema 1).
+"""The benchmark chart from an `onegraph bench` JSON document (bench/benchmark.py).
 
 Left: tok/s per model, one bar per runtime (onegraph graph / non-graph per KV format, page
 and weight format; the peers), a linear axis from zero, with each bar's own bandwidth floor
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-MODE_STYLE = {"onegraph-graph": "-", "onegraph-nongraph": "--", "onegraph-cpu": "-."}
+MODE_STYLE = {"onegraph-graph": "-", "onegraph-graph-pipelined": ":", "onegraph-nongraph": "--",
+              "onegraph-cpu": "-."}
 
 
 def plot(doc: dict, path: str) -> None:

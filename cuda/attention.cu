@@ -891,9 +891,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // than the wide group has blocks, its blocks beyond the chunks sit idle while each busy one
     // folds its rows for HG heads one after another; the narrower group puts those heads on
     // blocks of their own, and no block ever takes a second chunk. Longer caches keep the
-    // widest group, which reads each K/V row the fewest times. (8B q4 at context 64: 1.776 ms
-    // a step with head group 1 against 1.853 with 4; at 2048 rows over 4 blocks a group, head
-    // group 1 was 0.11 ms slower, bench/PERF_NOTES.md.)
+    // widest group, which reads each K/V row the fewest times.
     if (chosen_split && head_dim == 128) {
         for (int hg = head_group / 2; hg >= 1; hg /= 2) {
             int narrow_wave = 0;

@@ -1,6 +1,6 @@
 // common.cuh — shared pieces of the onegraph CUDA library: size helpers, bf16 unpacking,
 // deterministic warp/block reductions, programmatic-dependent-launch (PDL) hooks, a launch
-// helper, and the host-side error reporting used by engine.cu and testing.cu.
+// helper, and the host-side error reporting used by every file (errors.cu defines it).
 //
 // Conventions of the library:
 //   - Weight matrices are bf16, row-major [rows, ld] with ld = round_up(cols, 8): every row
@@ -152,7 +152,7 @@ cudaError_t allow_dynamic_smem(const void *kernel, size_t smem_bytes);
 // Number of multiprocessors of the current device.
 cudaError_t current_sm_count(int *sm_count);
 
-// ---- host-side error reporting (engine.cu) -------------------------------------------
+// ---- host-side error reporting (errors.cu) -------------------------------------------
 // Record a printf-style message as this thread's og_last_error() and return status.
 og_status set_error(og_status status, const char *fmt, ...)
 #if defined(__GNUC__)

@@ -15,14 +15,13 @@
 // U = 4, 8 or 12 chunks of each in flight per step (chosen from the row length, so a row of
 // up to 3072 columns is one step), accumulates in fp32 in chunk order and the warp reduces
 // with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
-// tasks, so each block stages x once. (Pulling a warp's next task's rows into L2 ahead was
-// tried: 8B 198 -> 186 tok/s, lm_head 76 -> 85 µs: the rows in flight exceed L2 and get evicted
-// before use.) The weights do not depend on earlier kernels, so before
+// tasks, so each block stages x once. No L2 prefetch of a warp's next task's rows: the rows in
+// flight would exceed L2 and be evicted before use. The weights do not depend on earlier
+// kernels, so before
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
 // registers, and norm modes stage the norm weights: after the wait, only x's staging (and its
-// norm) stands before the arithmetic. (Pulling the rest of those rows into L2 there too cost
-// time: without it the 8B bf16 step went from 4.81 to 4.48 ms; L2 prefetches compete with the
-// loads the running kernels wait for.)
+// norm) stands before the arithmetic. The rest of those rows is not prefetched into L2 there:
+// L2 prefetches compete with the loads the running kernels wait for.
 #include <atomic>
 
 #include "kernels.cuh"
@@ -414,16 +413,13 @@ __device__ __forceinline__ int quant_task_row(const QuantGemvParams &p, int task
 // copies and later reads only its own slots (cp.async.wait_group makes a thread's own copies
 // visible to it), so the ring needs no barrier:
 //   ring_w [kQuantStages][2 (rows g, g + 8)][threads] uint4: chunk c = 4 kb + t of each row
-// (A 9-deep ring for the 8B shape's 4096-column inputs, same blocks per SM, measured slower:
-// step q4 2.63 vs 2.56 ms, int8 3.07 vs 2.99.)
 constexpr int kQuantStages = 6;
 // Wide blocks: 16 warps split a task's k-blocks 16 ways, one block per SM, so a large staged
 // input (12288 columns: 48 KB) is held once per SM and the rest of shared memory is ring:
 // 16 warps x 7 k-blocks in flight against 2 blocks x 8 warps x 5 with the default. gemv_plan
 // takes it where the default fits only two blocks per SM and a wide warp still gets
-// kQuantWideMinKBlocks k-blocks of each task: the 8B down projection (int8 21.2 -> 17.9 us per
-// layer in the graph, q4 14.3 -> 14.0); q4 4096-column inputs (2 k-blocks a warp) measured
-// slower wide (step 2.70 vs 2.50 ms), int8 ones too (3.05 vs 3.02, three blocks per SM).
+// kQuantWideMinKBlocks k-blocks of each task (a long input such as a down projection's); with
+// fewer k-blocks a warp (4096-column inputs: 2), the wide block's split costs more than it saves.
 constexpr int kQuantWideWarps = 16;
 constexpr int kQuantWideStages = 8;
 constexpr int kQuantWideMinKBlocks = 4;
@@ -443,8 +439,7 @@ __host__ __device__ constexpr int int8_ring_bytes(int stages = kQuantStages, int
 
 // At most 80 registers (not __launch_bounds__, which cannot be combined with it): three int8
 // blocks of 8 warps per SM still fit (768 x 80 <= 64K); left to itself ptxas stopped the q4
-// kernels at 64 and spilled the staging registers (8B step with __launch_bounds__ instead:
-// int8 2.61 vs 2.57 ms, q4 2.46 vs 2.35).
+// kernels at 64 and spilled the staging registers.
 template <int MODE, int WARPS, int S>
 __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
@@ -495,9 +490,9 @@ __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
 
     // The weights do not depend on earlier kernels (the experts' do: which rows is the top-k
     // kernel's output): the ring's first S - 1 k-blocks go out before waiting on the previous
-    // kernel, so they arrive while it finishes and while x is staged below. (Pulling the rest of
-    // the block's first task's rows into L2 as well measured slower: 8B int8 step 2.86 -> 2.77 ms
-    // without it, q4 unchanged.)
+    // kernel, so they arrive while it finishes and while x is staged below. The rest of the
+    // block's first task's rows is not pulled into L2 as well: those prefetches compete with
+    // the previous kernel's loads.
     if (MODE != kQuantMoeGateUp) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s) issue();
@@ -506,7 +501,7 @@ __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
     // fits kStageFloat4s float4s (4096 columns; 12288 at 16 warps without a norm) the first
     // pass keeps it in registers for the second, and the norm weights (weights: they do not
     // depend on earlier kernels) are loaded before the wait: one round trip to L2 after the
-    // wait instead of two (8B step: int8 2.72 -> 2.57 ms, q4 2.52 -> 2.35). This thread's float4 k
+    // wait instead of two. This thread's float4 k
     // is part k % (V / 4) of word tid + (k / (V / 4)) * threads.
     const bool norm = mode_has_norm(MODE);
     const bool write_normed = norm && p.normed_out != nullptr && blockIdx.x == 0;

@@ -8,7 +8,7 @@
 // instruction slots per weight than a bf16 one.
 // Dequantizing to fp16 for the tensor cores costs 9 instructions per 8 weights before the mma
 // (gemv.cu's int8 kernel still does that: int8 has twice the bytes per weight), which left the
-// q4 GEMVs bound by instruction issue (8B q4 step 2.37 ms, bench/PERF_NOTES.md). Here 8
+// q4 GEMVs bound by instruction issue. Here 8
 // weights cost 2 LOP3 + 2 dp4a, with no conversion at all.
 //
 // Numerics (the reference's gemv on a q4 matrix does the same, runtime/reference.py): the input
@@ -45,9 +45,8 @@
 // the chunk after next as soon as it has been folded in, across task boundaries: the warp
 // always has one to two chunks in flight and never stops to wait for a whole round of loads.
 // (Loading a task's U groups, folding them, and only then loading the next task left DRAM idle
-// between rounds, in lockstep over the GPU: the 8B q4 step 2.03 -> 1.80 ms with this pipeline,
-// bench/PERF_NOTES.md.) The weights do not depend on earlier kernels, so both slots are filled
-// before the PDL wait (not for the MoE gate/up: the top-k kernel picks its experts' rows).
+// between rounds, in lockstep over the GPU.) The weights do not depend on earlier kernels, so
+// both slots are filled before the PDL wait (not for the MoE gate/up: the top-k kernel picks its experts' rows).
 #include "kernels.cuh"
 #include "quant.cuh"
 #include "trace.cuh"
@@ -315,9 +314,8 @@ __device__ __forceinline__ void load_slot(Q4Slot &s, const Q4Params &p, int task
     }
 }
 // A settled residual (GemvArgs::residual_settled): lane 0 reads the y of the warp's first task
-// before the PDL wait, so that the task's end does not wait on an L2 round trip (8B q4 step
-// -37 µs at context 64, -76 µs at 496: bench/PERF_NOTES.md). Returns that task, or -1 (no
-// read: another mode, another lane, no task).
+// before the PDL wait, so that the task's end does not wait on an L2 round trip. Returns that
+// task, or -1 (no read: another mode, another lane, no task).
 template <int MODE>
 __device__ __forceinline__ int read_settled(const Q4Params &p, int task, int lane, float2 &settled) {
     settled = make_float2(0.f, 0.f);
@@ -478,10 +476,8 @@ done:
 // before the PDL wait (as many bytes as the register kernel preloads), the other two right
 // after the input's loads (queued behind them), then each slot again as soon as the warp has
 // folded it. The planner gives this stream to the dense FFN's gate/up and down projections
-// (GemvPlan::stream), the long streams of a layer: 8B q4 step -68 to -79 µs at context 64 in
-// five engines, -22 to -48 at 496 (bench/PERF_NOTES.md). Every other ring tried (2, 3, 6 or 8
-// slots; 32- or 128-group slots; 8-warp blocks; more or fewer slots before the wait; the rest
-// after the staging) and the QKV, O and lm_head projections on this stream were slower.
+// (GemvPlan::stream), the long streams of a layer; the QKV, O and lm_head projections are
+// shorter than the ring needs to pay for its copies, and keep the register slots.
 // Slot layout (bytes): row r0's 64 groups of weights [0, 1024), r1's [1024, 2048), r0's 64
 // e5m3 scales [2048, 2112), r1's [2112, 2176). A last chunk of n < 64 groups fills the first n
 // of each. Copies need 16-byte sizes and addresses: groups % 16 == 0 (q4_bulk_fits).
@@ -772,10 +768,8 @@ int q4_groups(int cols) { return ceil_div(cols, kQ4Group); }
 // still give at least half the SMs a block, so that each SM stages the input once (a 16-warp
 // block stages 12288 columns in one round trip to L2, an 8-warp block in two) and the task
 // stride spreads rows over the SMs; the grid is at most what is resident at once. (With the
-// pipeline a warp's rounds no longer cost a load round trip each, so more, smaller blocks for
-// fewer rounds lost: on the 8B q4 step, 16-warp blocks everywhere 1.840 ms against 1.917 with
-// the fewest-rounds choice of 4- and 8-warp blocks; the O and down projections' 2048 tasks on
-// 128 blocks of 16 warps rather than 256 of 8: 1.79-1.82 against 1.85-1.86, bench/PERF_NOTES.md.)
+// pipeline a warp's rounds do not cost a load round trip each, so staging the input once per SM
+// matters more than losing fewer rounds to a smaller block.)
 cudaError_t q4_plan_tasks(int mode, int tasks, int cols, bool bulk_stream, GemvPlan *plan) {
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));

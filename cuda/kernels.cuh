@@ -4,8 +4,9 @@
 //   gemv.cu       GEMV over bf16, int8 or q4 weights (quant.cuh), optionally with the
 //                 RMSNorm of its input fused in front, a residual add, or the gate/up SwiGLU
 //                 pair fused behind
-//   rope_kv.cu    per-head QK-norm + RoPE + K/V quantization into the cache row, standalone
-//                 (the body runs the same per-head code, rope_kv.cuh, inside attention.cu)
+//   rope_kv.cu    the RoPE frequency table; rope_kv_testing.cu (testing library) the per-head
+//                 QK-norm + RoPE + K/V write as a standalone kernel (the body runs the same
+//                 per-head code, rope_kv.cuh, inside attention.cu)
 //   attention.cu  decode attention over the paged cache on a fixed grid (chunks spread over
 //                 blocks, partials combined by each KV head's last finishing block); in the
 //                 body with QK-norm + RoPE + the new K/V row's write fused in front
@@ -56,7 +57,7 @@ struct GemvArgs {
     float eps;                    // RMSNorm epsilon (norm modes)
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
-    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] bf16
+    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] e5m3 bytes
     int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
     // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
     // kernel may read y before its PDL wait. Why that is safe: every kernel of the body
@@ -144,7 +145,7 @@ struct KvSegment {
     int64_t page_bytes;
 };
 
-// ---- rope_kv.cu ---------------------------------------------------------------------
+// ---- rope_kv.cu, rope_kv_testing.cu ---------------------------------------------------
 // inv_freq[i] = float(1 / theta^(2i / head_dim)) / float(linear_factor): the power in
 // float64, the division by the 'linear' rope_scaling factor in fp32 (as the reference).
 void rope_inv_freq(int head_dim, double theta, double linear_factor, float *inv_freq);
@@ -164,9 +165,11 @@ struct RopeKvArgs {
 // One warp per query head and per KV head. Query heads: QK-norm, RoPE, in place. KV heads:
 // QK-norm + RoPE of k, then k and v (v as is) stored at row `position` of block
 // step->row_block (nothing is stored when the position or the block is out of range). The
-// decode body does not launch it (its attention kernel runs the same steps); it serves the
-// kernel tests and any caller that writes rows without attending.
+// decode body does not launch it (its attention kernel runs the same steps): it is the
+// reference the kernel tests hold the fused prologue against, in the testing library only.
+#ifdef OG_TESTING
 cudaError_t launch_qk_norm_rope_kv(const RopeKvArgs &args, cudaStream_t stream, bool pdl);
+#endif
 
 // ---- attention.cu -------------------------------------------------------------------
 struct AttentionPlan {

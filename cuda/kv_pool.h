@@ -1,6 +1,6 @@
 // kv_pool.h — the paged KV cache, host side: the layout of a packed block, the block
 // allocator (free list and reference counts), and the sequences (block tables, lengths,
-// forks that share blocks). engine.cu owns one KvPool; the body reads the pool through
+// forks that share blocks). og_engine (engine.cuh) owns one KvPool; the body reads the pool through
 // KvPages (kernels.cuh).
 //
 // Layout. The pool is n_blocks blocks of block_stride bytes. A block packs, per layer l:

@@ -23,6 +23,9 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+constexpr int kMaxExperts = 512;   // launch_moe_topk: one warp, up to 16 logits per lane
+constexpr int kMaxTopK = 32;       // one selected expert per lane of a warp
+
 // Softmax over all E router logits (fp32, max subtracted), then the top_k largest
 // probabilities in descending order; ties go to the lower expert index. When
 // norm_topk_prob, the selected weights are divided by their sum. One small block.

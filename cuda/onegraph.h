@@ -22,6 +22,15 @@
  *     OG_E_INVALID_HANDLE; it never crashes. (A freed address may be handed out again by a
  *     later og_init; until then it is refused.)
  *   - The library never prints and never exits the process.
+ *   - Ownership. Pointers the caller passes in are borrowed for the call only: the library
+ *     copies what it keeps (og_init copies the config and its layer_is_moe array; og_set_weight
+ *     and og_prefill read their arrays before returning) and writes outputs before returning.
+ *     Pointers the library hands out are owned by the library and never freed by the caller:
+ *     the engine (og_init) until og_free; og_logits(), og_step_record_ptr() and og_step()'s
+ *     *logits point into the engine's pinned buffers, valid until og_free (their contents
+ *     change with every step); og_stream()'s stream until og_free; og_last_error()'s string
+ *     until the calling thread's next library call; og_status_string()'s for the process.
+ *     The packed-file calls borrow the path string for the call only.
  *
  * Typical use (non-graph path, from C):
  *   og_config cfg; og_config_default(&cfg); ... fill from config.json ...
@@ -62,17 +71,26 @@ extern "C" {
 #define OG_API __attribute__((visibility("default")))
 #endif
 
-/* Bumped on any change to a struct layout or a function signature. The Python binding
- * refuses a library whose og_abi_version() differs from the number it was written for. */
-#define OG_ABI_VERSION 7   /* 2: og_config.weights_dense / _experts / _lm_head appended;
+/* The ABI's version, major.minor. The major number is bumped on any change that breaks a
+ * caller (a struct layout, a function signature, a meaning); the minor number on an addition
+ * (a new function or constant), reset to 0 with each major bump. A caller written for
+ * major.minor works with a library of the same major number and a minor number at least its
+ * own (og_abi_version_numbers); the Python binding checks exactly that. */
+#define OG_ABI_VERSION_MAJOR 6
+#define OG_ABI_VERSION_MINOR 3  /* 1: og_abi_version_numbers, og_status_string;
+                                   2: og_begin_step_seq, og_prefill_seq;
+                                   3: OG_OUTPUT_SAMPLED(_LOGPROBS), og_sampling_params,
+                                      og_seq_set_sampling, og_top_logprobs,
+                                      OG_E_NONFINITE_LOGITS */
+/* The major number alone (og_config.abi_version, og_abi_version()). */
+#define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
+                           /* major 2: og_config.weights_dense / _experts / _lm_head appended;
                               3: og_config.kv_page_size / _pool_blocks / _max_sequences
                                  appended, og_step_record.seq_slot / row_block, sequences;
                               4: og_config.prefill_chunk appended, og_prefill;
                               5: og_set_output, og_next_token;
                               6: og_begin_chained_step, og_cancel_step, og_step_slot,
-                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX;
-                              7: og_step_record.sampling, OG_OUTPUT_SAMPLED(_LOGPROBS),
-                                 og_seq_set_sampling, og_top_logprobs */
+                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -197,13 +215,14 @@ typedef struct og_config {
  * the device (og_begin_chained_step). */
 #define OG_TOKEN_PREVIOUS_ARGMAX (-1)
 
-/* ---- sampling on the device (OG_OUTPUT_SAMPLED; ABI 7) --------------------------------
+/* ---- sampling on the device (OG_OUTPUT_SAMPLED; ABI 6.3) ------------------------------
  * The stage after the lm_head (cuda/sample.cu) is runtime/sampling.py's sample_step: penalties
  * over the tokens the sequence generated (counts kept on the device), temperature, top-k, top-p,
  * min-p, then an exponential race keyed by Philox4x32-10 (seed, the step's position, token id).
  * A step with output OG_OUTPUT_SAMPLED counts its input token as generated (prompt tokens go in
- * with another output or og_prefill). The parameters are per sequence (og_seq_set_sampling) and
- * travel in the step record, so a captured graph serves any parameters. */
+ * with another output or og_prefill). The parameters are per sequence (og_seq_set_sampling), kept
+ * on the device per sequence slot and read through the step record's seq_slot, so a captured
+ * graph serves any parameters, and the step record's layout is unchanged. */
 #define OG_MAX_LOGPROBS 20
 
 typedef struct og_sampling_params {
@@ -234,7 +253,6 @@ typedef struct og_step_record {
     int32_t seq_slot;               /* the sequence's row of the device block tables         */
     int32_t row_block;              /* the KV block that holds row `position`; the body also
                                        stores it into the sequence's block table             */
-    og_sampling_params sampling;    /* the sequence's (og_seq_set_sampling), ABI 7           */
 } og_step_record;
 
 /* The KV block pool, as og_get_kv_pool_info reports it. */
@@ -265,8 +283,17 @@ typedef struct og_engine og_engine;
 
 /* ---- functions ---------------------------------------------------------------------- */
 
-/* OG_ABI_VERSION of the compiled library (returns the number, not a status). */
+/* OG_ABI_VERSION (the major number) of the compiled library (returns the number, not a status). */
 OG_API int32_t og_abi_version(void);
+
+/* *major = OG_ABI_VERSION_MAJOR, *minor = OG_ABI_VERSION_MINOR of the compiled library (either
+ * pointer may be NULL). Added in 6.1: a caller that needs it checks og_abi_version() first. */
+OG_API void og_abi_version_numbers(int32_t *major, int32_t *minor);
+
+/* The name of a status code ("OG_OK", "OG_E_CUDA", ...; "unknown og_status" for any other
+ * value). A static string owned by the library: never NULL, never freed, valid for the life of
+ * the process. og_last_error() says what went wrong; this says which code it was. */
+OG_API const char *og_status_string(og_status status);
 
 /* Message of the last failed call on this thread ("" if none). Valid until the next
  * call on this thread. Never NULL. */
@@ -299,12 +326,16 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
  * OG_E_MISSING_WEIGHT naming the first missing tensor and the count missing. */
 OG_API og_status og_precheck(og_engine *e);
 
-/* Prepare a step of the selected sequence: check the token range, the row (position <
- * max_seq_len, else OG_E_CONTEXT_FULL) and the precheck; make the row's block writable
- * (og_seq_reserve of one row: OG_E_POOL_EXHAUSTED without a free block); then write {token,
- * position, seq_slot, row_block} into the pinned step record of slot 0. On error nothing
- * changes. OG_E_BAD_STATE when no sequence is selected. Steps begun and not ended are
- * dropped (the caller has waited for any it launched). */
+/* Prepare a step of sequence seq (og_seq_create; OG_E_INVALID_ARGUMENT for an id that is not
+ * live): check the token range, the row (position < max_seq_len, else OG_E_CONTEXT_FULL) and
+ * the precheck; make the row's block writable (og_seq_reserve of one row:
+ * OG_E_POOL_EXHAUSTED without a free block); then write {token, position, seq_slot,
+ * row_block} into the pinned step record of slot 0. On error nothing changes. Steps begun and
+ * not ended are dropped (the caller has waited for any it launched). The selection
+ * (og_seq_select) is neither read nor changed. */
+OG_API og_status og_begin_step_seq(og_engine *e, int32_t seq, int32_t token);
+
+/* og_begin_step_seq on the selected sequence; OG_E_BAD_STATE when none is selected. */
 OG_API og_status og_begin_step(og_engine *e, int32_t token);
 
 /* Pipelined greedy decoding: begin the step after the one in flight, without its token. The
@@ -346,7 +377,8 @@ OG_API og_status og_end_step(og_engine *e);
  * the pinned logits [vocab_size] fp32, valid until the next step. */
 OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
 
-/* Batched prefill: feed tokens[0, n_tokens) to the selected sequence in passes of
+/* Batched prefill: feed tokens[0, n_tokens) to sequence seq (OG_E_INVALID_ARGUMENT for an id
+ * that is not live; the selection is neither read nor changed) in passes of
  * og_config.prefill_chunk rows, each running every layer over all its rows at once (GEMMs on
  * the tensor cores, causal attention over the sequence's cached rows and the pass's own), with
  * K/V written into the paged cache exactly as the decode body writes them; then the last
@@ -357,12 +389,15 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
  * cuda/prefill.cuh for the bound. Any chunk size gives bit-identical results.
  * Everything is checked before any state changes: tokens (OG_E_TOKEN_OUT_OF_RANGE), room
  * (OG_E_CONTEXT_FULL past max_seq_len), the precheck (OG_E_MISSING_WEIGHT), the KV blocks of
- * all n_tokens rows (OG_E_POOL_EXHAUSTED); OG_E_BAD_STATE when no sequence is
- * selected. A step begun and not ended is cancelled. The sequence length advances by n_tokens
+ * all n_tokens rows (OG_E_POOL_EXHAUSTED). A step begun and not ended is cancelled. The sequence length advances by n_tokens
  * only after every layer of every pass has written. The logits [vocab_size] of the last token
  * are in the pinned og_logits() buffer, and copied to `logits` too when it is not NULL.
  * Synchronous (runs on the engine's stream). MoE layers run their FFN one row at a time
  * through the decode body's expert kernels. */
+OG_API og_status og_prefill_seq(og_engine *e, int32_t seq, const int32_t *tokens, int32_t n_tokens,
+                                float *logits);
+
+/* og_prefill_seq on the selected sequence; OG_E_BAD_STATE when none is selected. */
 OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits);
 
 /* Start the selected sequence over: og_seq_reset of the selected sequence (no-op when none
@@ -374,10 +409,14 @@ OG_API og_status og_reset(og_engine *e);
 OG_API og_status og_get_position(og_engine *e, int32_t *position);
 
 /* The pinned step record of slot 0, the one og_begin_step fills and the body copies from
- * (stable address for the engine's life); a chained step's record follows it (slot 1). */
+ * (owned by the engine; the same address until og_free); a chained step's record follows it
+ * (slot 1). The caller may read it, and may overwrite the position of a begun step before
+ * launching it (a benchmark pins a context length this way: runtime/bench.py); anything else
+ * written there is the caller's responsibility. */
 OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
 
-/* The pinned logits [vocab_size] fp32 the body copies into (stable address). */
+/* The pinned logits [vocab_size] fp32 the body copies into (owned by the engine; the same
+ * address until og_free; read it after the step's work completed). */
 OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
 
 /* What the body's one device->host copy carries (og_set_output). */
@@ -400,8 +439,8 @@ OG_API og_status og_set_output(og_engine *e, int32_t output);
  * step: token -1. logit may be NULL. */
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit);
 
-/* The sampling parameters of sequence `seq` from now on (the next og_begin_step copies them into
- * the record; a graph never needs recapturing). Defaults: greedy, every filter off. Checked as
+/* The sampling parameters of sequence `seq` from now on (copied to the device now, synchronous;
+ * a graph never needs recapturing). Defaults: greedy, every filter off. Checked as
  * runtime/sampling.py's SamplingParams: OG_E_INVALID_ARGUMENT naming the field. A new or freed
  * sequence slot starts from the defaults; og_seq_fork copies the source's parameters. */
 OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params);
@@ -418,8 +457,9 @@ OG_API og_status og_stream(og_engine *e, void **stream);
 OG_API og_status og_get_stats(og_engine *e, og_stats *stats);
 
 /* Copy the whole KV block pool (og_stats.kv_cache_bytes = n_blocks * block stride bytes;
- * layout in og_kv_segments) into host memory, for tests that check state is unchanged.
- * OG_E_INVALID_ARGUMENT if capacity_bytes is too small. */
+ * layout in og_kv_segments) into the caller's host_dst (synchronous: the engine's stream is
+ * drained first). A read-back for inspection (runtime/kvpool.py gathers a sequence's rows from
+ * it); OG_E_INVALID_ARGUMENT if capacity_bytes is too small. */
 OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
 
 /* Release everything. Safe on a partially initialized engine; a second og_free of the

@@ -588,7 +588,7 @@ int row_grid(int64_t elements) {
 }
 
 // w[r, c] = q[r, c] * scale as bf16 hi + lo, c < ld (0 past cols). int8: the row's fp32 scale;
-// q4: the bf16 scale of the column's group of 32; q4 byte c / 2 holds column c in its low
+// q4: the e5m3 scale byte (quant.cuh) of the column's group of 32; q4 byte c / 2 holds column c in its low
 // nibble when c is even, high when odd, as a 4-bit two's complement code.
 template <int FMT>
 __global__ void __launch_bounds__(kRowThreads)

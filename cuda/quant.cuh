@@ -130,8 +130,7 @@ __device__ __forceinline__ float q8_scale(float amax, bool finite) {
 // The L2 policy of a weight stream: its lines are the first evicted. A token reads every
 // weight once (GBs), while the KV cache rows, the activations and the norm weights are read
 // again within the step or by the next one; streamed at the normal priority, the weights push
-// them out of L2, and the attention's rows and each GEMV's input then come from DRAM (8B q4
-// step, same engine: -23 µs at context 64, -57 at 496, -129 at 2048; bench/PERF_NOTES.md).
+// them out of L2, and the attention's rows and each GEMV's input then come from DRAM.
 // The bf16 GEMV's streaming loads (__ldcs) mark their lines the same way.
 __device__ __forceinline__ uint64_t l2_evict_first() {
     uint64_t policy;

@@ -1,14 +1,13 @@
-// reliability.cu — counted allocations with failure injection, guard regions, and the
-// capture fault hook (reliability.cuh), plus their og_test_* entry points
-// (onegraph_testing.h). The hooks are process-wide and meant for tests: they cost one
-// atomic load per allocation or enqueue when unarmed.
+// reliability.cu — the engine's allocations and guard regions (reliability.cuh). In the testing
+// library (OG_TESTING) also the allocation counts with failure injection, the guard check, the
+// capture fault hook and their og_test_* entry points (onegraph_testing.h): process-wide hooks
+// that cost one atomic load per allocation or enqueue when unarmed.
 #include <string.h>
 
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
 
-#include "onegraph_testing.h"
 #include "reliability.cuh"
 
 namespace og {
@@ -16,13 +15,16 @@ namespace og {
 // ---- allocations ----------------------------------------------------------------------
 namespace {
 
+enum Kind { kDevice, kPinned };
+
+#ifdef OG_TESTING
 // Allocations left before the injected failure: -1 = none armed; 0 = the next one fails.
 std::atomic<int64_t> g_fail_countdown{-1};
 std::atomic<int64_t> g_alloc_calls{0};
 
 struct LiveAllocations {
     std::mutex mutex;
-    std::unordered_map<void *, size_t> device, pinned;  // pointer -> bytes
+    std::unordered_map<void *, size_t> by_kind[2];  // [Kind]: pointer -> bytes
 };
 LiveAllocations &live() {
     static LiveAllocations *table = new LiveAllocations();  // never destroyed: safe at exit
@@ -39,18 +41,23 @@ bool injected_failure() {
     return false;
 }
 
-void remember(std::unordered_map<void *, size_t> LiveAllocations::*which, void *ptr,
-              size_t bytes) {
+void remember(Kind kind, void *ptr, size_t bytes) {
     LiveAllocations &t = live();
     std::lock_guard<std::mutex> lock(t.mutex);
-    (t.*which)[ptr] = bytes;
+    t.by_kind[kind][ptr] = bytes;
 }
 
-void forget(std::unordered_map<void *, size_t> LiveAllocations::*which, void *ptr) {
+void forget(Kind kind, void *ptr) {
     LiveAllocations &t = live();
     std::lock_guard<std::mutex> lock(t.mutex);
-    (t.*which).erase(ptr);
+    t.by_kind[kind].erase(ptr);
 }
+#else
+// The product library neither counts allocations nor fails one on purpose.
+constexpr bool injected_failure() { return false; }
+void remember(Kind, void *, size_t) {}
+void forget(Kind, void *) {}
+#endif
 
 }  // namespace
 
@@ -58,7 +65,7 @@ cudaError_t device_alloc(void **ptr, size_t bytes) {
     *ptr = nullptr;
     if (injected_failure()) return cudaErrorMemoryAllocation;
     const cudaError_t err = cudaMalloc(ptr, bytes);
-    if (err == cudaSuccess) remember(&LiveAllocations::device, *ptr, bytes);
+    if (err == cudaSuccess) remember(kDevice, *ptr, bytes);
     return err;
 }
 
@@ -66,19 +73,19 @@ cudaError_t pinned_alloc(void **ptr, size_t bytes) {
     *ptr = nullptr;
     if (injected_failure()) return cudaErrorMemoryAllocation;
     const cudaError_t err = cudaHostAlloc(ptr, bytes, cudaHostAllocDefault);
-    if (err == cudaSuccess) remember(&LiveAllocations::pinned, *ptr, bytes);
+    if (err == cudaSuccess) remember(kPinned, *ptr, bytes);
     return err;
 }
 
 cudaError_t device_free(void *ptr) {
     if (ptr == nullptr) return cudaSuccess;
-    forget(&LiveAllocations::device, ptr);
+    forget(kDevice, ptr);
     return cudaFree(ptr);
 }
 
 cudaError_t pinned_free(void *ptr) {
     if (ptr == nullptr) return cudaSuccess;
-    forget(&LiveAllocations::pinned, ptr);
+    forget(kPinned, ptr);
     return cudaFreeHost(ptr);
 }
 
@@ -125,6 +132,7 @@ cudaError_t GuardSet::fill(cudaStream_t stream) const {
     return cudaSuccess;
 }
 
+#ifdef OG_TESTING
 og_status GuardSet::check(cudaStream_t stream) const {
     const uint8_t *pattern = guard_pattern().bytes;
     std::vector<uint8_t> host(regions_.size() * 2 * kGuardBytes);
@@ -181,7 +189,9 @@ og_status GuardSet::corrupt(const char *name, int after, cudaStream_t stream) co
     return set_error(OG_E_INVALID_ARGUMENT, "og_test_corrupt_guard: no guarded buffer named "
                      "'%s' (guarded: %s)", name, known.c_str());
 }
+#endif  // OG_TESTING
 
+#ifdef OG_TESTING
 // ---- capture fault hook -------------------------------------------------------------------
 namespace {
 std::atomic<int32_t> g_capture_fault_kind{OG_TEST_CAPTURE_FAULT_NONE};
@@ -223,9 +233,11 @@ og_status capture_fault_hook(cudaStream_t stream) {
     }
     return OG_OK;
 }
+#endif  // OG_TESTING
 
 }  // namespace og
 
+#ifdef OG_TESTING
 using namespace og;
 
 extern "C" {
@@ -244,11 +256,12 @@ OG_API og_status og_test_allocation_counts(int64_t *calls, int64_t *device_live,
     LiveAllocations &t = live();
     std::lock_guard<std::mutex> lock(t.mutex);
     uint64_t device_bytes = 0, pinned_bytes = 0;
-    for (const auto &a : t.device) device_bytes += a.second;
-    for (const auto &a : t.pinned) pinned_bytes += a.second;
+    const auto &device = t.by_kind[kDevice], &pinned = t.by_kind[kPinned];
+    for (const auto &a : device) device_bytes += a.second;
+    for (const auto &a : pinned) pinned_bytes += a.second;
     if (calls != nullptr) *calls = g_alloc_calls.load();
-    if (device_live != nullptr) *device_live = (int64_t)t.device.size();
-    if (pinned_live != nullptr) *pinned_live = (int64_t)t.pinned.size();
+    if (device_live != nullptr) *device_live = (int64_t)device.size();
+    if (pinned_live != nullptr) *pinned_live = (int64_t)pinned.size();
     if (device_bytes_live != nullptr) *device_bytes_live = device_bytes;
     if (pinned_bytes_live != nullptr) *pinned_bytes_live = pinned_bytes;
     return OG_OK;
@@ -269,3 +282,4 @@ OG_API og_status og_test_set_capture_fault(int32_t kind, int32_t count) {
 }
 
 }  // extern "C"
+#endif  // OG_TESTING

@@ -7,20 +7,24 @@
 //     compared by og_check_guards;
 //   - the test hook that makes og_enqueue make an illegal call while its stream is being
 //     captured (og_test_set_capture_fault).
-// The og_test_* entry points are declared in onegraph_testing.h (test-only, no ABI promise).
+// The product library has the allocations and the guard bands; the counting, the failure
+// injection, the checks and the hooks exist in the testing library only (OG_TESTING), whose
+// og_test_* entry points are declared in onegraph_testing.h (no ABI promise).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "common.cuh"
+#ifdef OG_TESTING
 #include "onegraph_testing.h"
+#endif
 
 namespace og {
 
 // ---- allocations ----------------------------------------------------------------------
 // Every device and pinned host allocation an engine makes goes through these (a CPU test
-// checks engine.cu for raw cudaMalloc / cudaHostAlloc), so fault injection reaches each one.
+// checks cuda/ for raw cudaMalloc / cudaHostAlloc), so fault injection reaches each one.
 // They return what cudaMalloc / cudaHostAlloc(cudaHostAllocDefault) return, and
 // cudaErrorMemoryAllocation for an injected failure (nothing is allocated then).
 cudaError_t device_alloc(void **ptr, size_t bytes);
@@ -54,11 +58,13 @@ class GuardSet {
     void *place(const char *name, void *reservation, size_t bytes);
     // Enqueue the pattern into every band on stream (the caller synchronizes).
     cudaError_t fill(cudaStream_t stream) const;
+#ifdef OG_TESTING
     // Synchronize stream, copy every band back and compare. OG_OK, or OG_E_CORRUPTED naming
     // the buffer, the side, how many bytes changed and the first one.
     og_status check(cudaStream_t stream) const;
-    // Test only: overwrite one byte of a band (after = 0: before the buffer, 1: after it).
+    // Overwrite one byte of a band (after = 0: before the buffer, 1: after it).
     og_status corrupt(const char *name, int after, cudaStream_t stream) const;
+#endif
     size_t size() const { return regions_.size(); }
 
   private:
@@ -69,10 +75,12 @@ class GuardSet {
     std::vector<Region> regions_;
 };
 
+#ifdef OG_TESTING
 // ---- capture fault hook -------------------------------------------------------------------
 // og_enqueue calls this before enqueuing the body. It does nothing unless a test armed it
 // with og_test_set_capture_fault and `stream` is being captured; then it makes the armed
 // illegal call (see onegraph_testing.h) and returns what a checked call would.
 og_status capture_fault_hook(cudaStream_t stream);
+#endif
 
 }  // namespace og

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_prepare_kernel(SampleAr
     pdl_wait();
     pdl_launch_dependents();
     const og_step_record *rec = a.step;
-    const og_sampling_params p = rec->sampling;
+    const og_sampling_params p = a.params[rec->seq_slot];
     int input = rec->token;
     if (input == OG_TOKEN_PREVIOUS_ARGMAX) input = __ldcg(&a.previous->token);
     const int32_t *counts = a.counts + (size_t)rec->seq_slot * a.V;
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_histogram_kernel(Sample
     pdl_wait();
     pdl_launch_dependents();
     const og_step_record *rec = a.step;
-    const og_sampling_params p = rec->sampling;
+    const og_sampling_params p = a.params[rec->seq_slot];
     SampleState *st = a.state;
     const float m = unordered((unsigned)(__ldcg(&st->best_z) >> 32));
     if (p.temperature <= 0.f || __ldcg(&st->bad) || m == -INFINITY) return;
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
     pdl_wait();
     pdl_launch_dependents();
     const og_step_record *rec = a.step;
-    const og_sampling_params p = rec->sampling;
+    const og_sampling_params p = a.params[rec->seq_slot];
     SampleState *st = a.state;
     const int V = a.V;
     const unsigned long long best_z = __ldcg(&st->best_z);
@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
 }  // namespace
 
 cudaError_t launch_sample(const SampleArgs &args, cudaStream_t stream, bool pdl) {
-    if (args.logits == nullptr || args.V < 1 || args.step == nullptr || args.counts == nullptr ||
+    if (args.logits == nullptr || args.V < 1 || args.step == nullptr || args.params == nullptr ||
+        args.counts == nullptr ||
         args.z == nullptr || args.state == nullptr || args.out == nullptr)
         return cudaErrorInvalidValue;
     int blocks = ceil_div(args.V, kSamplePerBlock);

@@ -51,7 +51,8 @@ struct SampleState {
 struct SampleArgs {
     const float *logits;                   // [V], the lm_head's output
     int V;
-    const og_step_record *step;            // its sampling parameters, seq_slot, token
+    const og_step_record *step;            // its seq_slot, position and token
+    const og_sampling_params *params;      // [max_sequences] per sequence slot (og_seq_set_sampling)
     const NextToken *previous;             // the previous step's token (a chained step)
     int32_t *counts;                       // [max_sequences, V] tokens generated per sequence
     float *z;                              // [V] scratch

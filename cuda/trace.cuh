@@ -2,6 +2,9 @@
 // scripts/q4_trace.py): the per-block clock and SM id, and the host side that reads and clears
 // a ring of records (a __device__ array and its __device__ counter, in the including file).
 #pragma once
+#if defined(OG_Q4_TRACE) && !defined(OG_TESTING)
+#error "the trace build is a testing build: build.py --trace defines OG_TESTING too"
+#endif
 #ifdef OG_Q4_TRACE
 #include <cuda_runtime.h>
 

@@ -11,8 +11,11 @@ import os
 import re
 from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint64, c_void_p
 
-# The ABI this binding was written for (OG_ABI_VERSION in cuda/onegraph.h).
-ABI_VERSION = 7
+# The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
+# and at least this minor number loads.
+ABI_VERSION = 6          # OG_ABI_VERSION_MAJOR (og_abi_version())
+ABI_MINOR_REQUIRED = 3   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq;
+                         # OG_OUTPUT_SAMPLED(_LOGPROBS), og_seq_set_sampling, og_top_logprobs
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -116,8 +119,7 @@ class OgTopLogprob(ctypes.Structure):
 
 
 class OgStepRecord(ctypes.Structure):
-    _fields_ = [("token", c_int32), ("position", c_int32), ("seq_slot", c_int32), ("row_block", c_int32),
-                ("sampling", OgSamplingParams)]
+    _fields_ = [("token", c_int32), ("position", c_int32), ("seq_slot", c_int32), ("row_block", c_int32)]
 
 
 # typedef struct og_kv_pool_info {...} og_kv_pool_info;
@@ -179,13 +181,28 @@ def load_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(path)
     except OSError as e:
         raise LibraryUnavailable(f"{path} could not be loaded: {e}") from None
-    _bind(lib)
-    version = lib.og_abi_version()
-    if version != ABI_VERSION:
+    version = _abi_version(lib)
+    if version[0] != ABI_VERSION or version[1] < ABI_MINOR_REQUIRED:
         raise LibraryUnavailable(
-            f"{path} has ABI version {version}, this binding expects {ABI_VERSION}: rebuild the library")
+            f"{path} has ABI version {version[0]}.{version[1]}, this binding needs "
+            f"{ABI_VERSION}.{ABI_MINOR_REQUIRED} or a later {ABI_VERSION}.x: rebuild the library")
+    _bind(lib)
     _lib = lib
     return lib
+
+
+def _abi_version(lib: ctypes.CDLL) -> tuple[int, int]:
+    """(major, minor) of a loaded library; a library older than og_abi_version_numbers has
+    minor 0."""
+    lib.og_abi_version.restype = c_int32
+    lib.og_abi_version.argtypes = []
+    if not hasattr(lib, "og_abi_version_numbers"):
+        return int(lib.og_abi_version()), 0
+    major, minor = c_int32(), c_int32()
+    lib.og_abi_version_numbers.restype = None
+    lib.og_abi_version_numbers.argtypes = [POINTER(c_int32), POINTER(c_int32)]
+    lib.og_abi_version_numbers(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -196,6 +213,10 @@ def _bind(lib: ctypes.CDLL) -> None:
 
     # int32_t og_abi_version(void);
     fn("og_abi_version", c_int32)
+    # void og_abi_version_numbers(int32_t *major, int32_t *minor);
+    fn("og_abi_version_numbers", None, POINTER(c_int32), POINTER(c_int32))
+    # const char *og_status_string(og_status status);
+    fn("og_status_string", c_char_p, c_int32)
     # const char *og_last_error(void);
     fn("og_last_error", c_char_p)
     # void og_config_default(og_config *cfg);
@@ -209,6 +230,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_set_weight", c_int32, Handle, c_char_p, c_int32, c_int32, POINTER(c_int64), c_void_p)
     # og_status og_precheck(og_engine *e);
     fn("og_precheck", c_int32, Handle)
+    # og_status og_begin_step_seq(og_engine *e, int32_t seq, int32_t token);
+    fn("og_begin_step_seq", c_int32, Handle, c_int32, c_int32)
     # og_status og_begin_step(og_engine *e, int32_t token);
     fn("og_begin_step", c_int32, Handle, c_int32)
     # og_status og_begin_chained_step(og_engine *e, int32_t *slot);
@@ -225,6 +248,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_end_step", c_int32, Handle)
     # og_status og_step(og_engine *e, int32_t token, const float **logits);
     fn("og_step", c_int32, Handle, c_int32, POINTER(POINTER(c_float)))
+    # og_status og_prefill_seq(og_engine *e, int32_t seq, const int32_t *tokens, int32_t n_tokens,
+    #                          float *logits);
+    fn("og_prefill_seq", c_int32, Handle, c_int32, POINTER(c_int32), c_int32, POINTER(c_float))
     # og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits);
     fn("og_prefill", c_int32, Handle, POINTER(c_int32), c_int32, POINTER(c_float))
     # og_status og_reset(og_engine *e);
@@ -303,9 +329,18 @@ def check(status: int, call: str = "") -> None:
 
 
 def header_abi_version(header_path: str) -> int:
-    """OG_ABI_VERSION as written in onegraph.h (tests compare it with the library's)."""
+    """OG_ABI_VERSION_MAJOR as written in onegraph.h (tests compare it with the library's)."""
+    return header_abi_version_numbers(header_path)[0]
+
+
+def header_abi_version_numbers(header_path: str) -> tuple[int, int]:
+    """(OG_ABI_VERSION_MAJOR, OG_ABI_VERSION_MINOR) as written in onegraph.h."""
     with open(header_path, encoding="utf-8") as f:
-        m = re.search(r"#define\s+OG_ABI_VERSION\s+(\d+)", f.read())
-    if not m:
-        raise ValueError(f"{header_path}: no OG_ABI_VERSION define")
-    return int(m.group(1))
+        text = f.read()
+    numbers = []
+    for name in ("OG_ABI_VERSION_MAJOR", "OG_ABI_VERSION_MINOR"):
+        m = re.search(rf"#define\s+{name}\s+(\d+)", text)
+        if not m:
+            raise ValueError(f"{header_path}: no {name} define")
+        numbers.append(int(m.group(1)))
+    return numbers[0], numbers[1]

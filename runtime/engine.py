@@ -1,27 +1,37 @@
 """The Engine: load a model, decode tokens on the GPU (graph or non-graph) or on the CPU.
 
     with Engine.from_pretrained("path/to/model", kv="int8") as engine:
-        tokens = engine.generate([1, 2, 3], max_new_tokens=32)
+        for token in engine.stream([1, 2, 3], max_new_tokens=32):   # each token as it arrives
+            print(token)
+        tokens = engine.generate([1, 2, 3], max_new_tokens=32)    # = list(engine.stream(...))
         print(engine.stats())
 
 GPU path: the library (cuda/onegraph.h through runtime/capi.py) holds every weight, the
 KV cache and all intermediates on the device; a token costs one host->device copy (the
 step record) and one device->host copy (the logits; for step_greedy, and so for greedy
-generate, only their argmax, taken on the device). With graph=True the body is captured once
-per output (runtime/graph.py) and replayed for every token.
+generation, only their argmax, taken on the device). With graph=True the body is captured once
+per output and replayed for every token. The handle, its streams, events and captured graphs
+belong to one GpuSession (runtime/session.py); the engine decides what runs.
 
 CPU path: the numpy reference decoder (runtime/reference.py), used when no GPU or no
 library is usable, or when the hit-only precheck fails (a weight is not resident). The
 switch replays the sequence so far on the CPU from a clean start, so the tokens that
 follow are the ones an uninterrupted run would produce (up to the stated numerics bounds).
 
-Pipelined greedy decoding (decode_greedy, and so greedy generate, on the graph path): the
-step after the one in flight is launched before the host reads its token; its embedding takes
-that token from the argmax on the device (og_begin_chained_step). The GPU then never waits for
-the host between tokens (~20 µs a token on an H200: the synchronize, the host's own work and
-the next launch), and each step still makes its one copy each way. A stop token leaves one
-launched step behind, which is waited for and dropped (og_cancel_step): the sequence holds
-exactly the tokens a step-by-step decode would have fed.
+Generation (stream, generate): the prompt through prefill(), then the next token chosen by
+sampling.sample_step() from the logits, fed, and so on; the last new token is not fed, so the
+sequence then holds the prompt and all but the last new token. Greedy generation takes each
+token after the first with the device's argmax (step_greedy) and, on the graph path, pipelines
+its steps: the step after the one in flight is launched before the host reads its token; its
+embedding takes that token from the argmax on the device (og_begin_chained_step). The GPU then
+never waits for the host between tokens (the synchronize, the host's own work and the next
+launch no longer sit between two steps), and each step still makes its one copy each way. A
+stop token, or a consumer that stops iterating, leaves one launched step behind, which is
+waited for and dropped (og_cancel_step): the sequence holds exactly the tokens fed.
+
+An engine has at most one open stream: any other call that decodes or changes the sequences
+(step, prefill, stream, generate, reset, use, fork, ...) first closes it, as close() on the
+iterator would.
 
 Graph failures: if capturing the body fails (an illegal call during capture, an error from
 og_enqueue) or a replay fails, that step runs on the non-graph path (same result: nothing of
@@ -50,20 +60,22 @@ steps decode the selected one. On the GPU their KV rows live in one paged block 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from . import capi
 from .config import ModelConfig
 from .graph import GraphError
-from .kvpool import DevicePool
-from .quant import QuantizedMatrix, WeightScheme, quantize_stream
-from .sampling import NonFiniteLogits, SamplingParams, generate as _generate
+from .quant import WeightScheme, quantize_stream
+from .sampling import SamplingParams, sample_step
+from .session import GpuSession, kv_code
 
 log = logging.getLogger("onegraph")
 
@@ -73,12 +85,6 @@ PREFILL_MODES = ("batched", "token")
 
 class EngineError(RuntimeError):
     """A request the engine refuses (bad token, full context, ...); state is unchanged."""
-
-
-def _kv_code(kv: str) -> int:
-    if kv not in capi.KV_DTYPES:
-        raise ValueError(f"kv={kv!r} is not one of {sorted(capi.KV_DTYPES)}")
-    return capi.KV_DTYPES[kv]
 
 
 def check_finite(name: str, array: np.ndarray, chunk_elems: int = 1 << 22) -> None:
@@ -124,268 +130,6 @@ def library_status() -> tuple[bool, str]:
     return True, f"{count.value} CUDA device(s)"
 
 
-class GpuSession:
-    """One og_engine handle: weights uploaded, KV cache on the device, optional graph.
-    kv_page_size, kv_pool_blocks, kv_max_sequences: the og_config fields (0 = defaults)."""
-
-    def __init__(self, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], *,
-                 kv: str, max_seq_len: int, device: int = 0,
-                 omit_weights: Iterable[str] = (), weights: WeightScheme = WeightScheme(),
-                 kv_page_size: int = 0, kv_pool_blocks: int = 0, kv_max_sequences: int = 0,
-                 prefill_chunk: int = 0):
-        self.lib = capi.load_library()
-        self.config = config
-        self.handle = capi.Handle()
-        self._moe_mask = None
-        cfg = self._og_config(config, kv, max_seq_len, device)
-        cfg.weights_dense = capi.WEIGHT_FORMATS[weights.dense]
-        cfg.weights_experts = capi.WEIGHT_FORMATS[weights.experts]
-        cfg.weights_lm_head = capi.WEIGHT_FORMATS[weights.lm_head]
-        cfg.kv_page_size, cfg.kv_pool_blocks, cfg.kv_max_sequences = kv_page_size, kv_pool_blocks, kv_max_sequences
-        cfg.prefill_chunk = prefill_chunk
-        capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
-        self.pool = DevicePool(self.lib, self.handle)
-        self.output = "logits"              # og_set_output: what a step copies to the host
-        self._graphs = {}                   # (output, step slot) -> its captured DecodeGraph
-        self._pipe_stream = None            # pipelined steps: one stream for both slots' graphs
-        self._slot_done = {}                # step slot -> event recorded after its launch
-        self.capture_mode = "thread_local"  # see runtime/graph.py
-        self.captures = 0                   # graphs captured successfully
-        self.graph_copies = None            # memcpy nodes of the last captured graph
-        try:
-            skip = set(omit_weights)
-            for name, array in tensors:
-                if name not in skip:
-                    self.set_weight(name, array)
-            rec = ctypes.POINTER(capi.OgStepRecord)()
-            capi.check(self.lib.og_step_record_ptr(self.handle, ctypes.byref(rec)), "og_step_record_ptr")
-            self.step_record = rec.contents
-            ptr = ctypes.POINTER(ctypes.c_float)()
-            n = ctypes.c_int32()
-            capi.check(self.lib.og_logits(self.handle, ctypes.byref(ptr), ctypes.byref(n)), "og_logits")
-            # A view of the pinned logits buffer the body copies into; copied out per step.
-            self.logits_view = np.ctypeslib.as_array(ptr, shape=(n.value,))
-        except BaseException:
-            self.close()
-            raise
-
-    def _og_config(self, c: ModelConfig, kv: str, max_seq_len: int, device: int) -> capi.OgConfig:
-        cfg = capi.OgConfig()
-        self.lib.og_config_default(ctypes.byref(cfg))
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size"):
-            setattr(cfg, key, getattr(c, key))
-        cfg.intermediate_size = c.intermediate_size
-        cfg.rms_norm_eps = c.rms_norm_eps
-        cfg.rope_theta = c.rope_theta
-        cfg.rope_linear_factor = c.rope_linear_factor
-        cfg.qk_norm = int(c.has_qk_norm)
-        cfg.tie_word_embeddings = int(c.tie_word_embeddings)
-        cfg.norm_topk_prob = int(c.norm_topk_prob)
-        if c.is_moe:
-            mask = (ctypes.c_uint8 * c.num_hidden_layers)(
-                *[int(c.is_moe_layer(l)) for l in range(c.num_hidden_layers)])
-            self._moe_mask = mask  # keep alive until og_init has copied it
-            cfg.layer_is_moe = ctypes.cast(mask, ctypes.POINTER(ctypes.c_uint8))
-        cfg.max_seq_len = max_seq_len
-        cfg.kv_dtype = _kv_code(kv)
-        cfg.device_ordinal = device
-        return cfg
-
-    def set_weight(self, name: str, array: np.ndarray | QuantizedMatrix) -> None:
-        import ml_dtypes
-        if isinstance(array, QuantizedMatrix):  # the codes, then "<name>.scale"
-            code = capi.OG_DTYPE_I8 if array.format == "int8" else capi.OG_DTYPE_Q4
-            self._upload(name, code, array.shape, np.ascontiguousarray(array.data))
-            scale_code = capi.OG_DTYPE_F32 if array.format == "int8" else capi.OG_DTYPE_BF16
-            scale = np.ascontiguousarray(array.scale)
-            self._upload(name + ".scale", scale_code, scale.shape, scale)
-            return
-        if array.dtype == ml_dtypes.bfloat16:
-            code = capi.OG_DTYPE_BF16
-        elif array.dtype == np.float32:
-            code = capi.OG_DTYPE_F32
-        elif array.ndim == 1:
-            array, code = array.astype(np.float32), capi.OG_DTYPE_F32
-        else:  # fp16 / fp64 matrices: the library stores matrices as bf16
-            array, code = array.astype(np.float32).astype(ml_dtypes.bfloat16), capi.OG_DTYPE_BF16
-        array = np.ascontiguousarray(array)
-        self._upload(name, code, array.shape, array)
-
-    def _upload(self, name: str, code: int, shape: tuple, array: np.ndarray) -> None:
-        dims = (ctypes.c_int64 * len(shape))(*shape)
-        capi.check(self.lib.og_set_weight(self.handle, name.encode(), code, len(shape), dims,
-                                          array.ctypes.data_as(ctypes.c_void_p)), f"og_set_weight({name})")
-
-    # ---- one step ------------------------------------------------------------------
-    def begin(self, token: int) -> None:
-        capi.check(self.lib.og_begin_step(self.handle, int(token)), "og_begin_step")
-
-    def begin_chained(self) -> int:
-        """og_begin_chained_step: the step after the one in flight, its token that step's argmax
-        on the device; returns the step's slot (launch(slot))."""
-        slot = ctypes.c_int32()
-        capi.check(self.lib.og_begin_chained_step(self.handle, ctypes.byref(slot)), "og_begin_chained_step")
-        return slot.value
-
-    def cancel(self) -> None:
-        """og_cancel_step: drop the newest begun step (its work waited for, if launched)."""
-        capi.check(self.lib.og_cancel_step(self.handle), "og_cancel_step")
-
-    def _pipeline_stream(self):
-        from .graph import _check, _runtime
-        rt = _runtime()
-        if self._pipe_stream is None:
-            self._pipe_stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
-                                       "cudaStreamCreateWithFlags")
-        return self._pipe_stream
-
-    def launch(self, slot: int) -> None:
-        """Launch the graph of the newest begun step, whose slot is `slot` (captured first when
-        new), on the pipeline stream, and record the slot's event behind it."""
-        from .graph import _check, _runtime
-        rt = _runtime()
-        stream = self._pipeline_stream()
-        self.capture(slot).launch(stream)
-        event = self._slot_done.get(slot)
-        if event is None:
-            event = self._slot_done[slot] = _check(
-                rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
-        _check(rt.cudaEventRecord(event, stream), "cudaEventRecord")
-
-    def wait(self, slot: int) -> None:
-        """Until the last launch of `slot` has completed."""
-        from .graph import _check, _runtime
-        _check(_runtime().cudaEventSynchronize(self._slot_done[slot]), "cudaEventSynchronize")
-
-    def drain(self) -> None:
-        """Until everything launched on the pipeline stream has completed (errors ignored: this
-        runs while a failure is being handled)."""
-        if self._pipe_stream is not None:
-            from .graph import _runtime
-            _runtime().cudaStreamSynchronize(self._pipe_stream)
-
-    def prefill(self, tokens) -> np.ndarray:
-        """og_prefill: the whole prompt through the batched pass; the last token's logits."""
-        ids = np.ascontiguousarray(tokens, dtype=np.int32)
-        capi.check(self.lib.og_prefill(self.handle, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-                                       len(ids), None), "og_prefill")
-        return self.logits_view.copy()
-
-    def run_nongraph(self) -> None:
-        capi.check(self.lib.og_run(self.handle), "og_run")
-
-    def set_output(self, output: str) -> None:
-        """"logits" (the step copies the logits [vocab]) or "next_token" (only their argmax,
-        taken on the device: og_set_output). Each output has its own graph."""
-        if output != self.output:
-            capi.check(self.lib.og_set_output(self.handle, capi.OUTPUTS[output]), "og_set_output")
-            self.output = output
-
-    def end(self):
-        """og_end_step; the logits [vocab] (a copy), or for output "next_token" the pair
-        (token, its logit)."""
-        capi.check(self.lib.og_end_step(self.handle), "og_end_step")
-        if self.output == "logits":
-            return self.logits_view.copy()
-        token, logit = ctypes.c_int32(), ctypes.c_float()
-        status = self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit))
-        if status == capi.OG_E_NONFINITE_LOGITS:   # a user-facing ValueError, as sample_step's
-            raise NonFiniteLogits(f"og_next_token: {capi.last_error()}")
-        capi.check(status, "og_next_token")
-        return token.value, logit.value
-
-    def set_sampling(self, seq: int, params: SamplingParams, seed: int) -> None:
-        """og_seq_set_sampling: the sampling stage's parameters for library sequence `seq`
-        (its generated-token counts start over)."""
-        p = capi.OgSamplingParams(seed=int(seed), temperature=params.temperature, top_k=int(params.top_k),
-                                  top_p=params.top_p, min_p=params.min_p,
-                                  repetition_penalty=params.repetition_penalty,
-                                  presence_penalty=params.presence_penalty,
-                                  frequency_penalty=params.frequency_penalty, logprobs=int(params.logprobs))
-        capi.check(self.lib.og_seq_set_sampling(self.handle, int(seq), ctypes.byref(p)), "og_seq_set_sampling")
-
-    @property
-    def graph(self):
-        """The captured graph of the current output, slot 0 (None before its first capture)."""
-        return self._graphs.get((self.output, 0))
-
-    def capture(self, slot: int = 0):
-        """The graph of the current output for steps of `slot` (og_begin_step: 0; a chained
-        step: begin_chained's), captured now when new: og_enqueue then takes the newest begun
-        step's slot, so capture right after beginning a step of that slot."""
-        from .graph import DecodeGraph
-
-        def enqueue(stream: int) -> None:
-            capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
-
-        graph = self._graphs.get((self.output, slot))
-        if graph is None:
-            graph = self._graphs[(self.output, slot)] = DecodeGraph(enqueue, mode=self.capture_mode)
-            self.captures += 1
-        return graph
-
-    def drop_graph(self) -> None:
-        """Discard the graphs after a failure: wait for anything they launched, then free them."""
-        self.drain()
-        for (output, slot), graph in list(self._graphs.items()):
-            try:
-                if output == self.output and slot == 0:
-                    self.graph_copies = graph.memcpy_directions()
-                graph.synchronize()
-            except Exception:  # the failure being handled may make these fail too
-                pass
-            graph.close()
-        self._graphs.clear()
-
-    def precheck(self) -> None:
-        capi.check(self.lib.og_precheck(self.handle), "og_precheck")
-
-    @property
-    def position(self) -> int:
-        pos = ctypes.c_int32()
-        capi.check(self.lib.og_get_position(self.handle, ctypes.byref(pos)), "og_get_position")
-        return pos.value
-
-    def reset(self) -> None:
-        capi.check(self.lib.og_reset(self.handle), "og_reset")
-
-    def seek(self, position: int) -> None:
-        """The selected sequence holds `position` rows from now on: truncated, or extended with
-        rows of unspecified content (benchmarks reach a long context this way)."""
-        self.pool.set_length(self.pool.current(), position)
-
-    def stats(self) -> dict:
-        s = capi.OgStats()
-        capi.check(self.lib.og_get_stats(self.handle, ctypes.byref(s)), "og_get_stats")
-        return s.as_dict()
-
-    def kv_cache_bytes(self) -> bytes:
-        n = self.stats()["kv_cache_bytes"]
-        buf = (ctypes.c_uint8 * n)()
-        capi.check(self.lib.og_copy_kv_cache(self.handle, buf, n), "og_copy_kv_cache")
-        return bytes(buf)
-
-    def close(self) -> None:
-        self.drain()
-        for graph in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
-        if self._slot_done or self._pipe_stream is not None:
-            from .graph import _runtime
-            rt = _runtime()
-            for event in self._slot_done.values():
-                rt.cudaEventDestroy(event)
-            self._slot_done.clear()
-            if self._pipe_stream is not None:
-                rt.cudaStreamDestroy(self._pipe_stream)
-                self._pipe_stream = None
-        if self.handle:
-            capi.check(self.lib.og_free(self.handle), "og_free")
-            self.handle = capi.Handle()
-
-
 @dataclass
 class _Sequence:
     history: list[int] = field(default_factory=list)  # tokens in its KV cache
@@ -396,6 +140,8 @@ class _Sequence:
 class Engine:
     """Batch-1 decode of one sequence at a time, of several held at once. Use from_pretrained()
     or from_tensors()."""
+
+    _open_stream = None  # set per engine by stream(); here too for a close() after a failed __init__
 
     def __init__(self, config: ModelConfig, tensor_source: Callable[[], Iterable[tuple[str, np.ndarray]]], *,
                  kv: str = "int8", max_seq_len: int = 4096, graph: bool = True, device: str = "auto",
@@ -416,7 +162,7 @@ class Engine:
             raise ValueError(f"device={device!r} is not one of {BACKENDS}")
         if check_weights:  # the weights as given, before any quantization
             tensor_source = _finite_checked(tensor_source)
-        _kv_code(kv)
+        kv_code(kv)
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r} is not one of {PREFILL_MODES}")
         if prefill_chunk < 0:
@@ -442,6 +188,10 @@ class Engine:
         self.recapture_after = 16      # non-graph steps after a graph failure before capturing again
         self._graph_retry_in = 0       # graph-eligible steps left to run un-captured
         self.last_graph_error: str | None = None
+        self._open_stream = None       # (key, weakref to the generator) of stream()'s open stream
+        # A sampled stream's (params, seed, first generated row of the history): what a "sampled"
+        # step on the CPU path needs to choose the token the device stage would.
+        self._sampling: tuple[SamplingParams, int, int] | None = None
         self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0,
                         "graph_failures": 0, "prefill_tokens": 0, "prefill_seconds": 0.0}
         self.fallback_reason: str | None = None
@@ -490,6 +240,16 @@ class Engine:
     @property
     def position(self) -> int:
         return len(self._history)
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """The tokens in the selected sequence's KV cache, oldest first."""
+        return tuple(self._history)
+
+    @property
+    def session(self) -> GpuSession | None:
+        """The GPU session (the library handle, its streams and graphs); None on the CPU path."""
+        return self._gpu
 
     @property
     def _history(self) -> list[int]:
@@ -549,6 +309,7 @@ class Engine:
 
     def new_sequence(self) -> int:
         """A new empty sequence (not selected); returns its id."""
+        self._end_open_stream()
         seq = _Sequence()
         if self._gpu is not None:
             try:
@@ -559,6 +320,7 @@ class Engine:
 
     def use(self, seq: int) -> None:
         """Select a sequence: later steps decode it. The others keep their KV caches."""
+        self._end_open_stream()
         target = self._lookup(seq)
         if self._gpu is not None:
             self._gpu.pool.select(target.lib_id)
@@ -573,6 +335,7 @@ class Engine:
         """A new sequence (not selected) holding the first `length` tokens (default: all) of
         `seq` (default: the selected one). On the GPU it shares their KV blocks; the first
         write into a shared block copies it, so neither sequence sees the other's tokens."""
+        self._end_open_stream()
         src_id = self._current if seq is None else seq
         if src_id is None:
             raise EngineError("fork: no sequence given and none is selected")
@@ -595,6 +358,7 @@ class Engine:
 
     def free_sequence(self, seq: int) -> None:
         """Release a sequence and its KV blocks; freeing the selected one leaves none selected."""
+        self._end_open_stream()
         target = self._lookup(seq)
         if self._gpu is not None:
             self._gpu.pool.free(target.lib_id)
@@ -632,54 +396,68 @@ class Engine:
         each feeding the token before it; the last token returned is not fed. on_token(token)
         is called as each one reaches the host. On the graph path the steps are pipelined (the
         module docstring): what the GPU does between tokens no longer waits for the host."""
-        stop = {int(t) for t in stop_token_ids}
+        self._end_open_stream()
+        out: list[int] = []
+        with contextlib.closing(self._greedy_tokens(token, max_steps, {int(t) for t in stop_token_ids})) as tokens:
+            for t in tokens:
+                out.append(t)
+                if on_token is not None:
+                    on_token(t)
+        return out
+
+    def _greedy_tokens(self, token: int, max_steps: int, stop: set) -> Iterator[int]:
+        """decode_greedy's steps, each chosen token yielded as it reaches the host."""
         out: list[int] = []
         if max_steps > 0 and self._gpu is not None and self.use_graph and self._graph_retry_in <= 0:
             self._validate(token)
             # Only the steps that fit: a step past max_seq_len fails in step_greedy as it would.
             fits = min(max_steps, self.max_seq_len - len(self._history))
-            token = self._pipelined_greedy(int(token), fits, stop, on_token, out)
+            token = yield from self._pipelined_greedy(int(token), fits, stop, out)
             if token is None:
-                return out
+                return
         while len(out) < max_steps:
             token = self.step_greedy(token)
             out.append(token)
-            if on_token is not None:
-                on_token(token)
+            yield token
             if token in stop:
-                break
-        return out
+                return
 
-    def decode_sampled(self, token: int, max_steps: int, stop_token_ids: Iterable[int], on_token,
-                       params: SamplingParams, seed: int) -> list[int]:
-        """decode_greedy for sampled params on the GPU: each step ends in the device sampling
-        stage (sampling.sample_step, keyed by seed and the step's row), which counts each fed
-        token as generated; pipelined on the graph path. The counts start at zero here: `token`
-        is the first generated one (generate() samples it from the prompt's logits)."""
-        stop = {int(t) for t in stop_token_ids}
+    def _sampled_tokens(self, token: int, max_steps: int, stop: set, params: SamplingParams,
+                        seed: int) -> Iterator[int]:
+        """_greedy_tokens for sampled params: each step ends in the sampling stage
+        (sampling.sample_step keyed by seed and the step's row; on the GPU the device stage,
+        which counts each fed token as generated; on the CPU sample_step on the host over the
+        same counts), pipelined on the graph path. `token` is the first generated one (sampled
+        from the prompt's logits): the counts start at zero before it."""
         out: list[int] = []
-        self._gpu.set_sampling(self._seqs[self._current].lib_id, params, seed)
-        if max_steps > 0 and self.use_graph and self._graph_retry_in <= 0:
-            self._validate(token)
-            fits = min(max_steps, self.max_seq_len - len(self._history))
-            token = self._pipelined_greedy(int(token), fits, stop, on_token, out, output="sampled")
-            if token is None:
-                return out
-        while len(out) < max_steps:
-            token, _ = self._step(token, "sampled")
-            out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop:
-                break
-        return out
+        self._sampling = (params, seed, len(self._history))
+        try:
+            if self._gpu is not None:
+                self._gpu.set_sampling(self._seqs[self._current].lib_id, params, seed)
+            if max_steps > 0 and self._gpu is not None and self.use_graph and self._graph_retry_in <= 0:
+                self._validate(token)
+                fits = min(max_steps, self.max_seq_len - len(self._history))
+                token = yield from self._pipelined_greedy(int(token), fits, stop, out, output="sampled")
+                if token is None:
+                    return
+            while len(out) < max_steps:
+                token, _ = self._step(token, "sampled")
+                out.append(token)
+                yield token
+                if token in stop:
+                    return
+        finally:
+            self._sampling = None
 
-    def _pipelined_greedy(self, token: int, n: int, stop: set, on_token, out: list,
-                          output: str = "next_token") -> int | None:
-        """Up to n steps from `token` with the next one always launched (decode_greedy). Appends
-        the chosen tokens to `out`; returns None when done (n steps, or a stop token), else the
-        token to feed next on the step-by-step path (a graph failure, or a chained step the
-        library refused: that path then meets the same condition and handles it)."""
+    def _pipelined_greedy(self, token: int, n: int, stop: set, out: list, output: str = "next_token"):
+        """Up to n steps from `token` with the next one always launched (decode_greedy), each
+        chosen token appended to `out` and yielded. Returns None when done (n steps, or a stop
+        token), else the token to feed next on the step-by-step path (a graph failure, or a
+        chained step the library refused: that path then meets the same condition and handles
+        it). Closed early (GeneratorExit at a yield, or any exception), it waits for the launched
+        steps and drops them: the sequence then holds exactly the tokens of the ended steps.
+        output "sampled": the same with the device sampling stage choosing each token (a chained
+        step's embedding reads the sampled token as it reads the argmax)."""
         gpu = self._gpu
         gpu.set_output(output)
         t0 = time.perf_counter()
@@ -710,13 +488,12 @@ class Engine:
                 self._timing["graph_steps"] += 1
                 self._timing["seconds"] += now - t0
                 t0 = now
-                if np.isnan(logit):
+                if output == "next_token" and np.isnan(logit):
                     raise ValueError("logits contain NaN")
                 out.append(result)
                 if fed:
                     fed[0] = result  # the token the chained step consumed, now known
-                if on_token is not None:
-                    on_token(result)
+                yield result
                 if result in stop or len(out) == n:
                     self._drop_launched(fed)
                     return None
@@ -732,7 +509,7 @@ class Engine:
             gpu.drop_graph()
             # The failed steps changed nothing the step-by-step path can see: feed again.
             return out[-1] if out else token
-        except BaseException:
+        except BaseException:  # includes GeneratorExit: the consumer stopped iterating
             self._drop_launched(fed)
             raise
 
@@ -744,7 +521,9 @@ class Engine:
         fed.clear()
 
     def _step(self, token: int, output: str):
-        """One step; output "logits" returns the logits, "next_token" (token, logit)."""
+        """One step; output "logits" returns the logits, "next_token" (token, logit), "sampled"
+        (token, log-probability) of the open sampled stream's stage (_sampled_tokens)."""
+        self._end_open_stream()
         self._validate(token)
         t0 = time.perf_counter()
         if self._gpu is not None:
@@ -763,10 +542,17 @@ class Engine:
         return result
 
     def _cpu_step(self, token: int, output: str):
+        position = len(self._history)   # the row this step writes, whose logits these are
         logits = self._cpu.step(token)
         self._timing["cpu_steps"] += 1
         if output == "logits":
             return logits
+        if output == "sampled":   # the device stage's choice: counts of the tokens generated so far
+            params, seed, first = self._sampling
+            counts = np.bincount(np.asarray(self._history[first:] + [token], np.int64),
+                                 minlength=logits.size).astype(np.int32)
+            result = sample_step(logits, params, position, counts, seed)
+            return result.token, result.value
         best = int(np.argmax(logits))
         return best, float(logits[best])
 
@@ -800,6 +586,7 @@ class Engine:
         """Feed a prompt to the selected sequence; returns the logits [vocab] after its last token.
         mode: "batched" | "token" (default: the engine's `prefill`), see the module docstring.
         Everything is checked before any state changes (EngineError)."""
+        self._end_open_stream()
         mode = self.prefill_mode if mode is None else mode
         if mode not in PREFILL_MODES:
             raise ValueError(f"mode={mode!r} is not one of {PREFILL_MODES}")
@@ -842,9 +629,17 @@ class Engine:
         self._timing["prefill_seconds"] += time.perf_counter() - t0
         return logits
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                 stop_token_ids: Iterable[int] | None = None, on_token=None) -> list[int]:
-        """Prompt then new tokens (greedy by default); returns only the new tokens."""
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+               stop_token_ids: Iterable[int] | None = None) -> Iterator[int]:
+        """Feed the prompt, then yield each new token (greedy by default) as it reaches the host:
+        up to max_new_tokens of them, the last one a stop token when one comes (stop_token_ids,
+        default: the model's end-of-sequence ids). The last token yielded is not fed. The
+        request is checked now (EngineError, ValueError; nothing changed); the prompt is fed at
+        the first next(). Stopping early (break, close(), an exception) leaves the sequence
+        holding exactly the tokens fed; the module docstring says when an open stream ends."""
+        self._end_open_stream()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         prompt_ids = [int(t) for t in prompt_ids]
         if len(prompt_ids) == 0:
             raise EngineError("empty prompt: at least one token is needed")
@@ -856,11 +651,55 @@ class Engine:
                 raise EngineError(f"prompt token id {t} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         self._reserve(len(prompt_ids) + max(0, max_new_tokens - 1))
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
-        return _generate(self.step, prompt_ids, max_new_tokens, sampling or SamplingParams(),
-                         stop_token_ids=stops, on_token=on_token, prefill_fn=self.prefill,
-                         greedy_step_fn=self.step_greedy, greedy_decode_fn=self.decode_greedy,
-                         sampled_decode_fn=self.decode_sampled if self._gpu is not None else None,
-                         start_position=len(self._history))
+        key = object()
+        tokens = self._stream_tokens(key, prompt_ids, int(max_new_tokens), sampling or SamplingParams(),
+                                     {int(t) for t in stops})
+        self._open_stream = (key, weakref.ref(tokens))
+        return tokens
+
+    def _stream_tokens(self, key, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+                       stop: set) -> Iterator[int]:
+        """stream()'s generator; `key` marks it as the engine's open stream until it ends."""
+        try:
+            seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+            logits = self.prefill(prompt)
+            if max_new_tokens == 0:
+                return
+            # The first token from the prompt's logits (row len - 1), no tokens generated yet.
+            token = sample_step(logits, params, len(self._history) - 1, None, seed).token
+            yield token
+            if token in stop or max_new_tokens == 1:
+                return
+            if params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
+                yield from self._greedy_tokens(token, max_new_tokens - 1, stop)
+            else:  # the sampling stage on the device (pipelined on the graph path), or on the host
+                yield from self._sampled_tokens(token, max_new_tokens - 1, stop, params, seed)
+        finally:
+            if self._open_stream is not None and self._open_stream[0] is key:
+                self._open_stream = None
+
+    def _end_open_stream(self) -> None:
+        """Close the open stream, unless it is the caller (a call made by the stream itself)."""
+        if self._open_stream is None:
+            return
+        tokens = self._open_stream[1]()
+        if tokens is None:
+            self._open_stream = None
+        elif not tokens.gi_running:
+            self._open_stream = None
+            tokens.close()
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 stop_token_ids: Iterable[int] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        """list(stream(...)): the new tokens; on_token(token) is called as each one arrives."""
+        out: list[int] = []
+        with contextlib.closing(self.stream(prompt_ids, max_new_tokens, sampling, stop_token_ids)) as tokens:
+            for token in tokens:
+                out.append(token)
+                if on_token is not None:
+                    on_token(token)
+        return out
 
     def _reserve(self, n_tokens: int) -> None:
         """GPU: take the KV blocks of the next n_tokens rows now, so that a prompt that does not
@@ -873,6 +712,7 @@ class Engine:
 
     def reset(self) -> None:
         """Start the selected sequence over (its KV rows are released; others keep theirs)."""
+        self._end_open_stream()
         if self._current is None:
             return
         if self._gpu is not None:
@@ -883,6 +723,13 @@ class Engine:
 
     def set_graph(self, enabled: bool) -> None:
         self.use_graph = bool(enabled)
+
+    def pin_position(self, position: int | None) -> None:
+        """GPU path: from now on (until pin_position(None)) every step writes KV row `position`
+        and attends over position + 1 rows, whatever the sequence holds (GpuSession.pin_position);
+        benchmarks time a long context this way. No effect on the CPU path."""
+        if self._gpu is not None:
+            self._gpu.pin_position(position)
 
     def stats(self) -> dict:
         t = dict(self._timing)
@@ -911,6 +758,7 @@ class Engine:
         return t
 
     def close(self) -> None:
+        self._end_open_stream()
         if self._gpu is not None:
             self._gpu.close()
             self._gpu = None

@@ -47,6 +47,7 @@ from .config import ConfigError, ModelConfig
 from .loader import LoadedModel, LoaderError
 
 GGUF_MAGIC = b"GGUF"
+DEQUANT_CHUNK_ELEMENTS = 1 << 20
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # GGUF general.architecture -> (Hugging Face architecture, Q/K rows permuted by the converter).
@@ -222,13 +223,20 @@ class GGUFTensors(Mapping):
             raise KeyError(name)
         gguf_name, expert, key = gguf_source(name)
         t = self._tensors[gguf_name]
-        data = t.data if expert is None else t.data[expert]
+        data = t.data if expert is None else t.data[expert]   # [rows, row bytes] or [rows, row elements]
+        shape = self._shapes[name]
         from gguf.quants import dequantize
-        values = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
-        values = values.reshape(self._shapes[name])
-        if self._permuted and key in PERMUTED_TENSORS:
-            values = unpermute_rows(values, getattr(self._config, PERMUTED_TENSORS[key]))
-        out = values.astype(np.float32 if values.ndim == 1 else BF16)
+        if len(shape) == 1:
+            out = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
+        else:
+            # Row chunks bound the float32 temporaries (the dequantizer makes several) to
+            # DEQUANT_CHUNK_ELEMENTS, whatever the tensor's size.
+            out = np.empty(shape, BF16)
+            rows = max(1, DEQUANT_CHUNK_ELEMENTS // shape[1])
+            for r in range(0, shape[0], rows):
+                out[r:r + rows] = dequantize(data[r:r + rows], t.tensor_type).reshape(-1, shape[1]).astype(BF16)
+            if self._permuted and key in PERMUTED_TENSORS:
+                out = unpermute_rows(out, getattr(self._config, PERMUTED_TENSORS[key]))  # exact: moves rows
         out.flags.writeable = False
         return out
 

@@ -1,14 +1,13 @@
-"""The graph path: capture the library's body once with cuda-python, replay it per token.
+"""One captured decode step: capture the library's body once with cuda-python, replay it.
 
-    stream = cudaStreamCreateWithFlags(non-blocking)
-    cudaStreamBeginCapture(stream, global mode)
-    og_enqueue(engine, stream)          # the same body the non-graph path runs
+    cudaStreamBeginCapture(stream, mode)    # stream: the session's capture stream
+    og_enqueue(engine, stream)              # the same body the non-graph path runs
     graph = cudaStreamEndCapture(stream)
     exec  = cudaGraphInstantiate(graph)
     per token: og_begin_step -> cudaGraphLaunch(exec, stream) -> cudaStreamSynchronize -> og_end_step
 
-Pipelined greedy steps (engine.py, Engine.decode_greedy) launch the graphs of both step slots
-on one stream the session owns (launch(stream)) and wait on an event per slot instead.
+The streams, the events and the set of captured graphs belong to the session
+(runtime/session.py, GpuSession); this module only captures, launches and inspects one graph.
 
 Capture runs in thread-local mode by default: an unsafe CUDA call (an allocation, a
 synchronization) made by the capturing thread, which is the thread running og_enqueue, fails
@@ -27,7 +26,8 @@ class GraphError(RuntimeError):
     """A CUDA runtime call of the graph path failed; the message names the call."""
 
 
-def _runtime():
+def cuda_runtime():
+    """cuda-python's runtime module (cudart)."""
     try:
         from cuda.bindings import runtime
     except ImportError:  # older cuda-python layout
@@ -35,9 +35,10 @@ def _runtime():
     return runtime
 
 
-def _check(result, call: str):
-    """cuda-python returns (err, *values); raise GraphError unless err is cudaSuccess."""
-    rt = _runtime()
+def check_cuda(result, call: str):
+    """cuda-python returns (err, *values); raise GraphError unless err is cudaSuccess, else
+    return the values (None, one value, or a tuple)."""
+    rt = cuda_runtime()
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != rt.cudaError_t.cudaSuccess:
         name = rt.cudaGetErrorName(err)[1]
@@ -52,7 +53,7 @@ def _check(result, call: str):
 
 def device_count() -> int:
     """CUDA devices visible to cuda-python (0 when the driver is missing)."""
-    rt = _runtime()
+    rt = cuda_runtime()
     err, count = rt.cudaGetDeviceCount()
     return int(count) if err == rt.cudaError_t.cudaSuccess else 0
 
@@ -61,18 +62,19 @@ CAPTURE_MODES = ("thread_local", "global", "relaxed")
 
 
 class DecodeGraph:
-    """One captured decode step. `enqueue(stream_handle: int)` must enqueue the whole body.
-    `mode`: the stream capture mode, one of CAPTURE_MODES (see the module docstring)."""
+    """One captured decode step. `enqueue(stream_handle: int)` must enqueue the whole body;
+    it is captured on `stream` (a cudaStream_t the caller owns and keeps alive while the graph
+    lives). `mode`: the stream capture mode, one of CAPTURE_MODES (see the module docstring)."""
 
-    def __init__(self, enqueue: Callable[[int], None], mode: str = "thread_local"):
+    def __init__(self, enqueue: Callable[[int], None], stream, mode: str = "thread_local"):
         if mode not in CAPTURE_MODES:
             raise ValueError(f"mode={mode!r} is not one of {CAPTURE_MODES}")
-        rt = _runtime()
+        rt = cuda_runtime()
         self._rt = rt
         self.mode = mode
         self.graph = None
         self.exec = None
-        self.stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+        self.stream = stream
         try:
             self._capture(enqueue)
         except BaseException:
@@ -84,7 +86,7 @@ class DecodeGraph:
         modes = {"global": rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal,
                  "thread_local": rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal,
                  "relaxed": rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed}
-        _check(rt.cudaStreamBeginCapture(self.stream, modes[self.mode]), "cudaStreamBeginCapture")
+        check_cuda(rt.cudaStreamBeginCapture(self.stream, modes[self.mode]), "cudaStreamBeginCapture")
         try:
             enqueue(int(self.stream))
         except BaseException:
@@ -93,15 +95,17 @@ class DecodeGraph:
             if err == rt.cudaError_t.cudaSuccess and graph is not None:
                 rt.cudaGraphDestroy(graph)
             raise
-        self.graph = _check(rt.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
-        self.exec = _check(rt.cudaGraphInstantiate(self.graph, 0), "cudaGraphInstantiate")
+        self.graph = check_cuda(rt.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
+        self.exec = check_cuda(rt.cudaGraphInstantiate(self.graph, 0), "cudaGraphInstantiate")
 
     def launch(self, stream=None) -> None:
         """Launch on `stream` (a cudaStream_t; default: the stream it was captured on)."""
-        _check(self._rt.cudaGraphLaunch(self.exec, self.stream if stream is None else stream), "cudaGraphLaunch")
+        check_cuda(self._rt.cudaGraphLaunch(self.exec, self.stream if stream is None else stream),
+                   "cudaGraphLaunch")
 
     def synchronize(self) -> None:
-        _check(self._rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        """Until everything on the capture stream has completed."""
+        check_cuda(self._rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
     def replay(self) -> None:
         self.launch()
@@ -110,9 +114,9 @@ class DecodeGraph:
     def _typed_nodes(self):
         """(node, cudaGraphNodeType) for every node of the captured graph."""
         rt = self._rt
-        _, count = _check(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
-        nodes, _ = _check(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
-        return [(node, _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")) for node in nodes]
+        _, count = check_cuda(rt.cudaGraphGetNodes(self.graph, 0), "cudaGraphGetNodes")
+        nodes, _ = check_cuda(rt.cudaGraphGetNodes(self.graph, count), "cudaGraphGetNodes")
+        return [(node, check_cuda(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")) for node in nodes]
 
     def node_types(self) -> Counter:
         """How many nodes of each type the captured graph holds, e.g. {'Kernel': 170, 'Memcpy': 2}."""
@@ -124,7 +128,7 @@ class DecodeGraph:
         nodes = []
         for node, kind in self._typed_nodes():
             if kind == rt.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
-                params = _check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
+                params = check_cuda(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
                 extent = params.extent
                 nodes.append((params.kind.name.replace("cudaMemcpy", ""),
                               int(extent.width * extent.height * extent.depth)))
@@ -135,6 +139,7 @@ class DecodeGraph:
         return Counter(direction for direction, _ in self.memcpy_nodes())
 
     def close(self) -> None:
+        """Free the graph and its executable (the stream is its owner's)."""
         rt = self._rt
         if self.exec is not None:
             rt.cudaGraphExecDestroy(self.exec)
@@ -142,9 +147,6 @@ class DecodeGraph:
         if self.graph is not None:
             rt.cudaGraphDestroy(self.graph)
             self.graph = None
-        if self.stream is not None:
-            rt.cudaStreamDestroy(self.stream)
-            self.stream = None
 
     def __del__(self):
         try:

@@ -52,6 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+import os
+
 import ml_dtypes
 import numpy as np
 
@@ -250,6 +252,19 @@ class KVCache:
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _WEIGHT_DTYPES = (_BF16, np.dtype(np.float16), np.dtype(np.float32))
 _DEQUANTIZE_ROWS = 256   # rows per dequantization pass: bounds its temporaries (~13 B per weight)
+FP32_BUDGET_BYTES = 2 << 30   # fp32 weight copies a decoder keeps by default (ReferenceDecoder)
+
+
+def fp32_budget() -> int:
+    """Bytes of fp32 weight copies a ReferenceDecoder keeps: $ONEGRAPH_CPU_FP32_BUDGET_MB, else
+    FP32_BUDGET_BYTES."""
+    mb = os.environ.get("ONEGRAPH_CPU_FP32_BUDGET_MB")
+    if mb is None:
+        return FP32_BUDGET_BYTES
+    try:
+        return max(0, int(mb)) << 20
+    except ValueError:
+        raise ValueError(f"ONEGRAPH_CPU_FP32_BUDGET_MB={mb!r} must be a whole number of megabytes") from None
 
 
 def _widen_into(out: np.ndarray, part) -> None:
@@ -284,14 +299,23 @@ class Matrix:
         if any(q4) and not all(q4):
             raise ValueError("a fused matrix mixes q4 and other formats")
         self.q4 = all(q4)
+        self.kept: np.ndarray | None = None   # an fp32 copy held for good (keep_widened)
 
     @property
     def size(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def keep_widened(self) -> None:
+        """Hold the fp32 weights from now on instead of widening them at every use."""
+        self.kept = None
+        self.kept = self.widen(np.empty(self.size, _F32))
+
     def widen(self, scratch: np.ndarray) -> "np.ndarray | Q4Weights":
         """The fp32 weights [rows, cols] (Q4Weights for q4), written into the first rows * cols
-        floats of `scratch` (a flat fp32 buffer) and valid until the next widen into it."""
+        floats of `scratch` (a flat fp32 buffer) and valid until the next widen into it; the
+        kept copy instead when there is one."""
+        if self.kept is not None:
+            return self.kept
         w = scratch[:self.size].reshape(self.shape)
         r0 = 0
         for part in self.parts:
@@ -391,11 +415,14 @@ class ReferenceDecoder:
     tensors: every tensor of ``config.tensor_shapes()`` by Hugging Face name, as
     ml_dtypes.bfloat16 or float32 arrays (extra names are ignored). kv_dtype: "fp32", "bf16" or
     "int8". max_seq_len: rows of the KV cache (the most tokens one sequence can hold).
-    The tensors are kept (not copied): widened to fp32 per matrix when used (module docstring).
+    The tensors are kept (not copied): widened to fp32 per matrix when used (module docstring),
+    except that the first matrices whose fp32 copies fit in fp32_budget_bytes keep them, since
+    widening at every use costs far more than the GEMV itself (default FP32_BUDGET_BYTES, or
+    $ONEGRAPH_CPU_FP32_BUDGET_MB; 0: widen every matrix at every use, the least memory).
     """
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray],
-                 kv_dtype: str = "fp32", max_seq_len: int = 4096):
+                 kv_dtype: str = "fp32", max_seq_len: int = 4096, fp32_budget_bytes: int | None = None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; supported: {KV_DTYPES}")
         if not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
@@ -410,6 +437,12 @@ class ReferenceDecoder:
             w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj, w.router,
             *(w.experts_gate_up or ()), *(w.experts_down or ())) if m is not None]
         self._scratch = np.empty(max(m.size for m in matrices), _F32)
+        budget = fp32_budget() if fp32_budget_bytes is None else fp32_budget_bytes
+        for m in sorted(matrices, key=lambda m: m.size):   # small ones first: most matrices per byte
+            if 4 * m.size > budget:
+                break
+            m.keep_widened()
+            budget -= 4 * m.size
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_linear_factor)
         self.kv_cache = KVCache.allocate(kv_dtype, config.num_hidden_layers, self.max_seq_len,
                                          config.num_key_value_heads, config.head_dim)

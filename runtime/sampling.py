@@ -1,7 +1,7 @@
-"""Token sampling and the generation loop, shared by the CPU (reference) and GPU paths.
+"""Token sampling: choosing the next token from the logits, the same way on every path.
 
-Both paths hand ``generate`` a ``step_fn(token) -> logits [vocab]``; everything about choosing
-the next token lives here, so the two paths pick the same tokens from the same logits.
+The generation loop that calls it is the engine's (runtime/engine.py, Engine.stream); the CPU
+(reference) and GPU paths hand it the same logits, so they pick the same tokens.
 
 sample_step() is the sampler of both paths: the numpy mirror of the GPU stage (cuda/sample.cu),
 step for step, with the same counter-based generator (philox.py), so a seed gives the same tokens
@@ -40,7 +40,6 @@ top-p only), kept for callers that want probabilities.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -59,7 +58,7 @@ class SamplingParams:
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = no top-k filter
     top_p: float = 1.0         # 1.0 = no nucleus filter
-    seed: int | None = None    # None = fresh OS entropy per generate() call
+    seed: int | None = None    # None = fresh OS entropy per stream() or generate() call
     min_p: float = 0.0         # 0 = off; keep ids with p >= min_p * p_max
     repetition_penalty: float = 1.0   # 1 = off; > 0
     presence_penalty: float = 0.0     # 0 = off
@@ -146,7 +145,7 @@ def sample_step(logits: np.ndarray, params: SamplingParams, position: int,
                 counts: np.ndarray | None = None, seed: int | None = None) -> SampleResult:
     """One step of the sampler (module docstring, steps 1-6) on logits [V] of row `position`;
     counts [V]: times each id was generated so far (None: none). seed overrides params.seed
-    (generate() draws one when params.seed is None)."""
+    (Engine.stream draws one when params.seed is None)."""
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.size == 0:
         raise ValueError(f"logits must be a non-empty vector, got shape {logits.shape}")
@@ -215,68 +214,3 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int = 0,
            counts: np.ndarray | None = None) -> int:
     """The next token id from logits [vocab] (sample_step's token)."""
     return sample_step(logits, params, position, counts).token
-
-
-def generate(step_fn: Callable[[int], np.ndarray], prompt_ids: Sequence[int], max_new_tokens: int,
-             params: SamplingParams = SamplingParams(), stop_token_ids: Iterable[int] = (),
-             on_token: Callable[[int], None] | None = None,
-             prefill_fn: Callable[[list[int]], np.ndarray] | None = None,
-             greedy_step_fn: Callable[[int], int] | None = None,
-             greedy_decode_fn: Callable | None = None,
-             sampled_decode_fn: Callable | None = None, start_position: int = 0) -> list[int]:
-    """Feed the prompt, then sample up to max_new_tokens tokens; returns the new tokens.
-
-    step_fn(token) -> logits [vocab] decodes one token. prefill_fn(tokens) -> logits of the last
-    token, if given, feeds the whole prompt at once (the reference decoder's prefill skips the
-    lm_head of all but the last token). Generation stops after a token of stop_token_ids (it is
-    included in the result) or after max_new_tokens. on_token(token) is called for each new
-    token as it is chosen. The last new token is not fed back to step_fn: the model state then
-    holds the prompt and all but the last new token. greedy_step_fn(token) -> the greedy next
-    token, if given, replaces step_fn + sample for greedy params after the prompt (an engine
-    takes the argmax on the device; it must raise ValueError on NaN logits as sample() does).
-    greedy_decode_fn(token, max_steps, stop_token_ids, on_token) -> tokens, if given, replaces
-    that loop as a whole (Engine.decode_greedy: the same tokens, its steps pipelined).
-    sampled_decode_fn(token, max_steps, stop_token_ids, on_token, params, seed) -> tokens does
-    the same for sampled params (the GPU stage: sample_step on the device, counting each fed
-    token as generated). start_position: the row of the prompt's first token (the tokens
-    already cached); the generator is keyed by the row of each sampled step's logits.
-    """
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("prompt_ids is empty: generation needs at least one prompt token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-    stop = {int(t) for t in stop_token_ids}
-    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
-
-    if prefill_fn is not None:
-        logits = prefill_fn(prompt)
-    else:
-        for token in prompt:
-            logits = step_fn(token)
-
-    new_tokens: list[int] = []
-    if max_new_tokens == 0:
-        return new_tokens
-    position = start_position + len(prompt) - 1       # the row whose logits are sampled
-    counts = np.zeros(np.asarray(logits).size, np.int32)
-    plain_greedy = params.greedy and not params.penalized and not params.logprobs   # the argmax path
-    token = sample_step(logits, params, position, counts, seed).token
-    while True:
-        new_tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in stop or len(new_tokens) == max_new_tokens:
-            return new_tokens
-        rest = max_new_tokens - len(new_tokens)
-        if plain_greedy and greedy_decode_fn is not None:
-            return new_tokens + list(greedy_decode_fn(token, rest, stop, on_token))
-        if not plain_greedy and sampled_decode_fn is not None:
-            return new_tokens + list(sampled_decode_fn(token, rest, stop, on_token, params, seed))
-        position += 1
-        if plain_greedy and greedy_step_fn is not None:
-            token = int(greedy_step_fn(token))
-        else:
-            logits = step_fn(token)
-            counts[token] += 1
-            token = sample_step(logits, params, position, counts, seed).token

@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1
 LIMIT=${SUITE_TIMEOUT:-420}
 
 merge() {  # part documents -> $OUT/suite.json, suite.png, suite.txt (the tables, summary last)
-  python3 -m onegraph.cli bench --merge "$@" --json "$OUT/suite.json" --plot "$OUT/suite.png" \
+  python3 -m bench --merge "$@" --json "$OUT/suite.json" --plot "$OUT/suite.png" \
     > "$OUT/suite.txt" 2>&1
   echo "merge: rc=$?"
   cat "$OUT/suite.txt"
@@ -33,7 +33,7 @@ if [ "${1:-}" = merge ]; then shift; merge "$@"; exit; fi
 bench() {  # part name, then bench arguments
   local name=$1; shift
   echo "==== suite-$name: onegraph bench $*" >> "$OUT/suite-logs.txt"
-  timeout "$LIMIT" python3 -m onegraph.cli bench "$@" --json "$OUT/suite-$name.json" \
+  timeout "$LIMIT" python3 -m bench "$@" --json "$OUT/suite-$name.json" \
     >> "$OUT/suite-logs.txt" 2>&1
   echo "suite-$name: rc=$?"
 }

@@ -5,7 +5,7 @@
 // room beside A's) records its start, its wait's return and its pass through a barrier on a
 // global counter. Standalone (not part of the library):
 //   nvcc -arch=sm_90 -O2 -o /tmp/coop_pdl_probe scripts/coop_pdl_probe.cu && /tmp/coop_pdl_probe
-// Results on an H200: bench/PERF_NOTES.md (twelfth session).
+// Results on an H200: docs/journal.md (twelfth session).
 #include <cstdio>
 #include <cuda_runtime.h>
 

@@ -19,7 +19,7 @@ graph with none. Back to back, each kernel of the kind waits for the one before,
 whole latency, boundaries included, which the weights' bytes over the copy bandwidth can be set
 against. Leaving a kind out cannot show that part: another kernel's boundary takes its place.
 (Any variant that omits a kind also drops the O and down projections' settled residual read,
-engine.cu, since their residual's writer may be gone.)
+body.cu, since their residual's writer may be gone.)
 """
 import argparse
 import json
@@ -29,6 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (libonegraph_testing.so)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 KINDS = ("qkv", "attention", "o_proj", "ffn_in", "ffn_out", "lm_head")
 
@@ -61,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 def open_engine(args, max_seq_len: int):
     """(bench target, graph Engine on the GPU) for add_engine_args' flags."""
-    from onegraph import bench
+    from bench import benchmark as bench
     from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
@@ -71,10 +73,11 @@ def open_engine(args, max_seq_len: int):
 
 
 def measure(args) -> dict:
-    from onegraph import bench, capi_testing
+    import capi_testing
+    from bench import benchmark as bench
     target, engine = open_engine(args, args.context + 8)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         capi_testing.reliability()
         engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
         keep_only = getattr(args, "keep_only", False)

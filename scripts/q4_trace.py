@@ -1,9 +1,9 @@
 """Where a q4 GEMV's time goes inside the captured decode graph: per-block timestamps.
 
     python3 build.py --trace --out build/trace --arch sm_90
-    ONEGRAPH_LIB=$PWD/build/trace/libonegraph.so python3 scripts/q4_trace.py --preset qwen3-8b
+    ONEGRAPH_LIB=$PWD/build/trace/libonegraph_testing.so python3 scripts/q4_trace.py --preset qwen3-8b
 
-The trace build (-DOG_Q4_TRACE, cuda/gemv_q4.cu) has every block of the dense q4 GEMV record
+The trace build (a testing library with -DOG_Q4_TRACE, cuda/gemv_q4.cu) has every block of the dense q4 GEMV record
 %globaltimer when it starts, when the PDL wait returns, when its input is staged and when its
 last warp is done. This script decodes at a pinned context, replays the graph a few times,
 then once more with the trace cleared, and groups the records by launch (a launch's weight
@@ -50,16 +50,16 @@ def kind(launch: dict, vocab: int, hidden: int) -> str:
 
 
 def trace(args) -> tuple[np.ndarray, object]:
-    from onegraph import bench
+    from bench import benchmark as bench
     from onegraph.engine import Engine
     target = bench.preset_target(args.preset, None, 0)
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
                     device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         if not hasattr(gpu.lib, "og_q4_trace_read"):
             raise SystemExit("this library has no trace: build it with build.py --trace and point "
-                             "ONEGRAPH_LIB at it")
+                             "ONEGRAPH_LIB at its libonegraph_testing.so")
         gpu.lib.og_q4_trace_read.restype = ctypes.c_int
         gpu.lib.og_q4_trace_reset.restype = ctypes.c_int
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int

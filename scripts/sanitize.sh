@@ -65,12 +65,12 @@ read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernel
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
-if ! python3 build.py --debug --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
+if ! python3 build.py --debug --testing --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
   echo "sanitize: debug build failed (see $LOGS/build.log)" >&2
   tail -n 20 "$LOGS/build.log" >&2
   exit 3
 fi
-export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph.so
+export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph_testing.so
 
 target_command() {  # $1 target, $2 tool -> the command, one word per line
   case $1 in

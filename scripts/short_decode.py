@@ -19,6 +19,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (libonegraph_testing.so)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from onegraph.engine import Engine  # noqa: E402
 from onegraph.synth import iter_tensors, preset_config  # noqa: E402
@@ -69,10 +71,10 @@ def logits_decode(engine, prompt: list[int], n: int) -> list[int]:
 
 def paged_decode(config, tensors, kv: str, prompt: list[int], n: int) -> list[list[int]]:
     """Greedy tokens of a sequence and of its fork, decoded in turn through scrambled blocks."""
-    from onegraph import capi_testing
+    import capi_testing
     with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=64, device="gpu", kv_page_size=16,
                              kv_pool_blocks=24, kv_max_sequences=4) as engine:
-        capi_testing.kv_set_free_order(engine._gpu.handle, np.random.default_rng(2).permutation(24).tolist())
+        capi_testing.kv_set_free_order(engine.session.handle, np.random.default_rng(2).permutation(24).tolist())
         a = engine.sequence
         engine.prefill(prompt[:11])            # 11 rows: the fork shares a partial block
         b = engine.fork()

@@ -31,10 +31,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (libonegraph_testing.so)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from onegraph import capi_testing  # noqa: E402
+import capi_testing  # noqa: E402
 from onegraph.engine import Engine  # noqa: E402
-from onegraph.graph import _check, _runtime  # noqa: E402
+from onegraph.graph import check_cuda, cuda_runtime  # noqa: E402
 from onegraph.reference import ReferenceDecoder  # noqa: E402
 from onegraph.synth import iter_tensors, preset_config  # noqa: E402
 
@@ -51,13 +53,13 @@ FREE_MEMORY_SLACK_BYTES = 2 << 20
 
 
 def device_free_bytes() -> int:
-    free, _total = _check(_runtime().cudaMemGetInfo(), "cudaMemGetInfo")
+    free, _total = check_cuda(cuda_runtime().cudaMemGetInfo(), "cudaMemGetInfo")
     return int(free)
 
 
 def check_guards(engine: Engine) -> None:
     """og_check_guards on the engine's handle: raises capi.LibraryError if a band changed."""
-    capi_testing.check_guards(engine._gpu.handle)
+    capi_testing.check_guards(engine.session.handle)
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

@@ -69,12 +69,12 @@ def set_variant(variant: str, variants: list) -> None:
 
 
 def measure(args) -> dict:
-    from onegraph import bench
+    from bench import benchmark as bench
     target, engine = open_engine(args, max(args.contexts) + 16)
     ms = {(c, v): [] for c in args.contexts for v in args.variants}
     diffs, reference = {}, None
     with engine:
-        gpu = engine._gpu
+        gpu = engine.session
         engine.prefill(bench.make_prompt(target.config, min(args.contexts) - 1, 0))
         for context in args.contexts:
             with bench.pinned_position(engine, context - 1):

@@ -18,21 +18,36 @@ def load_build_module():
 
 
 def build_library_or_skip():
-    """Build the library (incremental) unless $ONEGRAPH_LIB names one; skip without nvcc.
-    Returns the built library's path, or None when $ONEGRAPH_LIB is used."""
-    if os.environ.get("ONEGRAPH_LIB"):
+    """Build the testing library (incremental) unless $ONEGRAPH_LIB names another library;
+    skip without nvcc. Returns the built library's path, or None when $ONEGRAPH_LIB is used."""
+    from capi_testing import TESTING_LIBRARY
+    named = os.environ.get("ONEGRAPH_LIB")
+    if named and os.path.abspath(named) != os.path.abspath(TESTING_LIBRARY):
         return None
     build = load_build_module()
     if build.find_nvcc() is None:
         pytest.skip("nvcc not found: the CUDA library cannot be built on this machine")
-    return build.build_library()
+    return build.build_library(testing=True)
+
+
+def gpu_required() -> bool:
+    """$ONEGRAPH_REQUIRE_GPU=1 (scripts/gpu_check.sh): a GPU test that cannot reach a device
+    fails instead of skipping, so a run on a GPU machine cannot pass by skipping everything."""
+    return os.environ.get("ONEGRAPH_REQUIRE_GPU") == "1"
+
+
+def skip_or_fail(reason: str):
+    """pytest.skip(reason), or pytest.fail(reason) under $ONEGRAPH_REQUIRE_GPU=1."""
+    if gpu_required():
+        pytest.fail(f"{reason} (ONEGRAPH_REQUIRE_GPU=1)")
+    pytest.skip(reason)
 
 
 def require_gpu():
     from onegraph.engine import library_status
     usable, reason = library_status()
     if not usable:
-        pytest.skip(f"GPU path unusable: {reason}")
+        skip_or_fail(f"GPU path unusable: {reason}")
 
 
 def synthetic(preset, layers=None, seed=0):

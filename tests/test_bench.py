@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from onegraph import bench
+from bench import benchmark as bench
 from onegraph.engine import Engine as CpuEngine
 from onegraph.synth import iter_tensors, preset_config
 
@@ -122,32 +122,41 @@ def test_summarize():
 
 
 def test_pinned_position_overrides_the_step_record_and_restores():
-    class Record:
-        position = 0
+    """bench.pinned_position through Engine.pin_position and GpuSession.begin, over a stand-in
+    library: og_begin_step writes the row after the sequence's rows (og_seq_set_length sets them)."""
+    from onegraph import capi
+    from onegraph.session import GpuSession
 
-    class Session:
-        def __init__(self):
-            self.step_record = Record()
-            self.seen = []
-            self.rows = None
+    class Pool:
+        rows = 0
 
-        def seek(self, position):  # og_seq_set_length: the sequence holds `position` rows
-            self.rows = position
+        def current(self):
+            return 0
 
-        def begin(self, token):  # what og_begin_step writes: the row after the sequence's rows
-            self.step_record.position = len(self.seen) if self.rows is None else self.rows
-            self.rows = None
-            self.seen.append(token)
+        def set_length(self, seq, rows):
+            self.rows = rows
 
-    class FakeEngine:
-        _gpu = Session()
+    class Lib:
+        def __init__(self, pool):
+            self.pool, self.positions = pool, []
 
-    engine = FakeEngine()
+        def og_begin_step(self, handle, token):
+            self.positions.append((token, self.pool.rows))
+            self.pool.rows += 1
+            return capi.OG_OK
+
+    session = GpuSession.__new__(GpuSession)  # no library: only begin() and the pin are exercised
+    session.pool, session.handle, session.pinned_position = Pool(), None, None
+    session.lib = Lib(session.pool)
+    engine = CpuEngine.__new__(CpuEngine)
+    engine._gpu = session
+    session.begin(6)
     with bench.pinned_position(engine, 4095):
-        engine._gpu.begin(7)
-        assert engine._gpu.step_record.position == 4095
-    engine._gpu.begin(8)
-    assert engine._gpu.step_record.position == 1 and engine._gpu.seen == [7, 8]
+        session.begin(7)
+        session.begin(8)
+    session.begin(9)
+    assert session.lib.positions == [(6, 0), (7, 4095), (8, 4095), (9, 4096)]
+    assert session.pinned_position is None
 
 
 # ---- the JSON document, the table, the chart -------------------------------------------------------
@@ -158,7 +167,7 @@ def synthetic_doc() -> dict:
     target = bench.Target("qwen3-0.6b", preset_config("qwen3-0.6b"), None, "preset qwen3-0.6b")
     results, sweep = [], []
     for runtime, kv, ms in (("onegraph-graph", "int8", 1.0), ("onegraph-nongraph", "int8", 1.5),
-                            ("hf-eager", "bf16", 22.0)):
+                            ("onegraph-graph-pipelined", "int8", 0.8), ("hf-eager", "bf16", 22.0)):
         r = bench.empty_result(target, runtime, kv, s)
         runs = [{"ttft_ms": 30.0, "step_ms": [ms] * 4, "tokens": [5, 6, 7, 8, 9]}]
         bpt = bench.bytes_per_token(target.config, kv, bench.mean_decode_context(32, 4))
@@ -188,9 +197,11 @@ def test_json_document_round_trip(tmp_path):
     back = json.loads(text)
     bench.check_schema(back)
     assert back["schema_version"] == bench.SCHEMA_VERSION
-    graph, nongraph, eager, compiled = back["results"]
-    assert graph["speedup_over_nongraph"] == pytest.approx(1.5)
-    assert graph["same_tokens_as_nongraph"] is True
+    graph, nongraph, piped, eager, compiled = back["results"]
+    assert graph["speedup_over_nongraph"] == pytest.approx(1.5)      # both one step at a time
+    assert graph["same_tokens_as_nongraph"] is True and graph["speedup_of_pipelining"] is None
+    assert piped["speedup_of_pipelining"] == pytest.approx(1.25)     # 1.0 ms step by step, 0.8 pipelined
+    assert piped["speedup_over_nongraph"] is None and piped["same_tokens_as_nongraph"] is True
     assert eager["common_prefix_with_onegraph"] == 5
     assert compiled["status"] == "skipped" and compiled["tokens_per_s"] is None
     assert graph["bytes_per_token"]["weights"]["total"] == 1_192_232_960
@@ -220,7 +231,9 @@ def test_summary_table():
     graph_row = next(line for line in lines if "onegraph-graph" in line)
     assert "1000.0" in graph_row and "1.00/1.00" in graph_row and "2.00" in graph_row
     assert any("hf-compile" in line and "skipped: torch sees no CUDA device" in line for line in lines)
-    assert any("graph / non-graph 1.50x, same tokens: True" in line for line in lines)
+    assert any("graph / non-graph 1.50x (one step at a time), same tokens: True" in line for line in lines)
+    assert any("graph pipelined / graph step by step 1.25x, same tokens as non-graph: True" in line
+               for line in lines)
     assert any("reads 1.196 GB/token" in line for line in lines)
     assert "4096" in bench.format_sweep(synthetic_doc()["context_sweep"])
 
@@ -240,7 +253,7 @@ def test_plot_draws_every_result_with_its_own_floor():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    plot = bench.import_bench_module("plot")
+    from bench import plot
     base = {"model": "m", "layers": 2, "kv": "int8", "kv_page_size": 64, "status": "ok"}
     results = [dict(base, runtime=rt, weights=w, tokens_per_s=tps, floor_tokens_per_s=floor)
                for w, floor in (("bf16", 300.0), ("int8+lm", 550.0), ("q4+lm", 990.0))
@@ -298,19 +311,8 @@ class FakeGpuEngine:
         self.seen = []  # (mode, position read by the body) per step
         self.outputs = []  # what each step handed out: "logits" | "next_token"
         self.pipelined_runs = 0  # decode_greedy calls
-
-        class Session:
-            step_record = type("Record", (), {"position": 0})()
-            rows = None
-
-            def seek(session, position):  # og_seq_set_length
-                session.rows = position
-
-            def begin(session, token):  # what og_begin_step writes
-                session.step_record.position = self.inner.position if session.rows is None else session.rows
-                session.rows = None
-
-        self._gpu = Session()
+        self.pinned = None       # pin_position: the row every step's body reads
+        self.piping = False      # inside decode_greedy
 
     def set_graph(self, enabled):
         self.use_graph = enabled
@@ -318,10 +320,13 @@ class FakeGpuEngine:
     def reset(self):
         self.inner.reset()
 
+    def pin_position(self, position):
+        self.pinned = position
+
     def step(self, token, output="logits"):
         mode = "graph" if self.use_graph else "nongraph"
-        self._gpu.begin(token)
-        self.seen.append((mode, self._gpu.step_record.position))
+        self.seen.append(("graph-pipelined" if self.piping else mode,
+                          self.inner.position if self.pinned is None else self.pinned))
         self.outputs.append(output)
         self.counts[f"{mode}_steps"] += 1
         return self.inner.step(token)
@@ -332,10 +337,12 @@ class FakeGpuEngine:
     def decode_greedy(self, token, n, stop_token_ids=(), on_token=None):  # pipelined on the GPU
         self.pipelined_runs += 1
         out = []
+        self.piping = True
         for _ in range(n):
             token = self.step_greedy(token)
             out.append(token)
             on_token(token)
+        self.piping = False
         return out
 
     def prefill(self, tokens):
@@ -364,18 +371,27 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
     target = bench.preset_target("tiny-dense", None, seed=0)
     results, sweep = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
     bench.compare_tokens(results)
-    graph, nongraph = results
-    assert (graph["runtime"], nongraph["runtime"]) == ("onegraph-graph", "onegraph-nongraph")
-    assert graph["same_tokens_as_nongraph"] is True and graph["speedup_over_nongraph"] > 0
+    piped = step_output == "next_token" and pipeline  # a third mode: the graph's steps pipelined
+    modes = ["graph", "nongraph"] + (["graph-pipelined"] if piped else [])
+    assert [r["runtime"] for r in results] == [f"onegraph-{m}" for m in modes]
+    graph, nongraph = results[:2]
+    assert graph["same_tokens_as_nongraph"] is True
+    # graph / non-graph: both one step at a time; pipelining is its own ratio.
+    assert graph["speedup_over_nongraph"] == pytest.approx(graph["tokens_per_s"] / nongraph["tokens_per_s"])
+    if piped:
+        pipelined = results[2]
+        assert pipelined["speedup_of_pipelining"] == pytest.approx(pipelined["tokens_per_s"] / graph["tokens_per_s"])
+        assert pipelined["same_tokens_as_nongraph"] is True and pipelined["speedup_over_nongraph"] is None
     for r in results:
         assert len(r["step_ms_runs"]) == 2 and all(len(run) == 4 for run in r["step_ms_runs"])
         assert r["h2d_per_token"] == 1.0 and r["device_bytes"] == 12345 and r["warmup_s"] > 0
         assert r["floor_ms"] == pytest.approx(r["bytes_per_token"]["total"] / 1e12 * 1e3)
     seen = engines[0].seen
     run = 3 + 4  # prompt + decode steps
-    decode = [mode for mode, _ in seen[:3 * 2 * run:run]]
-    assert decode == ["graph", "nongraph", "nongraph", "graph", "graph", "nongraph"]  # warm-up, then swapped
-    pinned = seen[3 * 2 * run:]
+    runs = 3 * len(modes)  # warm-up + 2 repeats of every mode
+    decode = [mode for mode, _ in seen[3:runs * run:run]]  # the first decode step of each run
+    assert decode == modes + modes[::-1] + modes  # warm-up, then the order reversed each repeat
+    pinned = seen[runs * run:]
     assert len(pinned) == 2 * (2 + 1) * 2  # contexts × (steps + warm-up) × modes
     assert [p for _, p in pinned] == [39] * 6 + [99] * 6
     assert [(r["context"], r["runtime"], r["fill"], r["steps"]) for r in sweep] == [
@@ -384,14 +400,13 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
     assert engines[0].inner.position == 0  # the sweep leaves a reset engine
     assert all(r["kv_page_size"] == 64 for r in results + sweep)
     assert all(r["step_output"] == step_output for r in results)
-    # Graph runs (warm-up + 2) pipelined with next_token and --pipeline on; never the non-graph ones.
-    piped = step_output == "next_token" and pipeline
+    # Only the graph-pipelined runs (warm-up + 2) go through decode_greedy.
     assert engines[0].pipelined_runs == (3 if piped else 0)
-    assert (graph["pipelined"], nongraph["pipelined"]) == (piped, False)
+    assert [r["pipelined"] for r in results] == [m == "graph-pipelined" for m in modes]
     # The prompt's steps give logits; every timed decode step and every sweep step the chosen output.
     outputs = engines[0].outputs
-    assert all(outputs[i] == ("logits" if i % run < 3 else step_output) for i in range(3 * 2 * run))
-    assert set(outputs[3 * 2 * run:]) == {step_output}
+    assert all(outputs[i] == ("logits" if i % run < 3 else step_output) for i in range(runs * run))
+    assert set(outputs[runs * run:]) == {step_output}
 
 
 def test_kv_page_option():
@@ -400,14 +415,14 @@ def test_kv_page_option():
 
 
 def test_runtime_bench_never_imports_torch():
-    code = "import sys, onegraph.bench, onegraph.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, bench.benchmark, onegraph.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- peers ---------------------------------------------------------------------------------------------
 
 def test_peers_skip_cleanly(monkeypatch):
-    peers = bench.import_bench_module("peers")
+    from bench import peers
     assert peers.unavailable("vllm").startswith("unknown peer")
     monkeypatch.setitem(sys.modules, "torch", None)
     assert peers.unavailable("hf-eager") == "torch is not installed"
@@ -418,7 +433,7 @@ def test_peers_skip_cleanly(monkeypatch):
 
 
 def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
-    peers = bench.import_bench_module("peers")
+    from bench import peers
     asked = []
 
     def fake_run_peer(peer, config, source, *, prompt, n, repeats, device):
@@ -435,7 +450,7 @@ def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
 def test_peers_need_cuda_when_asked():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    peers = bench.import_bench_module("peers")
+    from bench import peers
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert peers.unavailable("hf-eager", "cuda") == "torch sees no CUDA device"
@@ -459,7 +474,7 @@ def test_hf_eager_peer_on_cpu(preset):
     (tiny-moe covers the fused expert layout, tiny-tied the shared embedding)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    peers = bench.import_bench_module("peers")
+    from bench import peers
     config = preset_config(preset)
     prompt, n = bench.make_prompt(config, 8, seed=0), 8
     out = peers.run_peer("hf-eager", config, lambda: iter_tensors(config), prompt=prompt, n=n, repeats=2,
@@ -477,7 +492,7 @@ def test_hf_eager_peer_on_cpu(preset):
 def test_peer_weight_stream_must_cover_the_model():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    peers = bench.import_bench_module("peers")
+    from bench import peers
     config = preset_config("tiny-dense")
     partial = ((name, a) for name, a in iter_tensors(config) if name != "model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*0 of"):
@@ -493,7 +508,7 @@ def test_merge_runs(tmp_path, capsys):
     assert bench.main(["--merge", *paths, "--json", out]) == 0
     doc = json.loads(open(out).read())
     bench.check_schema(doc)
-    assert len(doc["results"]) == 8 and len(doc["context_sweep"]) == 8
+    assert len(doc["results"]) == 2 * 5 and len(doc["context_sweep"]) == 8
     assert sum(note.startswith("merged: ") for note in doc["notes"]) == 2
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("qwen3-0.6b")
 
@@ -505,7 +520,7 @@ def test_suite_script_invocations_parse():
     import os
     import re
     import shlex
-    peer_module = bench.import_bench_module("peers")
+    from bench import peers as peer_module
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                           "bench_suite.sh")
     text = open(script, encoding="utf-8").read().replace("\\\n", " ")

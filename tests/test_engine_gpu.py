@@ -8,7 +8,8 @@ import pytest
 from gpu_support import float16_checkpoint, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph import capi
-from onegraph.engine import Engine, GpuSession
+from onegraph.engine import Engine
+from onegraph.session import GpuSession
 from onegraph.reference import ReferenceDecoder
 from onegraph.synth import write_tensors
 

@@ -3,7 +3,7 @@ here: embedding gather, bf16 GEMV (plain, RMSNorm fused in front, residual, RMSN
 + SwiGLU), QK-norm + RoPE + KV-cache write, split-KV decode attention.
 
 Each kernel runs through its test entry point (cuda/onegraph_testing.h via
-runtime/capi_testing.py): inputs uploaded, one launch as the decode body makes it,
+tests/capi_testing.py, the testing library): inputs uploaded, one launch as the decode body makes it,
 synchronize, outputs downloaded. Sizes are awkward on purpose: columns that are not multiples
 of the 8-element row padding, single rows, one KV head, every GQA ratio, visible lengths at
 split boundaries. Inputs are fresh random numbers (never zeros); outputs are NaN-poisoned
@@ -30,7 +30,7 @@ import pytest
 
 from gpu_support import require_gpu
 from onegraph import capi
-from onegraph import capi_testing as ct
+import capi_testing as ct
 from onegraph.reference import kv_quantize_int8, rope_inv_freq
 
 pytestmark = pytest.mark.gpu

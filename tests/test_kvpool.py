@@ -151,7 +151,7 @@ def test_zeroing_one_segment_leaves_its_neighbours():
 def allocator_type():
     build_library_or_skip()
     try:
-        from onegraph import capi_testing
+        import capi_testing
         capi_testing.load()
     except capi.LibraryUnavailable as e:
         pytest.skip(f"library unavailable: {e}")
@@ -212,7 +212,7 @@ def test_allocator_free_order_hook(allocator_type):
 
 
 def test_zero_blocks_kernel_entry_point_without_gpu(allocator_type):
-    from onegraph import capi_testing
+    import capi_testing
     from onegraph.engine import library_status
     if library_status()[0]:
         pytest.skip("a GPU is present: tests/test_paged_gpu.py runs the kernel")

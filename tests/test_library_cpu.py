@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import shutil
+import subprocess
 import threading
 
 import numpy as np
@@ -24,9 +26,8 @@ HEADER = ROOT / "cuda" / "onegraph.h"
 
 @pytest.fixture(scope="module")
 def lib():
-    if not os.environ.get("ONEGRAPH_LIB"):
-        path = build_library_or_skip()  # incremental: returns at once when up to date
-        assert path is not None and pathlib.Path(path).is_file()
+    path = build_library_or_skip()  # incremental: returns at once when up to date
+    assert path is None or pathlib.Path(path).is_file()
     try:
         return capi.load_library()
     except capi.LibraryUnavailable as e:
@@ -66,6 +67,21 @@ def init(lib, cfg) -> tuple[int, capi.Handle]:
 def test_abi_version_matches_header(lib):
     assert lib.og_abi_version() == capi.header_abi_version(str(HEADER))
     assert lib.og_abi_version() == capi.ABI_VERSION
+    major, minor = ctypes.c_int32(-1), ctypes.c_int32(-1)
+    lib.og_abi_version_numbers(ctypes.byref(major), ctypes.byref(minor))
+    assert (major.value, minor.value) == capi.header_abi_version_numbers(str(HEADER))
+    assert major.value == capi.ABI_VERSION and minor.value >= capi.ABI_MINOR_REQUIRED
+    lib.og_abi_version_numbers(None, None)  # either pointer may be NULL
+
+
+def test_status_string_names_every_status_of_the_header(lib):
+    import re
+    codes = re.findall(r"#define\s+(OG_(?:OK|E_\w+))\s+(-?\d+)", HEADER.read_text())
+    assert len(codes) >= 16
+    for name, value in codes:
+        assert lib.og_status_string(int(value)) == name.encode()
+    assert lib.og_status_string(-999) == b"unknown og_status"
+    assert lib.og_status_string(1) == b"unknown og_status"
 
 
 def test_config_default(lib):
@@ -224,7 +240,7 @@ def test_last_error_is_per_thread_and_never_null(lib):
 
 def test_rope_table_matches_reference_bit_for_bit(lib):
     # The table is computed on the host, so this runs without a GPU.
-    from onegraph import capi_testing
+    import capi_testing
     from onegraph.reference import rope_inv_freq
     for head_dim, theta, factor in [(128, 1e6, 1.0), (64, 1e4, 1.0), (16, 5e5, 8.0), (80, 1e6, 4.0),
                                     (2, 1e4, 1.0)]:
@@ -237,7 +253,7 @@ def test_rope_table_matches_reference_bit_for_bit(lib):
 def test_kernel_entry_points_without_gpu(lib, has_gpu):
     if has_gpu:
         pytest.skip("a GPU is present")
-    from onegraph import capi_testing
+    import capi_testing
     w = capi_testing.bf16_bits(np.ones((3, 5), np.float32))
     with pytest.raises(capi.LibraryError) as err:
         capi_testing.gemv(w, np.ones(5, np.float32))
@@ -270,3 +286,19 @@ def test_trace_build_compiles(tmp_path, source, reader):
     symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True)
     if symbols.returncode == 0:
         assert reader in symbols.stdout
+
+
+def test_product_library_exports_no_test_entry_points():
+    """libonegraph.so carries the public ABI only: the og_test_* entry points, the guard check
+    and the trace hooks are in libonegraph_testing.so (build.py --testing)."""
+    product = ROOT / "runtime" / "_lib" / capi.LIB_NAME
+    nm = shutil.which("nm")
+    if nm is None or not product.is_file():
+        pytest.skip(f"nm or {product} missing: build it with 'python build.py'")
+    out = subprocess.run([nm, "-D", "--defined-only", str(product)], capture_output=True, text=True,
+                         check=True).stdout
+    exported = {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == ["T"]}
+    leaked = sorted(name for name in exported
+                    if name.startswith("og_test_") or name in ("og_check_guards",) or "trace" in name)
+    assert leaked == [], f"{product} exports test entry points: {leaked}"
+    assert {"og_init", "og_enqueue", "og_abi_version"} <= exported

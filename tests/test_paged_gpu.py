@@ -5,13 +5,15 @@ block tables, sequences interleaved, prefix sharing with copy-on-write, errors b
 state change, long context (4k; 32k marked slow). Skipped without a usable GPU."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as decode
 from onegraph import capi
-from onegraph import capi_testing as ct
+import capi_testing as ct
 from onegraph.engine import Engine, EngineError
 from onegraph.kvpool import KV_STORAGE, PoolLayout, zero_blocks
 from onegraph.reference import ReferenceDecoder, rope_inv_freq
@@ -341,6 +343,37 @@ def test_interleaved_sequences_equal_each_alone():
     for seq, name in ((a, "a"), (b, "b")):
         assert got[seq][0] == alone[name][0]
         assert all(same_bits(x, y) for x, y in zip(got[seq][1], alone[name][1])), name
+
+
+def test_seq_calls_act_on_the_named_sequence_and_leave_the_selection():
+    """og_prefill_seq / og_begin_step_seq on an unselected sequence give the bits og_prefill /
+    og_begin_step give on the selected one, and the selection stays where it was."""
+    config, tensors = synthetic("tiny-dense")
+    with make_engine(config, tensors, kv_page_size=16, kv_pool_blocks=32) as engine:
+        gpu = engine._gpu
+        lib, handle, pool = gpu.lib, gpu.handle, gpu.pool
+        a = pool.current()
+        b = pool.create()
+        tokens = (ctypes.c_int32 * len(PROMPT))(*PROMPT)
+        out = {a: np.full(config.vocab_size, np.nan, np.float32), b: np.full(config.vocab_size, np.nan, np.float32)}
+        as_ptr = lambda array: array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))  # noqa: E731
+        capi.check(lib.og_prefill(handle, tokens, len(PROMPT), as_ptr(out[a])), "og_prefill")
+        capi.check(lib.og_prefill_seq(handle, b, tokens, len(PROMPT), as_ptr(out[b])), "og_prefill_seq")
+        assert pool.current() == a and same_bits(out[a], out[b])
+        for _ in range(3):
+            token = int(np.argmax(out[a]))
+            for seq in (a, b):
+                begin = (lib.og_begin_step(handle, token) if seq == a else
+                         lib.og_begin_step_seq(handle, seq, token))
+                capi.check(begin, "og_begin_step")
+                capi.check(lib.og_run(handle), "og_run")
+                capi.check(lib.og_end_step(handle), "og_end_step")
+                out[seq] = gpu.logits_view.copy()
+            assert pool.current() == a and same_bits(out[a], out[b])
+        assert pool.length(a) == pool.length(b) == len(PROMPT) + 3
+        assert lib.og_begin_step_seq(handle, 999, 1) == capi.OG_E_INVALID_ARGUMENT
+        assert lib.og_prefill_seq(handle, 999, tokens, 1, None) == capi.OG_E_INVALID_ARGUMENT
+        assert pool.length(b) == len(PROMPT) + 3
 
 
 @pytest.mark.parametrize("prefix", [16, 21, 32])  # a whole number of blocks, and a partial one

@@ -10,7 +10,8 @@ import pytest
 
 from gpu_support import rel_l2, require_gpu
 from onegraph import capi
-from onegraph.engine import Engine, EngineError, GpuSession
+from onegraph.engine import Engine, EngineError
+from onegraph.session import GpuSession
 from onegraph.kvpool import PoolLayout
 from onegraph.quant import WeightScheme, quantize_stream
 from onegraph.reference import ReferenceDecoder
@@ -92,7 +93,7 @@ GEMM_SHAPES = [(1, 1, 1), (1, 64, 8), (3, 5, 7), (17, 33, 40), (64, 64, 32), (65
 @pytest.mark.parametrize("rows,cols,depth", GEMM_SHAPES)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_matches_numpy(rows, cols, depth, accumulate):
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(rows * 1000 + cols * 7 + depth)
     a = ct.bf16_bits(rng.standard_normal((rows, depth)))
     w = ct.bf16_bits(rng.standard_normal((cols, depth)) * 0.1)
@@ -112,7 +113,7 @@ def test_gemm_matches_numpy(rows, cols, depth, accumulate):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
     """The form og_prefill runs: fp32 activations as hi + lo (ct.bf16_split), two fp32 sums."""
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(rows * 1000 + cols * 7 + depth + 1)
     a32 = rng.standard_normal((rows, depth)).astype(np.float32)
     hi, lo = ct.bf16_split(a32)
@@ -139,7 +140,7 @@ def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
 def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div):
     """The MoE experts' GEMM: group z multiplies the a rows its list names (entry / div) by its
     own matrix into the y rows its list names; groups may be empty; other y rows are untouched."""
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(groups * 100 + cols + depth)
     a_total, y_total = 3 * stride + 2, groups * stride + 5
     a = ct.bf16_bits(rng.standard_normal((a_total, depth)))
@@ -163,7 +164,7 @@ def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div
 
 @pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
 def test_gemm_is_deterministic_and_row_independent(split):
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(5)
     a, lo = ct.bf16_split(rng.standard_normal((200, 264)))
     lo = lo if split else None
@@ -180,7 +181,7 @@ def test_large_and_small_gemm_tiles_give_the_same_bits(split):
     a GPU with more multiprocessors may pick the small one); 17 rows alone make few blocks, so
     the small tile runs. Both sum each element in the same k order: the same bits, and both
     right against numpy."""
-    from onegraph import capi_testing as ct
+    import capi_testing as ct
     rng = np.random.default_rng(6)
     a, lo = ct.bf16_split(rng.standard_normal((700, 72)))
     lo = lo if split else None

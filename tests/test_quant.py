@@ -373,7 +373,7 @@ def test_config_default_and_validation_of_weight_formats():
 
 
 def test_benchmark_counts_quantized_bytes():
-    from onegraph import bench
+    from bench import benchmark as bench
     c = preset_config("qwen3-8b")
     bf16 = bench.weight_bytes_per_token(c)
     q4 = bench.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")

@@ -36,8 +36,9 @@ import pytest
 from gpu_support import rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph import capi
-from onegraph import capi_testing as ct
-from onegraph.engine import Engine, GpuSession
+import capi_testing as ct
+from onegraph.engine import Engine
+from onegraph.session import GpuSession
 from onegraph.quant import QuantizedMatrix, WeightScheme, e5m3, quantize, quantize_input_q8, quantize_stream
 from onegraph.reference import ReferenceDecoder
 from test_kernels_gpu import SLACK, U, assert_within, ref_rmsnorm, rng_for, sumsq_depth
@@ -394,7 +395,7 @@ def test_bulk_stream_in_the_engine_against_the_reference_teacher_forced():
     steps; at step 29 the reference's top two logits are 0.0009 apart, against a logit spread of
     4.05 and a GPU-vs-reference difference of 0.05-0.1 at those two entries. The w4a8 input
     rounding turns fp32 summation-order differences into whole code steps: teacher-forced rel L2
-    0.013 for q4 against 0.0017 for bf16 weights; bench/PERF_NOTES.md.)"""
+    0.013 for q4 against 0.0017 for bf16 weights; docs/journal.md.)"""
     from onegraph.synth import iter_tensors, preset_config
     assert ct.gemv_q4_stream("norm_swiglu", 2 * 1536, 512, bulk_stream=True) == "bulk"
     assert ct.gemv_q4_stream("residual", 512, 1536, bulk_stream=True) == "bulk"

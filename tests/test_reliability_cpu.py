@@ -13,6 +13,8 @@ import pathlib
 import re
 
 import ml_dtypes
+import types
+
 import numpy as np
 import pytest
 
@@ -50,7 +52,7 @@ def lib():
         library = capi.load_library()
     except capi.LibraryUnavailable as e:
         pytest.fail(f"the library does not load: {e}")
-    from onegraph import capi_testing
+    import capi_testing
     capi_testing.load()
     capi_testing.reliability()
     return library
@@ -88,7 +90,7 @@ def test_the_header_scan_finds_the_handle_functions():
 @pytest.mark.parametrize("header", sorted(HEADERS))
 def test_every_exported_function_is_bound(lib, header):
     unbound = [n for n in exported_functions(HEADERS[header]) if getattr(lib, n).argtypes is None]
-    assert not unbound, (f"{header} declares {unbound} but runtime/capi.py or runtime/capi_testing.py "
+    assert not unbound, (f"{header} declares {unbound} but runtime/capi.py or tests/capi_testing.py "
                          f"does not bind them (argtypes/restype)")
 
 
@@ -112,9 +114,9 @@ def test_unknown_handle_is_refused_by_every_handle_function(lib, name):
 RAW_ALLOCATION = re.compile(
     r"\bcuda(Malloc|MallocHost|HostAlloc|MallocManaged|MallocAsync|MallocPitch|Malloc3D|"
     r"Free|FreeHost|FreeAsync)\s*\(")
-# Files whose raw allocations are not the engine's: the fault hooks themselves and the kernel
-# test entry points (which allocate scratch buffers per call).
-RAW_ALLOCATION_ALLOWED = {"reliability.cu", "testing.cu", "moe.cu"}
+# Files whose raw allocations are not the engine's: the allocation wrappers themselves and the
+# kernel test entry points of the testing library (which allocate scratch buffers per call).
+RAW_ALLOCATION_ALLOWED = {"reliability.cu", "testing.cu", "moe_testing.cu"}
 
 
 def test_engine_allocations_go_through_the_counted_wrappers():
@@ -131,7 +133,7 @@ def test_engine_allocations_go_through_the_counted_wrappers():
 
 
 def test_fault_hooks_validate_their_arguments(lib):
-    from onegraph import capi_testing
+    import capi_testing
     with pytest.raises(capi.LibraryError) as err:
         capi_testing.fail_allocation_at(-2)
     assert err.value.status == capi.OG_E_INVALID_ARGUMENT and "n=-2" in str(err.value)
@@ -278,6 +280,7 @@ class _FakeSession:
         self.pending = []
         self.refuse_chained = 0  # begin_chained refusals to come (og_begin_chained_step's errors)
         self.chained = 0         # chained steps begun
+        self.pool = types.SimpleNamespace(reserve=lambda seq, n: None)  # blocks are not modelled
 
     def set_output(self, output):
         self.output = output
@@ -544,3 +547,37 @@ def test_decode_greedy_error_in_on_token_keeps_only_the_ended_steps(tiny):
         engine.decode_greedy(first, 10, on_token=on_token)
     assert seen == want[:4]
     assert engine.position == len(PROMPT) + 4 == engine._gpu.ref.position and engine._gpu.pending == []
+
+
+@pytest.mark.parametrize("stop_how", ["break", "close", "raise"])
+def test_stream_stopped_early_drops_the_launched_step(tiny, stop_how):
+    """A consumer of Engine.stream that stops while a chained step is in flight: the step is
+    waited for and dropped (at close(), or at the engine's next call when the iterator is left
+    open), the sequence holds exactly the tokens fed, and decoding goes on from there."""
+    config, tensors = tiny
+    engine = _engine_on_fake_gpu(config, tensors)
+    engine.prefill_mode = "token"
+    ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
+    first = int(np.argmax(ref.prefill(PROMPT)))
+    want = [first] + _serial_greedy(config, tensors, first, 9)
+    got = []
+    tokens = engine.stream(PROMPT, 10, stop_token_ids=())
+    try:
+        for token in tokens:
+            got.append(token)
+            if len(got) == 5:
+                if stop_how == "raise":
+                    raise KeyboardInterrupt
+                if stop_how == "close":
+                    tokens.close()
+                break
+    except KeyboardInterrupt:
+        pass
+    assert got == want[:5] and engine._gpu.chained >= 3
+    if stop_how == "close":
+        assert engine._history == PROMPT + want[:4] and engine._gpu.pending == []
+    for t in want[:4]:
+        ref.step(t)
+    np.testing.assert_array_equal(engine.step(want[4]), ref.step(want[4]))
+    assert engine._history == PROMPT + want[:5] and engine._gpu.ref.position == len(PROMPT) + 5
+    assert engine._gpu.pending == [] and list(tokens) == []

@@ -21,7 +21,8 @@ import pytest
 
 from gpu_support import require_gpu, synthetic
 from onegraph import capi
-from onegraph.engine import Engine, EngineError, GpuSession
+from onegraph.engine import Engine, EngineError
+from onegraph.session import GpuSession
 from test_reliability_cpu import _all_handle_functions, _poisoned, _zero_args
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,7 @@ def _gpu():
 
 @pytest.fixture(scope="module")
 def hooks():
-    from onegraph import capi_testing
+    import capi_testing
     capi_testing.load()
     capi_testing.reliability()
     yield capi_testing
@@ -77,8 +78,8 @@ def _assert_same(a, b):
 
 
 def device_free_bytes() -> int:
-    from onegraph.graph import _check, _runtime
-    free, _total = _check(_runtime().cudaMemGetInfo(), "cudaMemGetInfo")
+    from onegraph.graph import check_cuda, cuda_runtime
+    free, _total = check_cuda(cuda_runtime().cudaMemGetInfo(), "cudaMemGetInfo")
     return int(free)
 
 

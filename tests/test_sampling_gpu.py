@@ -91,6 +91,18 @@ def test_stop_token_cancels_the_chained_step(model):
     assert cut == full[:full.index(stop) + 1]
 
 
+def test_stream_closed_early_leaves_the_fed_tokens(model):
+    params = PARAMS[0]
+    with engine(model, graph=True) as e:
+        full = e.generate(PROMPT, 60, params, stop_token_ids=())
+        e.reset()
+        tokens = e.stream(PROMPT, 60, params, stop_token_ids=())
+        got = [next(tokens) for _ in range(25)]
+        tokens.close()               # the launched chained step is waited for and dropped
+        assert got == full[:25]
+        assert e.history == tuple(PROMPT + got[:-1])
+
+
 def test_changing_temperature_does_not_recapture(model):
     with engine(model, graph=True) as e:
         e.generate(PROMPT, 20, SamplingParams(temperature=0.7, seed=1), stop_token_ids=())

@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 7;
+pub const OG_ABI_VERSION: i32 = 6;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -34,6 +34,8 @@ pub const OG_KV_INT8: i32 = 2;
 
 pub const OG_OUTPUT_LOGITS: i32 = 0;
 pub const OG_OUTPUT_NEXT_TOKEN: i32 = 1;
+pub const OG_OUTPUT_SAMPLED: i32 = 2;
+pub const OG_OUTPUT_SAMPLED_LOGPROBS: i32 = 3;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -89,7 +91,6 @@ pub struct og_step_record {
     pub position: i32,
     pub seq_slot: i32,
     pub row_block: i32,
-    pub sampling: og_sampling_params,
 }
 
 #[repr(C)]

@@ -1,9 +1,15 @@
 """ctypes binding of cuda/onegraph_testing.h (the kernel test entry points), one to one,
 plus thin numpy wrappers the kernel tests call.
 
+The entry points live in the testing library, libonegraph_testing.so (``build.py --testing``:
+the product's sources compiled with -DOG_TESTING plus cuda/*testing*.cu); the product library
+has none of them. An engine handle belongs to the library that made it, so the engine and the
+hooks must come from the same library: importing this module points $ONEGRAPH_LIB at the
+testing library (unless it is set already) before `onegraph.capi.load_library()` loads one,
+and the tests (tests/conftest.py) and the diagnostic scripts import it first.
+
 Each C declaration is repeated as a comment above its binding; argtypes and restype are
-set once, in `_bind`. The library is loaded through `onegraph.capi.load_library()` (which
-checks the ABI version); failures raise `capi.LibraryError` with the library's message.
+set once, in `_bind`. Failures raise `capi.LibraryError` with the library's message.
 The wrappers fill every output with NaN before the call unless the caller passes its own
 buffer, so an element a kernel fails to write shows up.
 """
@@ -11,11 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from ctypes import POINTER, c_double, c_float, c_int32, c_int64, c_uint16, c_uint64, c_void_p
 
 import numpy as np
 
 from onegraph import capi
+
+TESTING_LIB_NAME = "libonegraph_testing.so"
+TESTING_LIBRARY = os.path.join(capi.PACKAGE_LIB_DIR, TESTING_LIB_NAME)
+os.environ.setdefault("ONEGRAPH_LIB", TESTING_LIBRARY)
 
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = capi.OG_KV_F32, capi.OG_KV_BF16, capi.OG_KV_INT8
 KV_NUMPY_DTYPES = {OG_KV_F32: np.float32, OG_KV_BF16: np.uint16, OG_KV_INT8: np.int8}
@@ -34,6 +45,10 @@ def _bound_library(binder) -> ctypes.CDLL:
     """The library with `binder`'s declarations made (once; raises capi.LibraryUnavailable)."""
     if binder not in _bound:
         lib = capi.load_library()
+        if not hasattr(lib, "og_test_embedding"):
+            raise capi.LibraryUnavailable(
+                f"{capi.library_path()} has no og_test_* entry points: the tests need the testing "
+                f"library ({TESTING_LIB_NAME}, 'python build.py --testing'), loaded before any engine")
         binder(lib)
         _bound[binder] = lib
     return _bound[binder]

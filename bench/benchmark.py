@@ -14,18 +14,19 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   token id on the host. --step-output next_token (the default, what greedy generate does):
   the argmax is taken on the device and the step copies 8 bytes out (the peers, too, take
   their argmax on the device); logits: the step copies the logits out and the host takes
-  the argmax. With next_token and --pipeline on (the default), the graph's steps are
-  pipelined as greedy generate runs them (Engine.decode_greedy): each step is launched before
-  the host has read the token it consumes, so a step's time is the time between two tokens
-  reaching the host; --pipeline off times the graph one step at a time (launch, synchronize,
-  read). The non-graph path is always one step at a time. Graph and non-graph alternate in
-  the same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
-  there) and is excluded; later repeats swap the order each time. tok/s = N / the sum of
+  the argmax. Three modes: "graph" and "nongraph" step one at a time (launch, synchronize,
+  read), so their ratio (speedup_over_nongraph) is what the graph alone buys; with next_token
+  and --pipeline on (the default) a third, "graph-pipelined", runs the graph's steps as greedy
+  generation does (Engine.stream): each step is launched before the host has read the token
+  it consumes, so a step's time is the time between two tokens reaching the host; its ratio
+  to the graph stepped one at a time is speedup_of_pipelining. The modes alternate in the
+  same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
+  there) and is excluded; later repeats reverse the order each time. tok/s = N / the sum of
   the N step times, the median over repeats; TBT median and p90 pool every timed step.
 - Engines (--engines E): E engines are built for every (model, KV format, weight format, page),
   in rounds: round e builds engine e of every weight format in turn, so the formats share the
   GPU's conditions round by round. The weights' placement in memory moves a step by a few
-  percent from one engine to the next (bench/PERF_NOTES.md), more than many effects worth
+  percent from one engine to the next (docs/journal.md), more than many effects worth
   measuring. Each result is then the record of the engine with the median graph tok/s (the
   lower middle for an even E) and lists every engine's tok/s in build order; the context sweep
   runs on the first round's engines.
@@ -63,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -76,9 +76,10 @@ from typing import Callable
 
 import numpy as np
 
-from .config import ModelConfig
+from onegraph.config import ModelConfig
+from onegraph.graph import check_cuda, cuda_runtime
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # ---- bytes one decode step reads ---------------------------------------------------------
 
@@ -162,7 +163,7 @@ def bytes_per_token(c: ModelConfig, kv: str, context: float, fmt: str = "bf16",
 
 def weights_label(fmt: str, quantize: str = "all", lm_head_fmt: str | None = None) -> str:
     """"bf16" / "int8" / "q4" when every matrix has that format, else the classes spelled out."""
-    from .quant import WeightScheme
+    from onegraph.quant import WeightScheme
     scheme = WeightScheme.make(fmt, quantize, (lm_head_fmt or fmt) != "bf16")
     return scheme.label()
 
@@ -179,23 +180,22 @@ def floor_fields(total_bytes: int, bandwidth: float | None, ms_per_token: float 
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    from .graph import _check, _runtime
-    rt = _runtime()
-    src = _check(rt.cudaMalloc(nbytes), "cudaMalloc")
-    dst = _check(rt.cudaMalloc(nbytes), "cudaMalloc")
+    rt = cuda_runtime()
+    src = check_cuda(rt.cudaMalloc(nbytes), "cudaMalloc")
+    dst = check_cuda(rt.cudaMalloc(nbytes), "cudaMalloc")
     try:
-        _check(rt.cudaMemset(src, 1, nbytes), "cudaMemset")
-        start = _check(rt.cudaEventCreate(), "cudaEventCreate")
-        stop = _check(rt.cudaEventCreate(), "cudaEventCreate")
+        check_cuda(rt.cudaMemset(src, 1, nbytes), "cudaMemset")
+        start = check_cuda(rt.cudaEventCreate(), "cudaEventCreate")
+        stop = check_cuda(rt.cudaEventCreate(), "cudaEventCreate")
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         times = []
         for i in range(repeats + 3):  # 3 warm-up copies
-            _check(rt.cudaEventRecord(start, 0), "cudaEventRecord")
-            _check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, 0), "cudaMemcpyAsync")
-            _check(rt.cudaEventRecord(stop, 0), "cudaEventRecord")
-            _check(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
+            check_cuda(rt.cudaEventRecord(start, 0), "cudaEventRecord")
+            check_cuda(rt.cudaMemcpyAsync(dst, src, nbytes, kind, 0), "cudaMemcpyAsync")
+            check_cuda(rt.cudaEventRecord(stop, 0), "cudaEventRecord")
+            check_cuda(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
             if i >= 3:
-                times.append(_check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime"))
+                times.append(check_cuda(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime"))
         rt.cudaEventDestroy(start)
         rt.cudaEventDestroy(stop)
         return 2 * nbytes / (statistics.median(times) / 1e3)
@@ -206,8 +206,7 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
 
 def gpu_name() -> str | None:
     try:
-        from .graph import _check, _runtime
-        name = _check(_runtime().cudaGetDeviceProperties(0), "cudaGetDeviceProperties").name
+        name = check_cuda(cuda_runtime().cudaGetDeviceProperties(0), "cudaGetDeviceProperties").name
         return (name.decode() if isinstance(name, bytes) else str(name)).rstrip("\x00")
     except Exception:
         return None
@@ -235,7 +234,7 @@ class Settings:
     kv_pages: list = field(default_factory=lambda: [0])  # rows per KV block; 0 default, -1 contiguous
     ttft: list = field(default_factory=list)  # prompt lengths of the TTFT comparison
     step_output: str = "next_token"  # next_token: argmax on the device; logits: on the host
-    pipeline: bool = True          # graph steps pipelined (Engine.decode_greedy) with next_token
+    pipeline: bool = True          # also time the graph's steps pipelined (Engine.stream), next_token only
 
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
@@ -258,7 +257,7 @@ class Target:
 
 def preset_target(spec: str, layers: int | None, seed: int) -> Target:
     """`name` or `name:layers` (e.g. qwen3-30b-a3b:24)."""
-    from .synth import iter_tensors, preset_config
+    from onegraph.synth import iter_tensors, preset_config
     name, _, own_layers = spec.partition(":")
     layers = int(own_layers) if own_layers else layers
     config = preset_config(name, num_hidden_layers=layers)
@@ -267,7 +266,7 @@ def preset_target(spec: str, layers: int | None, seed: int) -> Target:
 
 
 def folder_target(folder: str) -> Target:
-    from .loader import load_model
+    from onegraph.loader import load_model
     model = load_model(folder)
     names = list(model.config.tensor_shapes())
     return Target(os.path.basename(os.path.normpath(folder)), model.config,
@@ -290,7 +289,8 @@ def greedy_step(engine, step_output: str) -> Callable[[int], int]:
 
 
 def pipelined(engine, step_output: str, pipeline: bool) -> bool:
-    """Whether run_decode's steps go through Engine.decode_greedy (pipelined on the graph path)."""
+    """Whether run_decode's steps go through Engine.decode_greedy (pipelined on the graph path,
+    as Engine.stream runs greedy steps)."""
     return pipeline and step_output == "next_token" and engine.use_graph and engine.backend != "cpu"
 
 
@@ -331,7 +331,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def _set_mode(engine, mode: str) -> None:
     if mode != "cpu":
-        engine.set_graph(mode == "graph")
+        engine.set_graph(mode != "nongraph")
 
 
 def _transfer_totals(engine) -> tuple[float, float, int]:
@@ -342,16 +342,17 @@ def _transfer_totals(engine) -> tuple[float, float, int]:
 
 
 def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int,
-                    step_output: str = "next_token", pipeline: bool = True) -> dict:
+                    step_output: str = "next_token") -> dict:
     """Repeat 0 warms every mode up (the graph is captured there); later repeats run the modes
-    in alternating order. Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
+    in alternating order. Modes: "graph" and "nongraph" one step at a time, "graph-pipelined"
+    (run_decode's pipeline), "cpu". Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
     out = {m: {"runs": [], "warmup_s": None, "h2d": 0.0, "d2h": 0.0, "steps": 0} for m in modes}
     for rep in range(repeats + 1):
         for mode in (modes if rep % 2 == 0 else modes[::-1]):
             _set_mode(engine, mode)
             before = _transfer_totals(engine)
             t0 = time.perf_counter()
-            run = run_decode(engine, prompt, n, step_output, pipeline)
+            run = run_decode(engine, prompt, n, step_output, pipeline=mode == "graph-pipelined")
             if rep == 0:
                 out[mode]["warmup_s"] = time.perf_counter() - t0
                 continue
@@ -368,23 +369,16 @@ def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats
 def pinned_position(engine, position: int | None):
     """While active, every GPU step writes KV row `position` and attends over position + 1 rows,
     whatever the engine's own position: before og_begin_step the selected sequence is set to
-    `position` rows (GpuSession.seek: the KV blocks of those rows are allocated, their content
+    `position` rows (Engine.pin_position: the KV blocks of those rows are allocated, their content
     unspecified), so the step record og_begin_step fills carries that position and its block."""
-    gpu = getattr(engine, "_gpu", None)
-    if position is None or gpu is None:
+    if position is None:
         yield
         return
-    begin = gpu.begin
-
-    def begin_pinned(token: int) -> None:
-        gpu.seek(position)
-        begin(token)
-
-    gpu.begin = begin_pinned
+    engine.pin_position(position)
     try:
         yield
     finally:
-        del gpu.begin  # the class's method again
+        engine.pin_position(None)
 
 
 def steps_at_context(engine, modes: list[str], context: int, steps: int, fill: str,
@@ -430,7 +424,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     """Result records (one per mode) and context-sweep records (when `with_sweep`) for one
     engine of a model, KV format, weight format and KV page size (0 the library's default,
     CONTIGUOUS one block per sequence)."""
-    from .engine import Engine
+    from onegraph.engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
     max_seq = max([s.prompt + s.n] + [c + 2 * (s.context_steps + 1) for c in contexts]) + 1
@@ -444,7 +438,8 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     page_size = getattr(engine, "kv_page_size", None)
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
-        measured = alternate_modes(engine, modes, prompt, s.n, s.repeats, s.step_output, s.pipeline)
+        piped = ["graph-pipelined"] if engine.backend != "cpu" and s.pipeline and s.step_output == "next_token" else []
+        measured = alternate_modes(engine, modes + piped, prompt, s.n, s.repeats, s.step_output)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
         sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if with_sweep else []
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
@@ -454,7 +449,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
                  h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt,
                  kv_page_size=page_size, step_output=s.step_output,
-                 pipelined=mode == "graph" and s.pipeline and s.step_output == "next_token")
+                 pipelined=mode == "graph-pipelined")
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
         results.append(r)
     for r in sweep:
@@ -504,7 +499,7 @@ def ttft_record(target: Target, runtime: str, kv: str, prompt: int, times_ms: li
 
 def bench_ttft(target: Target, s: Settings) -> list[dict]:
     """TTFT records of one model (the first --kv format, bf16 weights) for every --ttft length."""
-    from .engine import Engine
+    from onegraph.engine import Engine
     config, kv = target.config, s.kv[0]
     lengths = sorted(p for p in set(s.ttft) if 0 < p < config.max_position_embeddings)
     if not lengths:
@@ -543,7 +538,7 @@ def bench_ttft(target: Target, s: Settings) -> list[dict]:
 
 def ttft_peer(peer: str, target: Target, s: Settings, length: int) -> dict:
     try:
-        peers = import_bench_module("peers")
+        from bench import peers
     except ImportError as e:
         return ttft_record(target, peer, "bf16", length, None, "skipped", f"bench/peers.py is not importable: {e}")
     out = peers.run_peer(peer, target.config, target.source, prompt=make_prompt(target.config, length, s.seed),
@@ -569,19 +564,11 @@ def format_ttft(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def import_bench_module(name: str):
-    """bench/ sits beside runtime/ in the source tree (it is not installed with the package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(root, "bench", "__init__.py")) and root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module(f"bench.{name}")
-
-
 def bench_peer(peer: str, target: Target, s: Settings, bandwidth: float | None) -> dict:
     """One peer's result record; status "skipped" (with the reason) when it cannot run here."""
     r = empty_result(target, peer, "bf16", s)
     try:
-        peers = import_bench_module("peers")
+        from bench import peers
     except ImportError as e:
         r.update(status="skipped", reason=f"bench/peers.py is not importable: {e}")
         return r
@@ -617,6 +604,16 @@ def compare_tokens(results: list[dict]) -> None:
         if ng is not None:
             g["speedup_over_nongraph"] = g["tokens_per_s"] / ng["tokens_per_s"]
             g["same_tokens_as_nongraph"] = g["tokens"] == ng["tokens"]
+    for p in (r for r in results if r["runtime"] == "onegraph-graph-pipelined"):
+        key = (p["model"], p["kv"], p["weights"], p["kv_page_size"])
+        g = next((r for r in results if r["runtime"] == "onegraph-graph"
+                  and (r["model"], r["kv"], r["weights"], r["kv_page_size"]) == key), None)
+        ng = next((r for r in results if r["runtime"] == "onegraph-nongraph"
+                   and (r["model"], r["kv"], r["weights"], r["kv_page_size"]) == key), None)
+        if g is not None:
+            p["speedup_of_pipelining"] = p["tokens_per_s"] / g["tokens_per_s"]
+        if ng is not None:
+            p["same_tokens_as_nongraph"] = p["tokens"] == ng["tokens"]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -647,7 +644,8 @@ RESULT_FIELDS = {
     "model": "preset name (with /NL when the layer count was changed) or folder name",
     "origin": "'preset NAME' or the model folder",
     "layers": "num_hidden_layers",
-    "runtime": "onegraph-graph | onegraph-nongraph | onegraph-cpu | hf-eager | hf-compile",
+    "runtime": "onegraph-graph (one step at a time) | onegraph-graph-pipelined | onegraph-nongraph | "
+               "onegraph-cpu | hf-eager | hf-compile",
     "kv": "KV cache format: int8 | bf16 | fp32 (peers: bf16)",
     "kv_page_size": "rows per KV block of onegraph's paged cache (= max_seq_len: contiguous); null for peers and cpu",
     "weights": "weight format (runtime/quant.py WeightScheme.label): bf16 | int8 | q4, ':experts' / ':dense' when "
@@ -682,8 +680,12 @@ RESULT_FIELDS = {
     "floor_ms": "bytes_per_token.total / copy bandwidth",
     "floor_tokens_per_s": "1000 / floor_ms",
     "fraction_of_floor": "floor_ms / ms_per_token (1.0 = at the copy bandwidth)",
-    "speedup_over_nongraph": "graph tokens_per_s / non-graph tokens_per_s (graph records only)",
-    "same_tokens_as_nongraph": "graph and non-graph produced identical tokens (graph records only)",
+    "speedup_over_nongraph": "graph tokens_per_s / non-graph tokens_per_s, both one step at a time "
+                             "(onegraph-graph records only)",
+    "speedup_of_pipelining": "graph pipelined tokens_per_s / graph one step at a time tokens_per_s "
+                             "(onegraph-graph-pipelined records only)",
+    "same_tokens_as_nongraph": "this graph run and the non-graph run produced identical tokens (graph "
+                               "records only)",
     "common_prefix_with_onegraph": "leading tokens equal to those of onegraph's graph run of the same model "
                                    "with bf16 weights (cpu run on --device cpu; its bf16-KV run when there "
                                    "is one)",
@@ -766,12 +768,12 @@ def _f(value, fmt: str, width: int) -> str:
 def format_sweep(sweep: list[dict]) -> str:
     if not sweep:
         return ""
-    lines = [f"{'context sweep':<22} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<18} {'context':>8} "
+    lines = [f"{'context sweep':<22} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<24} {'context':>8} "
              f"{'ms/tok':>8} {'p90':>8} {'floor ms':>9} {'% floor':>8}"]
     for r in sweep:
         pct = 100 * r["fraction_of_floor"] if r["fraction_of_floor"] else None
         page = r.get("kv_page_size") or "-"
-        lines.append(f"{r['model']:<22} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {page:>6} {r['runtime']:<18} {r['context']:>8} "
+        lines.append(f"{r['model']:<22} {r['kv']:<5} {r.get('weights') or 'bf16':<13} {page:>6} {r['runtime']:<24} {r['context']:>8} "
                      f"{_f(r['ms_per_token'], '.3f', 8)} {_f(r['tbt_p90_ms'], '.3f', 8)} "
                      f"{_f(r['floor_ms'], '.3f', 9)} {_f(pct, '.1f', 8)}")
     return "\n".join(lines)
@@ -783,12 +785,12 @@ def format_table(doc: dict) -> str:
     bw = doc["copy_bandwidth_bytes_per_s"]
     head = (f"onegraph bench on {doc['gpu'] or doc['settings']['device']}: prompt {s['prompt']}, decode {s['n']}, "
             f"{s['repeats']} timed runs" + (f"; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else ""))
-    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<18} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
+    cols = (f"{'model':<22} {'L':>3} {'kv':<5} {'weights':<13} {'page':>6} {'runtime':<24} {'tok/s':>9} {'ms/tok':>8} {'TBT p50':>8} "
             f"{'TBT p90':>8} {'TTFT ms':>8} {'% floor':>8} {'H2D/D2H':>9} {'mem GB':>7}")
     lines = [head, cols, "-" * len(cols)]
     for r in doc["results"]:
         lead = (f"{r['model']:<22} {r['layers']:>3} {r['kv']:<5} {r.get('weights') or 'bf16':<13} "
-                f"{r.get('kv_page_size') or '-':>6} {r['runtime']:<18}")
+                f"{r.get('kv_page_size') or '-':>6} {r['runtime']:<24}")
         if r["status"] != "ok":
             lines.append(f"{lead} skipped: {r['reason']}")
             continue
@@ -808,8 +810,11 @@ def _footnotes(results: list[dict]) -> list[str]:
         weights = r.get("weights") or "bf16"
         tag = f"{r['model']} {r['kv']}" + ("" if weights == "bf16" else f" {weights}")
         if r["runtime"] == "onegraph-graph" and r["speedup_over_nongraph"] is not None:
-            lines.append(f"{tag}: graph / non-graph {r['speedup_over_nongraph']:.2f}x, "
+            lines.append(f"{tag}: graph / non-graph {r['speedup_over_nongraph']:.2f}x (one step at a time), "
                          f"same tokens: {r['same_tokens_as_nongraph']}")
+        if r["runtime"] == "onegraph-graph-pipelined" and r["speedup_of_pipelining"] is not None:
+            lines.append(f"{tag}: graph pipelined / graph step by step {r['speedup_of_pipelining']:.2f}x, "
+                         f"same tokens as non-graph: {r['same_tokens_as_nongraph']}")
         base = next((b for b in results if b["runtime"] == r["runtime"] == "onegraph-graph" and
                      (b["model"], b["kv"], b.get("weights")) == (r["model"], r["kv"], "bf16")), None)
         if r["runtime"] == "onegraph-graph" and (r.get("engines") or 1) > 1:
@@ -875,8 +880,8 @@ def parse_args(argv):
                    help="what a decode step copies to the host: the greedy token (argmax on the device, as "
                         "greedy generate does) or the logits (argmax on the host)")
     p.add_argument("--pipeline", choices=["on", "off"], default="on",
-                   help="with --step-output next_token: graph steps pipelined as greedy generate runs them "
-                        "(the next launched before the token is read), or one at a time")
+                   help="with --step-output next_token: also time the graph's steps pipelined as greedy generation "
+                        "runs them (the next launched before the token is read), a third mode")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -954,7 +959,7 @@ def make_doc(argv, s: Settings, bandwidth, results, sweep, notes, ttft: list | N
 def write_plot(doc: dict, path: str) -> str | None:
     """Write the chart; returns a note when it could not be drawn."""
     try:
-        plot = import_bench_module("plot")
+        from bench import plot
         plot.plot(doc, path)
     except ImportError as e:
         return f"no chart: {e} (pip install 'onegraph[plots]')"
@@ -970,6 +975,7 @@ def merge_docs(docs: list[dict]) -> dict:
             r.setdefault("engines", 1)
             r.setdefault("tokens_per_s_engines", None)
             r.setdefault("pipelined", False if r.get("runtime", "").startswith("onegraph") else None)
+            r.setdefault("speedup_of_pipelining", None)
         check_schema(doc)
     merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)
@@ -1015,7 +1021,7 @@ def main(argv=None) -> int:
         return 0
     s = settings_from(args)
     if s.device == "gpu":
-        from .engine import library_status
+        from onegraph.engine import library_status
         usable, reason = library_status()
         if not usable:
             print(f"onegraph bench: the GPU path is unusable: {reason} (--device cpu checks the benchmark "

