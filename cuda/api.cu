@@ -76,6 +76,7 @@ OG_API const char *og_status_string(og_status status) {
         case OG_E_BAD_FILE: return "OG_E_BAD_FILE";
         case OG_E_CORRUPTED: return "OG_E_CORRUPTED";
         case OG_E_POOL_EXHAUSTED: return "OG_E_POOL_EXHAUSTED";
+        case OG_E_NONFINITE_LOGITS: return "OG_E_NONFINITE_LOGITS";
     }
     return "unknown og_status";
 }
@@ -270,10 +271,11 @@ OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot) {
                          "(%d are)",
                          e->n_pending);
     const og_engine::PendingStep prev = e->pending[0];
-    if (prev.output != OG_OUTPUT_NEXT_TOKEN || e->output != OG_OUTPUT_NEXT_TOKEN)
+    if (prev.output == OG_OUTPUT_LOGITS || e->output == OG_OUTPUT_LOGITS)
         return set_error(OG_E_BAD_STATE,
-                         "og_begin_chained_step: the token is the previous step's argmax on the "
-                         "device: both steps need og_set_output(OG_OUTPUT_NEXT_TOKEN)");
+                         "og_begin_chained_step: the token is the previous step's argmax or "
+                         "sample on the device: both steps need og_set_output("
+                         "OG_OUTPUT_NEXT_TOKEN or OG_OUTPUT_SAMPLED[_LOGPROBS])");
     const int32_t id = e->kv.current;
     if (id != prev.seq)
         return set_error(OG_E_BAD_STATE,
@@ -357,7 +359,7 @@ OG_API og_status og_end_step(og_engine *e) {
     const og_status status = e->kv.lookup(ended.seq, "og_end_step", &seq);
     if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its steps
     seq->length += 1;
-    if (ended.output == OG_OUTPUT_NEXT_TOKEN) e->result_slot = ended.slot;
+    if (ended.output != OG_OUTPUT_LOGITS) e->result_slot = ended.slot, e->result_output = ended.output;
     for (int i = 1; i < e->n_pending; ++i) e->pending[i - 1] = e->pending[i];
     e->n_pending -= 1;
     e->stats.steps += 1;
@@ -458,11 +460,13 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size) {
 
 OG_API og_status og_set_output(og_engine *e, int32_t output) {
     OG_CHECK_HANDLE(e);
-    if (output != OG_OUTPUT_LOGITS && output != OG_OUTPUT_NEXT_TOKEN)
+    if (output < OG_OUTPUT_LOGITS || output > OG_OUTPUT_SAMPLED_LOGPROBS)
         return set_error(OG_E_INVALID_ARGUMENT,
-                         "og_set_output: output=%d is neither OG_OUTPUT_LOGITS (%d) nor "
-                         "OG_OUTPUT_NEXT_TOKEN (%d)",
-                         output, OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN);
+                         "og_set_output: output=%d is none of OG_OUTPUT_LOGITS (%d), "
+                         "OG_OUTPUT_NEXT_TOKEN (%d), OG_OUTPUT_SAMPLED (%d), "
+                         "OG_OUTPUT_SAMPLED_LOGPROBS (%d)",
+                         output, OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN, OG_OUTPUT_SAMPLED,
+                         OG_OUTPUT_SAMPLED_LOGPROBS);
     e->output = output;
     return OG_OK;
 }
@@ -470,8 +474,59 @@ OG_API og_status og_set_output(og_engine *e, int32_t output) {
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit) {
     OG_CHECK_HANDLE(e);
     if (token == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_next_token: token is NULL");
-    *token = e->next_host[e->result_slot].token;
-    if (logit != nullptr) *logit = e->next_host[e->result_slot].logit;
+    const NextToken next = e->next_host[e->result_slot].next;
+    *token = next.token;
+    if (logit != nullptr) *logit = next.logit;
+    if (e->result_output != OG_OUTPUT_NEXT_TOKEN && next.token == OG_TOKEN_NONFINITE)
+        return set_error(OG_E_NONFINITE_LOGITS,
+                         "og_next_token: the sampled step's logits hold a NaN or +inf (or overflow "
+                         "to +inf over the temperature, or are all -inf)");
+    if (e->result_output != OG_OUTPUT_NEXT_TOKEN && next.token == OG_TOKEN_OVERFLOW)
+        return set_error(OG_E_UNSUPPORTED,
+                         "og_next_token: more than %d ids lie within 1/8 nat of the sampling "
+                         "filters' cut (a flat distribution with top_k=0 and top_p < 1, or top_k "
+                         "> %d): use a smaller top_k",
+                         kSampleCandidates, kSampleCandidates);
+    return OG_OK;
+}
+
+// ---- sampling parameters and counts per sequence (sample.cuh) ----
+OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params) {
+    OG_CHECK_HANDLE(e);
+    if (params == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_seq_set_sampling: params is NULL");
+    const og_sampling_params &p = *params;
+    const char *bad = !(p.temperature >= 0.f && std::isfinite(p.temperature)) ? "temperature >= 0"
+                    : p.top_k < 0 ? "top_k >= 0"
+                    : !(p.top_p > 0.f && p.top_p <= 1.f) ? "top_p in (0, 1]"
+                    : !(p.min_p >= 0.f && p.min_p <= 1.f) ? "min_p in [0, 1]"
+                    : !(p.repetition_penalty > 0.f && std::isfinite(p.repetition_penalty)) ? "repetition_penalty > 0"
+                    : !std::isfinite(p.presence_penalty) ? "a finite presence_penalty"
+                    : !std::isfinite(p.frequency_penalty) ? "a finite frequency_penalty"
+                    : (p.logprobs < 0 || p.logprobs > OG_MAX_LOGPROBS) ? "logprobs in [0, 20]"
+                    : nullptr;
+    if (bad != nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_seq_set_sampling: the parameters need %s", bad);
+    KvSequence *found = nullptr;
+    og_status status = e->kv.lookup(seq, "og_seq_set_sampling", &found);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // New parameters start the generated-token counts over (a new generation).
+    status = clear_counts(e, found->slot);
+    if (status != OG_OK) return status;
+    return store_sampling(e, found->slot, p);
+}
+
+OG_API og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity,
+                                 int32_t *count) {
+    OG_CHECK_HANDLE(e);
+    if (count == nullptr || (top == nullptr && capacity > 0) || capacity < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_top_logprobs: count is NULL or top/capacity bad");
+    const SampledResult &r = e->next_host[e->result_slot];
+    const int n = e->result_output == OG_OUTPUT_SAMPLED_LOGPROBS && r.next.token >= 0 ? r.n_top : 0;
+    for (int j = 0; j < n && j < capacity; ++j) top[j] = r.top[j];
+    *count = n;
     return OG_OK;
 }
 
@@ -541,9 +596,22 @@ OG_API og_status og_seq_create(og_engine *e, int32_t *seq) {
 OG_API og_status og_seq_fork(og_engine *e, int32_t src, int32_t *seq) {
     OG_CHECK_HANDLE(e);
     OG_CHECK_OUT(seq);
-    const og_status status = use_device(e);
+    og_status status = use_device(e);
     if (status != OG_OK) return status;
-    return e->kv.fork(src, seq, e->stream);
+    status = e->kv.fork(src, seq, e->stream);
+    if (status != OG_OK) return status;
+    // The fork continues src's generation: its sampling parameters and generated-token counts.
+    KvSequence *from = nullptr, *to = nullptr;
+    if (e->kv.lookup(src, "og_seq_fork", &from) != OG_OK || e->kv.lookup(*seq, "og_seq_fork", &to) != OG_OK)
+        return OG_OK;  // unreachable: both were just used
+    status = store_sampling(e, to->slot, e->seq_sampling[from->slot]);
+    if (status != OG_OK) return status;
+    const size_t row = (size_t)e->d.V * sizeof(int32_t);
+    OG_CUDA_TRY(cudaMemcpyAsync(e->sample_counts + (size_t)to->slot * e->d.V,
+                                e->sample_counts + (size_t)from->slot * e->d.V, row,
+                                cudaMemcpyDeviceToDevice, e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
 }
 
 OG_API og_status og_seq_select(og_engine *e, int32_t seq) {
@@ -567,8 +635,13 @@ OG_API og_status og_seq_reset(og_engine *e, int32_t seq) {
     OG_CHECK_HANDLE(e);
     og_status status = use_device(e);
     if (status != OG_OK) return status;
+    KvSequence *found = nullptr;
+    status = e->kv.lookup(seq, "og_seq_reset", &found);
+    if (status != OG_OK) return status;
+    const int32_t slot = found->slot;
     status = e->kv.reset(seq, e->stream);
     if (status == OG_OK) cancel_step_of(e, seq);
+    if (status == OG_OK) status = clear_counts(e, slot);
     return status;
 }
 
@@ -576,8 +649,16 @@ OG_API og_status og_seq_free(og_engine *e, int32_t seq) {
     OG_CHECK_HANDLE(e);
     og_status status = use_device(e);
     if (status != OG_OK) return status;
+    KvSequence *found = nullptr;
+    status = e->kv.lookup(seq, "og_seq_free", &found);
+    if (status != OG_OK) return status;
+    const int32_t slot = found->slot;
     status = e->kv.free_sequence(seq, e->stream);
     if (status == OG_OK) cancel_step_of(e, seq);
+    if (status == OG_OK) {  // the slot's next sequence starts from the defaults
+        status = store_sampling(e, slot, default_sampling());
+        if (status == OG_OK) status = clear_counts(e, slot);
+    }
     return status;
 }
 

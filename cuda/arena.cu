@@ -2,6 +2,29 @@
 // out twice: to size it, then for real), the kernel plans, and the release of everything.
 #include "engine.cuh"
 
+// ---- sampling state per sequence slot (sample.cuh) ----
+og_sampling_params default_sampling() {
+    og_sampling_params p = {};
+    p.top_p = 1.f;
+    p.repetition_penalty = 1.f;
+    return p;  // temperature 0: greedy
+}
+
+og_status clear_counts(og_engine *e, int32_t slot) {
+    OG_CUDA_TRY(cudaMemsetAsync(e->sample_counts + (size_t)slot * e->d.V, 0,
+                                (size_t)e->d.V * sizeof(int32_t), e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
+
+og_status store_sampling(og_engine *e, int32_t slot, const og_sampling_params &p) {
+    OG_CUDA_TRY(cudaMemcpyAsync(e->sample_params + slot, &p, sizeof p, cudaMemcpyHostToDevice,
+                                e->stream));
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    e->seq_sampling[(size_t)slot] = p;
+    return OG_OK;
+}
+
 namespace {
 
 Dims derive_dims(const og_engine *e) {
@@ -99,7 +122,12 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->attn_out = a.take<float>(d.q_size);
     e->act = a.take<float>(d.I > 0 ? d.I : 1);
     e->logits = a.take<float>(d.V);
-    e->next_token = a.take<NextToken>(1);
+    e->sampled = a.take<SampledResult>(1);
+    e->next_token = &e->sampled->next;
+    e->sample_state = a.take<SampleState>(1);
+    e->sample_z = a.take<float>(d.V);
+    e->sample_counts = a.take<int32_t>((size_t)e->kv.layout.max_sequences * d.V);
+    e->sample_params = a.take<og_sampling_params>((size_t)e->kv.layout.max_sequences);
     e->argmax_partials = a.take<NextToken>(argmax_partials(d.V));
     e->argmax_ticket = a.take<unsigned>(1);
     e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
@@ -235,14 +263,19 @@ og_status init_engine(og_engine *e) {
     OG_CUDA_TRY(pinned_alloc(&e->logits_host, (size_t)e->d.V * sizeof(float)));
     memset(e->step_host, 0, kStepSlots * sizeof(og_step_record));
     memset(e->logits_host, 0, (size_t)e->d.V * sizeof(float));
-    OG_CUDA_TRY(pinned_alloc(&e->next_host, kStepSlots * sizeof(NextToken)));
+    OG_CUDA_TRY(pinned_alloc(&e->next_host, kStepSlots * sizeof(SampledResult)));
+    memset(e->next_host, 0, kStepSlots * sizeof(SampledResult));
     for (int slot = 0; slot < kStepSlots; ++slot)
-        e->next_host[slot] = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
+        e->next_host[slot].next = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
 
     std::vector<float> inv_freq(e->d.hd / 2);
     rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,
                   inv_freq.data());
     OG_CUDA_TRY(cudaMemcpyAsync(e->inv_freq, inv_freq.data(), inv_freq.size() * sizeof(float),
+                                cudaMemcpyHostToDevice, e->stream));
+    e->seq_sampling.assign((size_t)e->kv.layout.max_sequences, default_sampling());
+    OG_CUDA_TRY(cudaMemcpyAsync(e->sample_params, e->seq_sampling.data(),
+                                e->seq_sampling.size() * sizeof(og_sampling_params),
                                 cudaMemcpyHostToDevice, e->stream));
     OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
     status = e->kv.init(e->stream);  // sequence 0, selected; the pool is zero (memset above)

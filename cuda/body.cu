@@ -43,7 +43,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const int slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
     OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host + slot, sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
-    // A chained step's token is the previous step's argmax, still in e->next_token.
+    // A chained step's token is the previous step's argmax or sample, still in e->next_token.
     OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->step, e->next_token, e->x, stream,
                                  false));
 
@@ -124,6 +124,13 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         OG_CUDA_TRY(launch_argmax(e->logits, d.V, e->argmax_partials, e->argmax_ticket,
                                   e->next_token, stream, pdl));
         OG_CUDA_TRY(cudaMemcpyAsync(e->next_host + slot, e->next_token, sizeof(NextToken),
+                                    cudaMemcpyDeviceToHost, stream));
+    } else if (e->output == OG_OUTPUT_SAMPLED || e->output == OG_OUTPUT_SAMPLED_LOGPROBS) {
+        const SampleArgs sample = {e->logits, d.V, e->step, e->sample_params, e->next_token,
+                                   e->sample_counts, e->sample_z, e->sample_state, e->sampled};
+        OG_CUDA_TRY(launch_sample(sample, stream, pdl));
+        const size_t bytes = e->output == OG_OUTPUT_SAMPLED ? sizeof(NextToken) : sizeof(SampledResult);
+        OG_CUDA_TRY(cudaMemcpyAsync(e->next_host + slot, e->sampled, bytes,
                                     cudaMemcpyDeviceToHost, stream));
     } else {
         OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),

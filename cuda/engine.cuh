@@ -27,6 +27,7 @@
 
 #include "kernels.cuh"
 #include "kv_pool.h"
+#include "sample.cuh"
 #include "moe.cuh"
 #include "quant.cuh"
 #include "packed_file.h"
@@ -112,7 +113,8 @@ struct og_engine {
     // begun while the first's copies may still be pending.
     og_step_record *step_host = nullptr; // [kStepSlots]
     float *logits_host = nullptr;        // pinned (V)
-    og::NextToken *next_host = nullptr;  // [kStepSlots]: the greedy result of an OG_OUTPUT_NEXT_TOKEN step
+    og::SampledResult *next_host = nullptr;  // [kStepSlots]: the result of a next-token step
+                                         // (greedy: .next only; sampled: the stage's result)
     int32_t output = OG_OUTPUT_LOGITS;   // og_set_output: what the body copies to the host
 
     // weights
@@ -132,7 +134,18 @@ struct og_engine {
     float *attn_out = nullptr;           // (q)
     float *act = nullptr;                // (I) silu(gate) * up
     float *logits = nullptr;             // (V)
-    og::NextToken *next_token = nullptr; // the argmax of the logits (OG_OUTPUT_NEXT_TOKEN)
+    og::NextToken *next_token = nullptr; // the argmax of the logits (OG_OUTPUT_NEXT_TOKEN), or
+                                         // the sampled token: &sampled->next
+    // ---- the sampling stage (OG_OUTPUT_SAMPLED, sample.cuh) ----
+    og::SampledResult *sampled = nullptr;
+    og::SampleState *sample_state = nullptr;
+    float *sample_z = nullptr;           // (V) scratch
+    int32_t *sample_counts = nullptr;    // (max_sequences, V) tokens generated per sequence slot
+    // Per sequence slot (og_seq_set_sampling): a host copy and the device array the stage reads
+    // through the step record's seq_slot, so a captured graph serves any parameters.
+    std::vector<og_sampling_params> seq_sampling;
+    og_sampling_params *sample_params = nullptr;  // (max_sequences)
+    int32_t result_output = OG_OUTPUT_NEXT_TOKEN;  // output of the last ended next-token step
     og::NextToken *argmax_partials = nullptr;  // (argmax_partials(V)) its per-block candidates
     unsigned *argmax_ticket = nullptr;   // its last-block counter (0 between steps)
     float *attn_partials = nullptr;      // split-KV scratch
@@ -161,7 +174,7 @@ struct og_engine {
     };
     PendingStep pending[kStepSlots] = {};
     int n_pending = 0;
-    int32_t result_slot = 0;             // slot of the last ended OG_OUTPUT_NEXT_TOKEN step
+    int32_t result_slot = 0;             // slot of the last ended next-token step
     og_stats stats = {};
 };
 
@@ -187,6 +200,11 @@ og_status validate_config(const og_config *c);
 // everything, also of a partially built engine.
 og_status init_engine(og_engine *e);
 void destroy(og_engine *e);
+// arena.cu: the sampling parameters of a fresh sequence slot (greedy, every filter off); zero
+// slot's generated-token counts; set slot's parameters, host and device (both synchronous).
+og_sampling_params default_sampling();
+og_status clear_counts(og_engine *e, int32_t slot);
+og_status store_sampling(og_engine *e, int32_t slot, const og_sampling_params &p);
 
 // weights.cu: the slot table of e->cfg's tensors; the hit-only precheck; the dtype a slot
 // takes from og_set_weight; one tensor's upload into its slot (synchronous).

@@ -77,8 +77,11 @@ extern "C" {
  * major.minor works with a library of the same major number and a minor number at least its
  * own (og_abi_version_numbers); the Python binding checks exactly that. */
 #define OG_ABI_VERSION_MAJOR 6
-#define OG_ABI_VERSION_MINOR 2  /* 1: og_abi_version_numbers, og_status_string;
-                                   2: og_begin_step_seq, og_prefill_seq */
+#define OG_ABI_VERSION_MINOR 3  /* 1: og_abi_version_numbers, og_status_string;
+                                   2: og_begin_step_seq, og_prefill_seq;
+                                   3: OG_OUTPUT_SAMPLED(_LOGPROBS), og_sampling_params,
+                                      og_seq_set_sampling, og_top_logprobs,
+                                      OG_E_NONFINITE_LOGITS */
 /* The major number alone (og_config.abi_version, og_abi_version()). */
 #define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
                            /* major 2: og_config.weights_dense / _experts / _lm_head appended;
@@ -110,6 +113,8 @@ typedef int32_t og_status;
                                        og_check_guards, onegraph_testing.h)                     */
 #define OG_E_POOL_EXHAUSTED   -15  /* the KV block pool has too few free blocks, or every
                                        sequence slot is in use; nothing was changed            */
+#define OG_E_NONFINITE_LOGITS -16  /* a sampled step's logits held a NaN or +inf (or overflowed
+                                       to +inf over the temperature, or were all -inf)          */
 
 /* ---- element types ----------------------------------------------------------------- */
 #define OG_DTYPE_F32  0
@@ -209,6 +214,37 @@ typedef struct og_config {
 /* og_step_record.token of a chained step: the token is the previous step's argmax, read on
  * the device (og_begin_chained_step). */
 #define OG_TOKEN_PREVIOUS_ARGMAX (-1)
+
+/* ---- sampling on the device (OG_OUTPUT_SAMPLED; ABI 6.3) ------------------------------
+ * The stage after the lm_head (cuda/sample.cu) is runtime/sampling.py's sample_step: penalties
+ * over the tokens the sequence generated (counts kept on the device), temperature, top-k, top-p,
+ * min-p, then an exponential race keyed by Philox4x32-10 (seed, the step's position, token id).
+ * A step with output OG_OUTPUT_SAMPLED counts its input token as generated (prompt tokens go in
+ * with another output or og_prefill). The parameters are per sequence (og_seq_set_sampling), kept
+ * on the device per sequence slot and read through the step record's seq_slot, so a captured
+ * graph serves any parameters, and the step record's layout is unchanged. */
+#define OG_MAX_LOGPROBS 20
+
+typedef struct og_sampling_params {
+    uint64_t seed;
+    float temperature;              /* 0 = greedy (the argmax after the penalties)          */
+    int32_t top_k;                  /* 0 (or >= vocab) = off                                */
+    float top_p;                    /* (0, 1]; 1 = off                                      */
+    float min_p;                    /* [0, 1]; 0 = off                                      */
+    float repetition_penalty;       /* > 0; 1 = off                                         */
+    float presence_penalty;         /* 0 = off                                              */
+    float frequency_penalty;        /* 0 = off                                              */
+    int32_t logprobs;               /* top log-probabilities reported, 0..OG_MAX_LOGPROBS  */
+} og_sampling_params;
+
+typedef struct og_top_logprob {
+    int32_t token;
+    float logprob;
+} og_top_logprob;
+
+/* og_next_token's token after a failed sampled step (og_next_token then returns the error). */
+#define OG_TOKEN_NONFINITE (-2)     /* OG_E_NONFINITE_LOGITS                                 */
+#define OG_TOKEN_OVERFLOW  (-3)     /* more than 4096 ids at the filters' cut: OG_E_UNSUPPORTED */
 
 typedef struct og_step_record {
     int32_t token;                  /* or OG_TOKEN_PREVIOUS_ARGMAX                          */
@@ -386,6 +422,8 @@ OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
 /* What the body's one device->host copy carries (og_set_output). */
 #define OG_OUTPUT_LOGITS     0  /* the logits [vocab_size] fp32 into og_logits() (default)      */
 #define OG_OUTPUT_NEXT_TOKEN 1  /* only their argmax, taken on the device: og_next_token()      */
+#define OG_OUTPUT_SAMPLED    2  /* the sampling stage's {token, log-probability}: og_next_token() */
+#define OG_OUTPUT_SAMPLED_LOGPROBS 3 /* the same plus the top log-probabilities (og_top_logprobs) */
 
 /* Choose the output of the steps enqueued from now on (og_enqueue, og_run, og_step; og_prefill
  * always gives logits). OG_OUTPUT_NEXT_TOKEN is greedy decoding without the logits copy: the
@@ -400,6 +438,18 @@ OG_API og_status og_set_output(og_engine *e, int32_t output);
  * logit (NaN when a logit was NaN: the token is then the first NaN's id). Before any such
  * step: token -1. logit may be NULL. */
 OG_API og_status og_next_token(og_engine *e, int32_t *token, float *logit);
+
+/* The sampling parameters of sequence `seq` from now on (copied to the device now, synchronous;
+ * a graph never needs recapturing). Defaults: greedy, every filter off. Checked as
+ * runtime/sampling.py's SamplingParams: OG_E_INVALID_ARGUMENT naming the field. A new or freed
+ * sequence slot starts from the defaults; og_seq_fork copies the source's parameters. */
+OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params);
+
+/* The top log-probabilities of the last ended OG_OUTPUT_SAMPLED_LOGPROBS step (the kept ids in
+ * the final distribution's order, at most its params.logprobs): up to capacity into top, the
+ * number in *count. */
+OG_API og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity,
+                                 int32_t *count);
 
 /* The engine's own stream (a cudaStream_t), e.g. to capture on it. */
 OG_API og_status og_stream(og_engine *e, void **stream);

@@ -14,7 +14,8 @@ from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint
 # The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
 # and at least this minor number loads.
 ABI_VERSION = 6          # OG_ABI_VERSION_MAJOR (og_abi_version())
-ABI_MINOR_REQUIRED = 2   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq
+ABI_MINOR_REQUIRED = 3   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq;
+                         # OG_OUTPUT_SAMPLED(_LOGPROBS), og_seq_set_sampling, og_top_logprobs
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -36,6 +37,7 @@ OG_E_BAD_STATE = -12
 OG_E_BAD_FILE = -13
 OG_E_CORRUPTED = -14
 OG_E_POOL_EXHAUSTED = -15
+OG_E_NONFINITE_LOGITS = -16
 STATUS_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("OG_E_") or k == "OG_OK"}
 
 # ---- element types ----------------------------------------------------------------------
@@ -45,8 +47,10 @@ OG_WEIGHTS_BF16, OG_WEIGHTS_INT8, OG_WEIGHTS_Q4 = 0, 1, 2
 WEIGHT_FORMATS = {"bf16": OG_WEIGHTS_BF16, "int8": OG_WEIGHTS_INT8, "q4": OG_WEIGHTS_Q4}
 OG_KV_F32, OG_KV_BF16, OG_KV_INT8 = 0, 1, 2
 # og_set_output: what a step copies to the host
-OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN = 0, 1
-OUTPUTS = {"logits": OG_OUTPUT_LOGITS, "next_token": OG_OUTPUT_NEXT_TOKEN}
+OG_OUTPUT_LOGITS, OG_OUTPUT_NEXT_TOKEN, OG_OUTPUT_SAMPLED, OG_OUTPUT_SAMPLED_LOGPROBS = 0, 1, 2, 3
+OUTPUTS = {"logits": OG_OUTPUT_LOGITS, "next_token": OG_OUTPUT_NEXT_TOKEN, "sampled": OG_OUTPUT_SAMPLED,
+           "sampled_logprobs": OG_OUTPUT_SAMPLED_LOGPROBS}
+OG_MAX_LOGPROBS = 20
 # og_step_record.token of a chained step (og_begin_chained_step): the previous step's argmax
 OG_TOKEN_PREVIOUS_ARGMAX = -1
 KV_DTYPES = {"fp32": OG_KV_F32, "bf16": OG_KV_BF16, "int8": OG_KV_INT8}
@@ -102,6 +106,18 @@ class OgConfig(ctypes.Structure):
 
 # typedef struct og_step_record { int32_t token; int32_t position; int32_t seq_slot;
 #                                  int32_t row_block; } og_step_record;
+# typedef struct og_sampling_params {...} og_sampling_params;
+class OgSamplingParams(ctypes.Structure):
+    _fields_ = [("seed", c_uint64), ("temperature", c_float), ("top_k", c_int32), ("top_p", c_float),
+                ("min_p", c_float), ("repetition_penalty", c_float), ("presence_penalty", c_float),
+                ("frequency_penalty", c_float), ("logprobs", c_int32)]
+
+
+# typedef struct og_top_logprob { int32_t token; float logprob; } og_top_logprob;
+class OgTopLogprob(ctypes.Structure):
+    _fields_ = [("token", c_int32), ("logprob", c_float)]
+
+
 class OgStepRecord(ctypes.Structure):
     _fields_ = [("token", c_int32), ("position", c_int32), ("seq_slot", c_int32), ("row_block", c_int32)]
 
@@ -249,6 +265,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_set_output", c_int32, Handle, c_int32)
     # og_status og_next_token(og_engine *e, int32_t *token, float *logit);
     fn("og_next_token", c_int32, Handle, POINTER(c_int32), POINTER(c_float))
+    # og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_sampling_params *params);
+    fn("og_seq_set_sampling", c_int32, Handle, c_int32, POINTER(OgSamplingParams))
+    # og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity, int32_t *count);
+    fn("og_top_logprobs", c_int32, Handle, POINTER(OgTopLogprob), c_int32, POINTER(c_int32))
     # og_status og_stream(og_engine *e, void **stream);
     fn("og_stream", c_int32, Handle, POINTER(c_void_p))
     # og_status og_get_stats(og_engine *e, og_stats *stats);

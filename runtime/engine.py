@@ -19,7 +19,7 @@ switch replays the sequence so far on the CPU from a clean start, so the tokens 
 follow are the ones an uninterrupted run would produce (up to the stated numerics bounds).
 
 Generation (stream, generate): the prompt through prefill(), then the next token chosen by
-sampling.sample() from the logits, fed, and so on; the last new token is not fed, so the
+sampling.sample_step() from the logits, fed, and so on; the last new token is not fed, so the
 sequence then holds the prompt and all but the last new token. Greedy generation takes each
 token after the first with the device's argmax (step_greedy) and, on the graph path, pipelines
 its steps: the step after the one in flight is launched before the host reads its token; its
@@ -74,7 +74,7 @@ from . import capi
 from .config import ModelConfig
 from .graph import GraphError
 from .quant import WeightScheme, quantize_stream
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
 
 log = logging.getLogger("onegraph")
@@ -189,6 +189,9 @@ class Engine:
         self._graph_retry_in = 0       # graph-eligible steps left to run un-captured
         self.last_graph_error: str | None = None
         self._open_stream = None       # (key, weakref to the generator) of stream()'s open stream
+        # A sampled stream's (params, seed, first generated row of the history): what a "sampled"
+        # step on the CPU path needs to choose the token the device stage would.
+        self._sampling: tuple[SamplingParams, int, int] | None = None
         self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0,
                         "graph_failures": 0, "prefill_tokens": 0, "prefill_seconds": 0.0}
         self.fallback_reason: str | None = None
@@ -419,15 +422,44 @@ class Engine:
             if token in stop:
                 return
 
-    def _pipelined_greedy(self, token: int, n: int, stop: set, out: list):
+    def _sampled_tokens(self, token: int, max_steps: int, stop: set, params: SamplingParams,
+                        seed: int) -> Iterator[int]:
+        """_greedy_tokens for sampled params: each step ends in the sampling stage
+        (sampling.sample_step keyed by seed and the step's row; on the GPU the device stage,
+        which counts each fed token as generated; on the CPU sample_step on the host over the
+        same counts), pipelined on the graph path. `token` is the first generated one (sampled
+        from the prompt's logits): the counts start at zero before it."""
+        out: list[int] = []
+        self._sampling = (params, seed, len(self._history))
+        try:
+            if self._gpu is not None:
+                self._gpu.set_sampling(self._seqs[self._current].lib_id, params, seed)
+            if max_steps > 0 and self._gpu is not None and self.use_graph and self._graph_retry_in <= 0:
+                self._validate(token)
+                fits = min(max_steps, self.max_seq_len - len(self._history))
+                token = yield from self._pipelined_greedy(int(token), fits, stop, out, output="sampled")
+                if token is None:
+                    return
+            while len(out) < max_steps:
+                token, _ = self._step(token, "sampled")
+                out.append(token)
+                yield token
+                if token in stop:
+                    return
+        finally:
+            self._sampling = None
+
+    def _pipelined_greedy(self, token: int, n: int, stop: set, out: list, output: str = "next_token"):
         """Up to n steps from `token` with the next one always launched (decode_greedy), each
         chosen token appended to `out` and yielded. Returns None when done (n steps, or a stop
         token), else the token to feed next on the step-by-step path (a graph failure, or a
         chained step the library refused: that path then meets the same condition and handles
         it). Closed early (GeneratorExit at a yield, or any exception), it waits for the launched
-        steps and drops them: the sequence then holds exactly the tokens of the ended steps."""
+        steps and drops them: the sequence then holds exactly the tokens of the ended steps.
+        output "sampled": the same with the device sampling stage choosing each token (a chained
+        step's embedding reads the sampled token as it reads the argmax)."""
         gpu = self._gpu
-        gpu.set_output("next_token")
+        gpu.set_output(output)
         t0 = time.perf_counter()
         try:
             gpu.begin(token)  # validates and prechecks; on error nothing has changed
@@ -456,7 +488,7 @@ class Engine:
                 self._timing["graph_steps"] += 1
                 self._timing["seconds"] += now - t0
                 t0 = now
-                if np.isnan(logit):
+                if output == "next_token" and np.isnan(logit):
                     raise ValueError("logits contain NaN")
                 out.append(result)
                 if fed:
@@ -489,7 +521,8 @@ class Engine:
         fed.clear()
 
     def _step(self, token: int, output: str):
-        """One step; output "logits" returns the logits, "next_token" (token, logit)."""
+        """One step; output "logits" returns the logits, "next_token" (token, logit), "sampled"
+        (token, log-probability) of the open sampled stream's stage (_sampled_tokens)."""
         self._end_open_stream()
         self._validate(token)
         t0 = time.perf_counter()
@@ -509,10 +542,17 @@ class Engine:
         return result
 
     def _cpu_step(self, token: int, output: str):
+        position = len(self._history)   # the row this step writes, whose logits these are
         logits = self._cpu.step(token)
         self._timing["cpu_steps"] += 1
         if output == "logits":
             return logits
+        if output == "sampled":   # the device stage's choice: counts of the tokens generated so far
+            params, seed, first = self._sampling
+            counts = np.bincount(np.asarray(self._history[first:] + [token], np.int64),
+                                 minlength=logits.size).astype(np.int32)
+            result = sample_step(logits, params, position, counts, seed)
+            return result.token, result.value
         best = int(np.argmax(logits))
         return best, float(logits[best])
 
@@ -621,22 +661,19 @@ class Engine:
                        stop: set) -> Iterator[int]:
         """stream()'s generator; `key` marks it as the engine's open stream until it ends."""
         try:
-            rng = np.random.default_rng(params.seed)
+            seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
             logits = self.prefill(prompt)
             if max_new_tokens == 0:
                 return
-            token = sample(logits, params, rng)
+            # The first token from the prompt's logits (row len - 1), no tokens generated yet.
+            token = sample_step(logits, params, len(self._history) - 1, None, seed).token
             yield token
             if token in stop or max_new_tokens == 1:
                 return
-            if params.greedy:  # the argmax on the device; pipelined on the graph path
+            if params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
                 yield from self._greedy_tokens(token, max_new_tokens - 1, stop)
-                return
-            for _ in range(max_new_tokens - 1):
-                token = sample(self.step(token), params, rng)
-                yield token
-                if token in stop:
-                    return
+            else:  # the sampling stage on the device (pipelined on the graph path), or on the host
+                yield from self._sampled_tokens(token, max_new_tokens - 1, stop, params, seed)
         finally:
             if self._open_stream is not None and self._open_stream[0] is key:
                 self._open_stream = None

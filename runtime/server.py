@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .engine import EngineError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_step
 
 log = logging.getLogger("onegraph.server")
 
@@ -317,7 +317,7 @@ class Job:
         self.generated: list[int] = []
         self.logits: np.ndarray | None = None
         self.next_token: int | None = None  # chosen by the last step, not fed yet
-        self.rng: np.random.Generator | None = None
+        self.seed: int | None = None  # the sampler's (sampling.sample_step)
         self.decoder = None
         self.matcher = StopMatcher(request.stop)
         self.pending: list[dict] = []      # logprob entries of tokens whose text is not out yet
@@ -452,7 +452,8 @@ class Scheduler:
             self.counters["prefix_cache_tokens"] += reused
             log.info("onegraph: request %s reuses %d of %d prompt tokens from the prefix cache", job.id, reused,
                      len(prompt))
-        job.rng = np.random.default_rng(req.sampling.seed)
+        job.seed = req.sampling.seed if req.sampling.seed is not None else \
+            int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         job.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         self._choose(job, job.logits)
 
@@ -486,7 +487,7 @@ class Scheduler:
     def _advance(self, job: Job) -> None:
         token = job.next_token
         self.engine.use(job.seq)
-        if job.request.logprobs or not job.request.sampling.greedy:
+        if job.request.logprobs or not job.request.sampling.greedy or job.request.sampling.penalized:
             logits = self._with_room(lambda: self.engine.step(token))
             job.fed.append(token)
             self._choose(job, logits)
@@ -497,7 +498,9 @@ class Scheduler:
 
     def _choose(self, job: Job, logits: np.ndarray) -> None:
         req = job.request
-        token = sample(logits, req.sampling, job.rng)
+        # The row whose logits these are (the last fed token's), the tokens generated so far.
+        counts = np.bincount(np.asarray(job.generated, np.int64), minlength=logits.size).astype(np.int32)
+        token = sample_step(logits, req.sampling, len(job.fed) - 1, counts, job.seed).token
         self._take(job, token, logits if req.logprobs else None)
 
     def _take(self, job: Job, token: int, logits: np.ndarray | None) -> None:

@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .graph import DecodeGraph, check_cuda, cuda_runtime
 from .kvpool import DevicePool
 from .quant import QuantizedMatrix, WeightScheme
+from .sampling import NonFiniteLogits, SamplingParams
 
 
 def kv_code(kv: str) -> int:
@@ -195,21 +196,36 @@ class GpuSession:
         capi.check(self.lib.og_run(self.handle), "og_run")
 
     def set_output(self, output: str) -> None:
-        """"logits" (the step copies the logits [vocab]) or "next_token" (only their argmax,
-        taken on the device: og_set_output). Each output has its own graph."""
+        """"logits" (the step copies the logits [vocab]), "next_token" (only their argmax,
+        taken on the device) or "sampled" (the device sampling stage's token and its
+        log-probability: og_set_output). Each output has its own graph."""
         if output != self.output:
             capi.check(self.lib.og_set_output(self.handle, capi.OUTPUTS[output]), "og_set_output")
             self.output = output
 
     def end(self):
         """og_end_step; the logits [vocab] (a copy), or for output "next_token" the pair
-        (token, its logit)."""
+        (token, its logit), for "sampled" (token, its log-probability). NonFiniteLogits (a
+        ValueError) when a sampled step's logits held a NaN or +inf."""
         capi.check(self.lib.og_end_step(self.handle), "og_end_step")
         if self.output == "logits":
             return self.logits_view.copy()
         token, logit = ctypes.c_int32(), ctypes.c_float()
-        capi.check(self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit)), "og_next_token")
+        status = self.lib.og_next_token(self.handle, ctypes.byref(token), ctypes.byref(logit))
+        if status == capi.OG_E_NONFINITE_LOGITS:   # a user-facing ValueError, as sample_step's
+            raise NonFiniteLogits(f"og_next_token: {capi.last_error()}")
+        capi.check(status, "og_next_token")
         return token.value, logit.value
+
+    def set_sampling(self, seq: int, params: SamplingParams, seed: int) -> None:
+        """og_seq_set_sampling: the sampling stage's parameters for library sequence `seq`
+        (its generated-token counts start over)."""
+        p = capi.OgSamplingParams(seed=int(seed), temperature=params.temperature, top_k=int(params.top_k),
+                                  top_p=params.top_p, min_p=params.min_p,
+                                  repetition_penalty=params.repetition_penalty,
+                                  presence_penalty=params.presence_penalty,
+                                  frequency_penalty=params.frequency_penalty, logprobs=int(params.logprobs))
+        capi.check(self.lib.og_seq_set_sampling(self.handle, int(seq), ctypes.byref(p)), "og_seq_set_sampling")
 
     @property
     def graph(self):

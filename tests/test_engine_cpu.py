@@ -198,12 +198,13 @@ def test_kept_fp32_copies_give_the_same_logits_as_widening_at_every_use():
 # ---- the generation loop (Engine.stream / generate) against the loop written out here ----------
 def reference_generate(config, tensors, prompt, n, params=SamplingParams(), stop=()):
     """(new tokens, tokens fed): prompt, then each token sampled from the logits before it (with
-    the params' seed) and fed, the last one not; stops after a stop token or n tokens."""
+    the params' seed, keyed by the row of the logits, over the counts of the tokens generated so
+    far) and fed, the last one not; stops after a stop token or n tokens."""
     ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=64)
-    rng = np.random.default_rng(params.seed)
     logits, fed, out = ref.prefill(prompt), list(prompt), []
     while len(out) < n:
-        token = sample(logits, params, rng)
+        counts = np.bincount(np.asarray(out, np.int64), minlength=logits.size)
+        token = sample(logits, params, len(fed) - 1, counts)
         out.append(token)
         if token in stop or len(out) == n:
             break
@@ -212,7 +213,10 @@ def reference_generate(config, tensors, prompt, n, params=SamplingParams(), stop
     return out, fed
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5)])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5),
+                                    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                                                   frequency_penalty=0.2, presence_penalty=0.1, seed=9),
+                                    SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)])
 def test_stream_yields_the_loops_tokens_and_feeds_all_but_the_last(tiny, params):
     config, tensors = tiny
     want, fed = reference_generate(config, tensors, PROMPT, 10, params)

@@ -25,6 +25,17 @@ def test_abi_6_in_header_binding_and_rust():
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
     assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 6
     assert re.search(r"pub const OG_ABI_VERSION: i32 = 6;", rust)
+    # 6.3: og_sampling_params, whose fields agree in all three; og_step_record is unchanged
+    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h"))[1] >= capi.ABI_MINOR_REQUIRED == 3
+    params_c = header[header.index("typedef struct og_sampling_params {"):header.index("} og_sampling_params;")]
+    params_rs = rust[rust.index("pub struct og_sampling_params {"):]
+    params_rs = params_rs[:params_rs.index("}")]
+    names = [n for n, _ in capi.OgSamplingParams._fields_]
+    assert re.findall(r"(?:u?int\d+_t|float)\s+(\w+);", params_c) == names == re.findall(r"pub (\w+):", params_rs)
+    assert ctypes.sizeof(capi.OgSamplingParams) == 40
+    assert [n for n, _ in capi.OgStepRecord._fields_] == ["token", "position", "seq_slot", "row_block"]
+    for name in ("og_seq_set_sampling", "og_top_logprobs"):
+        assert f"OG_API og_status {name}(og_engine *e" in header
     assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
     assert "pub fn og_prefill(" in rust
     for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):  # ABI 6

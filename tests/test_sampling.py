@@ -17,7 +17,7 @@ def softmax64(z):
 
 def test_greedy_is_argmax_with_ties_to_lowest_id():
     assert sample(LOGITS, SamplingParams()) == 1            # ids 1 and 3 tie at 3.0
-    assert sample(np.array([0.0, 5.0, 4.0]), SamplingParams(temperature=0.0), None) == 1
+    assert sample(np.array([0.0, 5.0, 4.0]), SamplingParams(temperature=0.0)) == 1
     assert sample(np.full(10, -2.0, np.float32), SamplingParams()) == 0
 
 
@@ -66,26 +66,9 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     for _ in range(50):
         logits = rng.standard_normal(1000).astype(np.float32)
         want = sample(logits, SamplingParams())
-        assert sample(logits, SamplingParams(temperature=1.3, top_k=1), rng) == want
-        assert sample(logits, SamplingParams(temperature=0.7, top_p=1e-9), rng) == want
-
-
-def test_empirical_distribution_matches_filtered():
-    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
-    logits = np.array([0.2, 1.5, -0.3, 1.1, 0.9, -2.0, 0.0, 1.4, 0.5], np.float32)
-    ids, probs = filtered_distribution(logits, params)
-    rng = np.random.default_rng(1234)
-    n = 40_000
-    counts = np.bincount([sample(logits, params, rng) for _ in range(n)], minlength=logits.size)
-    excluded = np.setdiff1d(np.arange(logits.size), ids)
-    assert counts[excluded].sum() == 0                          # filtered-out ids never drawn
-    expected = n * probs
-    chi2 = float(((counts[ids] - expected) ** 2 / expected).sum())
-    # top-k keeps 6, top-p then 5 ids: chi-square with 4 degrees of freedom, whose 99.9% point
-    # is 18.5 (a correct sampler exceeds it with probability 1e-3; the seed is fixed anyway).
-    # A sampler drawing from the unfiltered or un-renormalized distribution scores in the hundreds.
-    assert len(ids) == 5
-    assert chi2 < 18.5, (chi2, counts[ids], expected)
+        assert sample(logits, SamplingParams(temperature=1.3, top_k=1), position=5) == want
+        assert sample(logits, SamplingParams(temperature=0.7, top_p=1e-9), position=6) == want
+        assert sample(logits, SamplingParams(temperature=0.7, min_p=1.0), position=7) == want
 
 
 def test_same_seed_same_tokens():
@@ -93,10 +76,11 @@ def test_same_seed_same_tokens():
     table = rng.standard_normal((50, 64)).astype(np.float32)     # a toy "model": logits by token
 
     def draw(params):
-        """30 tokens, each sampled from the row of the token before, with the params' seed."""
-        gen, token, out = np.random.default_rng(params.seed), 3, []
-        for _ in range(30):
-            token = sample(table[token % 50], params, gen)
+        """30 tokens, each sampled from the row of the token before (at row i), with the params'
+        seed."""
+        token, out = 3, []
+        for i in range(30):
+            token = sample(table[token % 50], params, position=i)
             out.append(token)
         return out
 
@@ -114,8 +98,6 @@ def test_validation_errors():
                 dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.01)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="rng"):
-        sample(LOGITS, SamplingParams(temperature=1.0), None)
     with pytest.raises(ValueError, match="NaN"):
         sample(np.array([0.0, np.nan]), SamplingParams())
     with pytest.raises(ValueError, match="vector"):

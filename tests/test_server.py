@@ -105,11 +105,11 @@ def client(server):
 def decode_alone(ref, prompt, max_tokens, sampling=SamplingParams(), stop_ids=(), want_logits=False):
     """(tokens, logits of each) of one request decoded alone from scratch on the reference."""
     ref.reset()
-    rng = np.random.default_rng(sampling.seed)
     logits = ref.prefill(list(prompt))
     tokens, all_logits = [], []
-    while True:
-        token = sample(logits, sampling, rng)
+    while True:   # the sampler keyed by the row of the logits, over the tokens generated so far
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=logits.size)
+        token = sample(logits, sampling, len(prompt) + len(tokens) - 1, counts)
         tokens.append(token)
         all_logits.append(logits)
         if token in stop_ids or len(tokens) == max_tokens:

@@ -34,6 +34,8 @@ pub const OG_KV_INT8: i32 = 2;
 
 pub const OG_OUTPUT_LOGITS: i32 = 0;
 pub const OG_OUTPUT_NEXT_TOKEN: i32 = 1;
+pub const OG_OUTPUT_SAMPLED: i32 = 2;
+pub const OG_OUTPUT_SAMPLED_LOGPROBS: i32 = 3;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -66,6 +68,20 @@ pub struct og_config {
     pub kv_pool_blocks: i32,
     pub kv_max_sequences: i32,
     pub prefill_chunk: i32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct og_sampling_params {
+    pub seed: u64,
+    pub temperature: f32,
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logprobs: i32,
 }
 
 #[repr(C)]

@@ -1,0 +1,382 @@
+// sample.cu — the sampling stage (OG_OUTPUT_SAMPLED): runtime/sampling.py's sample_step on the
+// device. The plan is in sample.cuh; step numbers below are sample_step's. Every float32
+// operation that decides a token is written with the explicit IEEE intrinsics (__fdiv_rn,
+// __fmul_rn, __fsub_rn) so nvcc cannot contract it into an FMA that numpy does not do.
+#include <climits>
+
+#include "sample.cuh"
+
+namespace og {
+namespace {
+
+constexpr int kSampleThreads = 256;
+constexpr int kSamplePerBlock = 2048;     // ids a block covers (8 a thread), at least
+constexpr int kSampleMaxBlocks = 128;
+constexpr double kWeightScale = 1099511627776.0;   // 2^40, sampling.WEIGHT_SCALE
+
+// float -> uint32 whose unsigned order is the float order (-inf lowest); packed with ~id below
+// it, so a 64-bit max picks the largest value and, among equal ones, the lowest id.
+__device__ __forceinline__ unsigned ordered(float x) {
+    const unsigned b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float unordered(unsigned u) {
+    return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+__device__ __forceinline__ unsigned long long pack(float x, int id) {
+    return ((unsigned long long)ordered(x) << 32) | (unsigned)(0xffffffffu - (unsigned)id);
+}
+__device__ __forceinline__ int packed_id(unsigned long long p) {
+    return (int)(0xffffffffu - (unsigned)(p & 0xffffffffu));
+}
+
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v,
+                                                            unsigned long long *scratch) {
+    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+        const unsigned long long o = __shfl_xor_sync(kFullMask, v, offset);
+        v = o > v ? o : v;
+    }
+    __syncthreads();
+    if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x / kWarpSize); ++w) v = scratch[w] > v ? scratch[w] : v;
+    return v;
+}
+
+// Philox4x32-10 (Random123, curand): runtime/philox.py.
+__device__ __forceinline__ uint4 philox(uint4 c, unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+        const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// Step 5's key of id i: float32(d - log(-log(u))), u = (word + 0.5) / 2^32 of philox.uniforms.
+__device__ __forceinline__ float race_key(float d, unsigned long long seed, int position, int i) {
+    const uint4 w = philox(make_uint4((unsigned)i >> 2, (unsigned)position, 0u, 0u),
+                           (unsigned)seed, (unsigned)(seed >> 32));
+    const unsigned word = (i & 3) == 0 ? w.x : (i & 3) == 1 ? w.y : (i & 3) == 2 ? w.z : w.w;
+    const double u = ((double)word + 0.5) * (1.0 / 4294967296.0);
+    return (float)__dsub_rn((double)d, log(-log(u)));
+}
+
+__device__ __forceinline__ float weight(float d) { return (float)exp((double)d); }
+__device__ __forceinline__ unsigned long long fixed_weight(float w) {
+    return __double2ull_rz(__dmul_rn((double)w, kWeightScale));
+}
+// Bucket of d <= 0: 8 per nat, the last one open-ended (-inf included).
+__device__ __forceinline__ int bucket(float d) {
+    return d > -32.f ? min(kSampleBuckets - 1, (int)__fmul_rn(-d, 8.f)) : kSampleBuckets - 1;
+}
+
+__device__ __forceinline__ bool filters_on(const og_sampling_params &p, int V) {
+    return (p.top_k > 0 && p.top_k < V) || p.top_p < 1.f || p.min_p > 0.f;
+}
+
+// ---- 1: z = penalties(logits) / temperature; max z ----
+__global__ void __launch_bounds__(kSampleThreads) sample_prepare_kernel(SampleArgs a) {
+    __shared__ unsigned long long scratch[kSampleThreads / kWarpSize];
+    pdl_wait();
+    pdl_launch_dependents();
+    const og_step_record *rec = a.step;
+    const og_sampling_params p = a.params[rec->seq_slot];
+    int input = rec->token;
+    if (input == OG_TOKEN_PREVIOUS_ARGMAX) input = __ldcg(&a.previous->token);
+    const int32_t *counts = a.counts + (size_t)rec->seq_slot * a.V;
+    const bool penalize = p.repetition_penalty != 1.f || p.presence_penalty != 0.f ||
+                          p.frequency_penalty != 0.f;
+    const int per_block = ceil_div(a.V, gridDim.x);
+    const int begin = blockIdx.x * per_block, end = min(a.V, begin + per_block);
+    unsigned long long best = 0;
+    unsigned bad = 0;
+    for (int i = begin + threadIdx.x; i < end; i += kSampleThreads) {
+        float l = a.logits[i];
+        bad |= (l != l) || l == INFINITY;
+        if (penalize) {
+            const int c = counts[i] + (i == input);   // this step's input counts already
+            if (c > 0) {
+                l = l > 0.f ? __fdiv_rn(l, p.repetition_penalty) : __fmul_rn(l, p.repetition_penalty);
+                l = __fsub_rn(l, __fmul_rn(p.frequency_penalty, (float)c));
+                l = __fsub_rn(l, p.presence_penalty);
+            }
+        }
+        const float z = p.temperature > 0.f ? __fdiv_rn(l, p.temperature) : l;
+        bad |= z == INFINITY;
+        a.z[i] = z;
+        const unsigned long long k = pack(z, i);
+        best = k > best ? k : best;
+    }
+    best = block_max_u64(best, scratch);
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) {
+        atomicMax(&a.state->best_z, best);
+        if (bad) atomicOr(&a.state->bad, 1u);
+        if (blockIdx.x == 0) a.state->input = input;
+    }
+}
+
+// ---- 2: the histogram of d (count, fixed-point mass); with no filter, the race ----
+__global__ void __launch_bounds__(kSampleThreads) sample_histogram_kernel(SampleArgs a) {
+    __shared__ unsigned count[kSampleBuckets];
+    __shared__ unsigned long long mass[kSampleBuckets];
+    __shared__ unsigned long long scratch[kSampleThreads / kWarpSize];
+    pdl_wait();
+    pdl_launch_dependents();
+    const og_step_record *rec = a.step;
+    const og_sampling_params p = a.params[rec->seq_slot];
+    SampleState *st = a.state;
+    const float m = unordered((unsigned)(__ldcg(&st->best_z) >> 32));
+    if (p.temperature <= 0.f || __ldcg(&st->bad) || m == -INFINITY) return;
+    for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads) count[b] = 0, mass[b] = 0;
+    __syncthreads();
+    const bool race_all = !filters_on(p, a.V);
+    const int per_block = ceil_div(a.V, gridDim.x);
+    const int begin = blockIdx.x * per_block, end = min(a.V, begin + per_block);
+    unsigned long long best = 0;
+    for (int i = begin + threadIdx.x; i < end; i += kSampleThreads) {
+        const float d = __fsub_rn(a.z[i], m);
+        const int b = bucket(d);
+        atomicAdd(&count[b], 1u);
+        atomicAdd(&mass[b], fixed_weight(weight(d)));
+        if (race_all) {
+            const unsigned long long k = pack(race_key(d, p.seed, rec->position, i), i);
+            best = k > best ? k : best;
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads)
+        if (count[b] != 0) {
+            atomicAdd(&st->hist_count[b], count[b]);
+            atomicAdd(&st->hist_mass[b], mass[b]);
+        }
+    if (race_all) {
+        best = block_max_u64(best, scratch);
+        if (threadIdx.x == 0) atomicMax(&st->best_race, best);
+    }
+}
+
+// Does candidate (da, ia) come before (db, ib)? d descending, then the lower id.
+__device__ __forceinline__ bool before(float da, int ia, float db, int ib) {
+    return da > db || (da == db && ia < ib);
+}
+
+// ---- 3: gather the ids up to the cut's bucket; the last block cuts, races and finishes ----
+__global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArgs a) {
+    __shared__ unsigned cum_count[kSampleBuckets];
+    __shared__ unsigned long long cum_mass[kSampleBuckets];
+    __shared__ float sd[kSampleCandidates];
+    __shared__ int sid[kSampleCandidates];
+    __shared__ unsigned long long scratch[kSampleThreads / kWarpSize];
+    __shared__ int s_cut;
+    __shared__ bool last;
+    __shared__ int s_kept;
+    __shared__ unsigned long long s_total;
+    pdl_wait();
+    pdl_launch_dependents();
+    const og_step_record *rec = a.step;
+    const og_sampling_params p = a.params[rec->seq_slot];
+    SampleState *st = a.state;
+    const int V = a.V;
+    const unsigned long long best_z = __ldcg(&st->best_z);
+    const float m = unordered((unsigned)(best_z >> 32));
+    const bool bad = __ldcg(&st->bad) != 0 || m == -INFINITY;
+    const bool sampling = p.temperature > 0.f && !bad;
+    const bool filtered = filters_on(p, V);
+    const int n_k = p.top_k > 0 && p.top_k < V ? p.top_k : V;
+
+    if (sampling) {
+        // cumulative count and mass per bucket (Hillis-Steele; one thread a bucket)
+        for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads) {
+            cum_count[b] = __ldcg(&st->hist_count[b]);
+            cum_mass[b] = __ldcg(&st->hist_mass[b]);
+        }
+        __syncthreads();
+        for (int offset = 1; offset < kSampleBuckets; offset <<= 1) {
+            unsigned c = 0;
+            unsigned long long w = 0;
+            const int b = threadIdx.x;
+            if (b < kSampleBuckets && b >= offset) c = cum_count[b - offset], w = cum_mass[b - offset];
+            __syncthreads();
+            if (b < kSampleBuckets) cum_count[b] += c, cum_mass[b] += w;
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            // The last bucket the kept prefix (and the listed top log-probabilities) can reach.
+            const auto first_count = [&](unsigned n) {
+                int b = 0;
+                while (b < kSampleBuckets - 1 && cum_count[b] < n) ++b;
+                return b;
+            };
+            int cut = -1;
+            if (filtered) {
+                const int cut_k = n_k < V ? first_count((unsigned)n_k) : kSampleBuckets - 1;
+                int cut_p = kSampleBuckets - 1, cut_m = kSampleBuckets - 1;
+                if (p.top_p < 1.f && n_k == V) {
+                    const double target = (double)p.top_p * (double)cum_mass[kSampleBuckets - 1];
+                    cut_p = 0;
+                    while (cut_p < kSampleBuckets - 1 && (double)cum_mass[cut_p] < target) ++cut_p;
+                }
+                if (p.min_p > 0.f)   // w >= min_p needs d >= log(min_p) - rounding: one bucket of room
+                    cut_m = min(kSampleBuckets - 1, (int)(-logf(p.min_p) * 8.f) + 1);
+                // with top-k and top-p the top-p mass is over the top-k set: gather all of it
+                cut = n_k < V ? (p.top_p < 1.f ? cut_k : min(cut_k, cut_m)) : min(cut_p, cut_m);
+            } else if (p.logprobs > 0) {
+                cut = first_count((unsigned)p.logprobs);
+            }
+            s_cut = cut;
+        }
+        __syncthreads();
+        const int cut = s_cut;
+        if (cut >= 0) {
+            const int per_block = ceil_div(V, gridDim.x);
+            const int begin = blockIdx.x * per_block, end = min(V, begin + per_block);
+            for (int i = begin + threadIdx.x; i < end; i += kSampleThreads) {
+                const float d = __fsub_rn(a.z[i], m);
+                if (bucket(d) > cut) continue;
+                const unsigned slot = atomicAdd(&st->n_candidates, 1u);
+                if (slot < (unsigned)kSampleCandidates) st->candidate_d[slot] = d, st->candidate_id[slot] = i;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // the candidates are visible before the ticket says so
+        last = atomicAdd(&st->ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+
+    SampledResult *out = a.out;
+    int token = OG_TOKEN_NONFINITE;
+    float value = 0.f;
+    int n_top = 0;
+    if (!bad && !sampling) {                      // temperature 0: the argmax of the penalized
+        token = packed_id(best_z);
+    } else if (sampling) {
+        const unsigned n = __ldcg(&st->n_candidates);
+        if (n > (unsigned)kSampleCandidates) {
+            token = OG_TOKEN_OVERFLOW;
+        } else {
+            int size = 1;
+            while (size < (int)n) size <<= 1;
+            for (int j = threadIdx.x; j < size; j += kSampleThreads) {
+                sd[j] = j < (int)n ? __ldcg(&st->candidate_d[j]) : -INFINITY;
+                sid[j] = j < (int)n ? __ldcg(&st->candidate_id[j]) : INT_MAX;
+            }
+            __syncthreads();
+            // bitonic sort into "before" order (padding, -inf with id INT_MAX, goes last)
+            for (int k = 2; k <= size; k <<= 1)
+                for (int j = k >> 1; j > 0; j >>= 1) {
+                    for (int t = threadIdx.x; t < size; t += kSampleThreads) {
+                        const int u = t ^ j;
+                        if (u > t) {
+                            const bool up = (t & k) == 0;
+                            const bool swap = up ? before(sd[u], sid[u], sd[t], sid[t])
+                                                 : before(sd[t], sid[t], sd[u], sid[u]);
+                            if (swap) {
+                                const float fd = sd[t];
+                                sd[t] = sd[u], sd[u] = fd;
+                                const int fi = sid[t];
+                                sid[t] = sid[u], sid[u] = fi;
+                            }
+                        }
+                    }
+                    __syncthreads();
+                }
+            if (threadIdx.x == 0) {
+                // step 4: the kept prefix, exactly (the list holds every id of rank < n)
+                int kept = V;
+                unsigned long long total = __ldcg(&st->hist_mass[0]);
+                if (filtered) {
+                    kept = min(n_k, (int)n);
+                    if (p.top_p < 1.f) {
+                        unsigned long long s = 0;
+                        if (n_k < V) {
+                            for (int j = 0; j < n_k; ++j) s += fixed_weight(weight(sd[j]));
+                        } else {
+                            s = 0;
+                            for (int b = 0; b < kSampleBuckets; ++b) s += __ldcg(&st->hist_mass[b]);
+                        }
+                        const double target = (double)p.top_p * (double)s;
+                        unsigned long long cum = 0;
+                        int n_p = V;
+                        for (int j = 0; j < (int)n; ++j) {
+                            cum += fixed_weight(weight(sd[j]));
+                            if ((double)cum >= target) { n_p = j + 1; break; }
+                        }
+                        kept = min(kept, n_p);
+                    }
+                    if (p.min_p > 0.f) {
+                        int n_m = 0;
+                        while (n_m < (int)n && weight(sd[n_m]) >= p.min_p) ++n_m;
+                        kept = min(kept, n_m);
+                    }
+                    total = 0;
+                    for (int j = 0; j < kept; ++j) total += fixed_weight(weight(sd[j]));
+                } else {
+                    total = 0;
+                    for (int b = 0; b < kSampleBuckets; ++b) total += __ldcg(&st->hist_mass[b]);
+                }
+                s_kept = kept;
+                s_total = total;
+            }
+            __syncthreads();
+            const int kept = s_kept;
+            unsigned long long best = 0;
+            if (filtered) {  // step 5 over the kept prefix
+                for (int j = threadIdx.x; j < kept; j += kSampleThreads) {
+                    const unsigned long long k = pack(race_key(sd[j], p.seed, rec->position, sid[j]), sid[j]);
+                    best = k > best ? k : best;
+                }
+                best = block_max_u64(best, scratch);
+            } else {
+                best = __ldcg(&st->best_race);
+            }
+            token = packed_id(best);
+            // step 6
+            const double log_total = log((double)s_total / kWeightScale);
+            value = (float)((double)__fsub_rn(a.z[token], m) - log_total);
+            n_top = min(p.logprobs, min(kept, (int)n));
+            for (int j = threadIdx.x; j < n_top; j += kSampleThreads)
+                out->top[j] = og_top_logprob{sid[j], (float)((double)sd[j] - log_total)};
+        }
+    }
+    __syncthreads();  // every thread has read the state zeroed below
+    if (threadIdx.x == 0) {
+        out->next = NextToken{token, token >= 0 ? value : __int_as_float(0x7fc00000)};
+        out->n_top = n_top;
+        const int input = st->input;  // counted as generated (the penalties above included it)
+        if (input >= 0 && input < V) a.counts[(size_t)rec->seq_slot * V + input] += 1;
+        st->best_z = 0, st->best_race = 0, st->bad = 0, st->n_candidates = 0, st->ticket = 0;
+    }
+    for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads)
+        st->hist_count[b] = 0, st->hist_mass[b] = 0;
+}
+
+}  // namespace
+
+cudaError_t launch_sample(const SampleArgs &args, cudaStream_t stream, bool pdl) {
+    if (args.logits == nullptr || args.V < 1 || args.step == nullptr || args.params == nullptr ||
+        args.counts == nullptr ||
+        args.z == nullptr || args.state == nullptr || args.out == nullptr)
+        return cudaErrorInvalidValue;
+    int blocks = ceil_div(args.V, kSamplePerBlock);
+    blocks = blocks < 1 ? 1 : blocks > kSampleMaxBlocks ? kSampleMaxBlocks : blocks;
+    cudaError_t err = launch_kernel(sample_prepare_kernel, dim3(blocks), dim3(kSampleThreads), 0,
+                                    stream, pdl, args);
+    if (err == cudaSuccess)
+        err = launch_kernel(sample_histogram_kernel, dim3(blocks), dim3(kSampleThreads), 0, stream,
+                            pdl, args);
+    if (err == cudaSuccess)
+        err = launch_kernel(sample_select_kernel, dim3(blocks), dim3(kSampleThreads), 0, stream,
+                            pdl, args);
+    return err;
+}
+
+}  // namespace og
