@@ -7,7 +7,7 @@
 // one-byte group scale (e5m3: quant.cuh), so at DRAM speed a q4 GEMV has ~3.8x fewer
 // instruction slots per weight than a bf16 one.
 // Dequantizing to fp16 for the tensor cores costs 9 instructions per 8 weights before the mma
-// (gemv.cu's int8 kernel still does that: int8 has twice the bytes per weight), which left the
+// (gemv_int8.cu's kernel still does that: int8 has twice the bytes per weight), which left the
 // q4 GEMVs bound by instruction issue. Here 8
 // weights cost 2 LOP3 + 2 dp4a, with no conversion at all.
 //

@@ -3,7 +3,8 @@
 //   embed.cu      embedding gather                       table[token] (bf16) -> x (fp32)
 //   gemv.cu       GEMV over bf16, int8 or q4 weights (quant.cuh), optionally with the
 //                 RMSNorm of its input fused in front, a residual add, or the gate/up SwiGLU
-//                 pair fused behind
+//                 pair fused behind: the dispatch; the kernels are in gemv_bf16.cu,
+//                 gemv_int8.cu and gemv_q4.cu
 //   rope_kv.cu    the RoPE frequency table; rope_kv_testing.cu (testing library) the per-head
 //                 QK-norm + RoPE + K/V write as a standalone kernel (the body runs the same
 //                 per-head code, rope_kv.cuh, inside attention.cu)

@@ -505,7 +505,7 @@ cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_
                                          act, stream, pdl);
     if (!x_normed || !selected_experts || !act || !valid_quant_args(gate_up, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu)
+    // int8 / q4: the quantized GEMV's tensor-core kernels (gemv_int8.cu, gemv_q4.cu)
     return og::launch_moe_gate_up_quant(gate_up.format, gate_up.data, gate_up.scales, x_normed,
                                         selected_experts, top_k, hidden, moe_inter, act, stream,
                                         pdl);
@@ -523,7 +523,7 @@ cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const floa
     if (!act || !selected_experts || !selected_weights || !x ||
         !valid_quant_args(down, top_k, hidden, moe_inter))
         return cudaErrorInvalidValue;
-    // int8 / q4: the quantized GEMV's tensor-core kernel (gemv.cu), experts summed in order
+    // int8 / q4: the quantized GEMV's tensor-core kernels (gemv_int8.cu, gemv_q4.cu), experts summed in order
     return og::launch_moe_down_quant(down.format, down.data, down.scales, act, selected_experts,
                                      selected_weights, top_k, hidden, moe_inter, x, stream, pdl);
 }

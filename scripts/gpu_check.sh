@@ -3,7 +3,10 @@
 # compute-sanitizer (memcheck, initcheck, racecheck, synccheck through scripts/sanitize.sh with
 # the -G build), the benchmark, and write logs and JSON under $OUT (default ./out). A short
 # summary is printed last. At most 8 files land in $OUT (the device tool returns no more).
-#   bash scripts/gpu_check.sh [full|quick|bench]   # quick: skip slow tests; bench: benchmark only
+#   bash scripts/gpu_check.sh [full|quick|bench|real]   # quick: skip slow tests; bench: benchmark only
+#   ONEGRAPH_DEMO_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf bash scripts/gpu_check.sh real
+#     real: the trained model's GPU tests (oracle, chat, server load), its chat answer on each
+#     backend (onegraph demo), the formats' perplexity on the GPU and its benchmark
 #   BENCH_ARGS="--preset qwen3-8b ..." bash scripts/gpu_check.sh bench
 # Time limits (seconds) from the environment: PYTEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT.
 # SANITIZE_TOOLS and SANITIZE_TARGETS (scripts/sanitize.sh) narrow the sanitizer runs, e.g.
@@ -27,7 +30,7 @@ note "build: rc=$?"
 # On a GPU machine a GPU test that cannot reach the device fails instead of skipping.
 export ONEGRAPH_REQUIRE_GPU=1
 
-if [ "$MODE" != bench ]; then
+if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   markers=()
   [ "$MODE" = quick ] && markers=(-m "not slow")
   timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs --durations=15 "${markers[@]}" tests > "$OUT/pytest.log" 2>&1
@@ -38,13 +41,28 @@ if [ "$MODE" != bench ]; then
   note "sanitize: rc=$?"
 fi
 
+if [ "$MODE" = real ]; then
+  export ONEGRAPH_REQUIRE_REAL_MODEL=1
+  timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs -s -m gpu tests/test_gguf_oracle.py \
+    tests/test_server_gpu.py tests/test_engine_gpu.py > "$OUT/pytest-real.log" 2>&1
+  note "pytest (real model): rc=$? $(tail -n 1 "$OUT/pytest-real.log")"
+  timeout 300 python3 -m onegraph.cli demo -n 48 > "$OUT/demo.log" 2>&1
+  note "demo: rc=$?"
+  timeout 400 python3 -m bench.perplexity --device gpu --text tests/data/declaration_of_independence.txt \
+    --max-tokens 512 --json "$OUT/perplexity-gpu.json" > "$OUT/perplexity-gpu.log" 2>&1
+  note "perplexity: rc=$?"
+  BENCH_ARGS=${BENCH_ARGS:---model $ONEGRAPH_DEMO_GGUF --kv int8 --weights bf16 --weights q4 --quantize-lm-head --engines 3 --peers hf-eager,hf-compile}
+fi
+
 # The benchmark: BENCH_ARGS overrides (e.g. one model per call to stay inside a time limit).
 BENCH_ARGS=${BENCH_ARGS:---preset qwen3-0.6b --kv int8 --peers hf-eager,hf-compile --contexts 128,1024,4096,16384,32768}
 timeout "${BENCH_TIMEOUT:-400}" python3 -m bench $BENCH_ARGS \
   --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
 note "bench: rc=$?"
 
-if [ "$MODE" != bench ]; then
+if [ "$MODE" = real ]; then
+  echo "==== real model"; tail -n 12 "$OUT/pytest-real.log"; cat "$OUT/demo.log"; tail -n 6 "$OUT/perplexity-gpu.log"
+elif [ "$MODE" != bench ]; then
   echo "==== pytest (tail)"; tail -n 20 "$OUT/pytest.log"
   echo "==== sanitize"; grep -E "^(memcheck|initcheck|racecheck|synccheck) " "$OUT/sanitize.log"
 fi

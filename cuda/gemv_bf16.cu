@@ -1,0 +1,269 @@
+// gemv_bf16.cu — weight matrix x fp32 vector over bf16 weights, the kernel that carries most of
+// decode's memory traffic in a bf16 model (int8 weights: gemv_int8.cu; q4: gemv_q4.cu; the
+// dispatch over formats: gemv.cu). Modes (kernels.cuh):
+// plain, RMSNorm fused in front, residual add, and RMSNorm + gate/up + SwiGLU.
+//
+//   weight: [rows, ld] bf16, ld = padded_cols(cols) (zeros in the pad columns)
+//   x:      [cols] fp32, staged in shared memory as [ld] (zeros in the pad), normalized
+//           there when the mode has a norm:  n[i] = x[i] * (1 / sqrt(mean(x^2) + eps)) * w[i]
+//   y:      [rows] fp32 (or [rows / 2] for SwiGLU)
+//
+// Work split: 8, 4 or 2 warps per block (fewer for matrices with few rows, so that every
+// SM gets blocks); a warp owns a task = a pair of rows
+// (r, r+1), or for SwiGLU the pair (gate row i, up row I + i), so the two rows share
+// every shared-memory read of x. Lane l reads 16-byte chunks l, l+32, ... of both rows,
+// U = 4, 8 or 12 chunks of each in flight per step (chosen from the row length, so a row of
+// up to 3072 columns is one step), accumulates in fp32 in chunk order and the warp reduces
+// with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
+// tasks, so each block stages x once. No L2 prefetch of a warp's next task's rows: the rows in
+// flight would exceed L2 and be evicted before use. The weights do not depend on earlier
+// kernels, so before
+// waiting on the previous kernel (PDL) each warp loads its first step of its first task into
+// registers, and norm modes stage the norm weights: after the wait, only x's staging (and its
+// norm) stands before the arithmetic. The rest of those rows is not prefetched into L2 there:
+// L2 prefetches compete with the loads the running kernels wait for.
+#include "gemv.cuh"
+
+namespace og {
+namespace {
+
+
+__device__ __forceinline__ float dot8(uint4 w, float4 xa, float4 xb, float acc) {
+    acc = fmaf(bf16_lo(w.x), xa.x, acc);
+    acc = fmaf(bf16_hi(w.x), xa.y, acc);
+    acc = fmaf(bf16_lo(w.y), xa.z, acc);
+    acc = fmaf(bf16_hi(w.y), xa.w, acc);
+    acc = fmaf(bf16_lo(w.z), xb.x, acc);
+    acc = fmaf(bf16_hi(w.z), xb.y, acc);
+    acc = fmaf(bf16_lo(w.w), xb.z, acc);
+    acc = fmaf(bf16_hi(w.w), xb.w, acc);
+    return acc;
+}
+
+// Rows of task `task`: (r0, r1). r1 == r0 for the last task of an odd row count.
+template <int MODE>
+__device__ __forceinline__ void task_rows(const GemvParams &p, int task, int &r0, int &r1) {
+    if (MODE == kGemvNormSwiglu) {
+        r0 = task;
+        r1 = task + p.out_rows;
+    } else {
+        r0 = 2 * task;
+        r1 = min(r0 + 1, p.rows - 1);
+    }
+}
+
+// Issue the loads of U 16-byte chunks of rows w0 and w1 for lane chunks base, base + 32, ...
+template <int U>
+__device__ __forceinline__ void load_chunks(const uint4 *w0, const uint4 *w1, int base,
+                                            int n_chunks, uint4 (&v0)[U], uint4 (&v1)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = base + u * kWarpSize;
+        if (c < n_chunks) {
+            v0[u] = __ldcs(w0 + c);
+            v1[u] = __ldcs(w1 + c);
+        } else {
+            v0[u] = make_uint4(0u, 0u, 0u, 0u);
+            v1[u] = v0[u];
+        }
+    }
+}
+
+template <int MODE, int WARPS, int U>
+__global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
+    constexpr int kThreads = WARPS * kWarpSize;
+    extern __shared__ float4 x_smem4[];              // [ld / 4], then norm modes: w [ld / 4]
+    float *x_smem = reinterpret_cast<float *>(x_smem4);
+    float *w_smem = x_smem + p.ld;
+    __shared__ float scratch[WARPS];
+
+    const int warp = threadIdx.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    const int n_chunks = p.ld / 8;                   // 16-byte chunks per row
+    const int task_stride = gridDim.x * WARPS;
+    int task = blockIdx.x * WARPS + warp;
+
+    // Weights do not depend on earlier kernels: before waiting for the previous kernel, load
+    // this warp's first U chunks per lane of its first two rows into registers and stage the
+    // norm weights.
+    uint4 v0[U], v1[U];
+    int r0 = 0, r1 = 0;
+    if (task < p.n_tasks) {
+        task_rows<MODE>(p, task, r0, r1);
+        load_chunks<U>(reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld),
+                       reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld), lane,
+                       n_chunks, v0, v1);
+    }
+    if (mode_has_norm(MODE)) {
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+
+    // Stage x (zeros in the pad columns so that 0-weight * pad stays 0). With cols % 4 == 0
+    // a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
+    float sum_sq = 0.f;
+    if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
+        const int cols4 = p.cols / 4;
+        const int n4 = p.ld / 4;
+        // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072 columns:
+        // 8-12 per thread), then stored and summed in index order.
+        constexpr int kStage = 12;
+        for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
+            float4 v[kStage];
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                if (i < n4) {
+                    x_smem4[i] = v[k];
+                    sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
+                    sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
+                    sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
+                    sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
+                }
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < p.ld; i += kThreads) {
+            const float v = i < p.cols ? p.x[i] : 0.f;
+            x_smem[i] = v;
+            sum_sq = fmaf(v, v, sum_sq);
+        }
+    }
+    if (mode_has_norm(MODE)) {
+        // block_sum ends with a barrier: every staged element is visible below.
+        const float total = block_sum<kThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
+            const float n = x_smem[i] * inv_rms * w_smem[i];
+            x_smem[i] = n;
+            if (write_normed) p.normed_out[i] = n;
+        }
+    }
+    __syncthreads();
+
+    // Bank-conflict-free reads of x: a quarter-warp's 8 lanes read 8 chunks of 32 bytes
+    // in two 16-byte halves; lanes 4..7 of each quarter take their halves in the other
+    // order so the 8 accesses of one instruction cover 128 distinct bytes.
+    const int swap_halves = (lane >> 2) & 1;
+
+    for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
+        if (!first) task_rows<MODE>(p, task, r0, r1);
+        const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
+        const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int base = lane; base < n_chunks; base += kWarpSize * U) {
+            if (!first || base != lane) load_chunks<U>(w0, w1, base, n_chunks, v0, v1);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = base + u * kWarpSize;
+                if (c < n_chunks) {
+                    const float4 first_half = x_smem4[2 * c + swap_halves];
+                    const float4 second_half = x_smem4[2 * c + 1 - swap_halves];
+                    const float4 xa = swap_halves ? second_half : first_half;
+                    const float4 xb = swap_halves ? first_half : second_half;
+                    acc0 = dot8(v0[u], xa, xb, acc0);
+                    acc1 = dot8(v1[u], xa, xb, acc1);
+                }
+            }
+        }
+        acc0 = warp_sum(acc0);
+        acc1 = warp_sum(acc1);
+        if (lane == 0) {
+            if (MODE == kGemvNormSwiglu) {
+                const float silu = acc0 / (1.0f + expf(-acc0));
+                p.y[task] = silu * acc1;
+            } else if (MODE == kGemvResidual) {
+                p.y[r0] += acc0;
+                if (r1 != r0) p.y[r1] += acc1;
+            } else {
+                p.y[r0] = acc0;
+                if (r1 != r0) p.y[r1] = acc1;
+            }
+        }
+    }
+}
+
+template <int MODE, int WARPS>
+const void *bf16_kernel_of(int unroll) {
+    switch (unroll) {
+        case 4: return (const void *)gemv_bf16_kernel<MODE, WARPS, 4>;
+        case 8: return (const void *)gemv_bf16_kernel<MODE, WARPS, 8>;
+        case 12: return (const void *)gemv_bf16_kernel<MODE, WARPS, 12>;
+    }
+    return nullptr;
+}
+
+template <int WARPS>
+const void *bf16_kernel_of(GemvMode mode, int unroll) {
+    switch (mode) {
+        case kGemvPlain: return bf16_kernel_of<kGemvPlain, WARPS>(unroll);
+        case kGemvNorm: return bf16_kernel_of<kGemvNorm, WARPS>(unroll);
+        case kGemvResidual: return bf16_kernel_of<kGemvResidual, WARPS>(unroll);
+        case kGemvNormSwiglu: return bf16_kernel_of<kGemvNormSwiglu, WARPS>(unroll);
+    }
+    return nullptr;
+}
+
+template <int MODE, int WARPS>
+cudaError_t launch_bf16_of(int unroll, dim3 grid, int smem, cudaStream_t stream, bool pdl,
+                        const GemvParams &p) {
+    const dim3 block(WARPS * kWarpSize);
+    switch (unroll) {
+        case 4: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 4>, grid, block, smem, stream, pdl, p);
+        case 8: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 8>, grid, block, smem, stream, pdl, p);
+        case 12: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 12>, grid, block, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidConfiguration;
+}
+
+template <int WARPS>
+cudaError_t launch_warps(GemvMode mode, int unroll, dim3 grid, int smem, cudaStream_t stream,
+                         bool pdl, const GemvParams &p) {
+    switch (mode) {
+        case kGemvPlain: return launch_bf16_of<kGemvPlain, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvNorm: return launch_bf16_of<kGemvNorm, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvResidual: return launch_bf16_of<kGemvResidual, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvNormSwiglu:
+            return launch_bf16_of<kGemvNormSwiglu, WARPS>(unroll, grid, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+// bf16: chunks per lane in flight U = 4, 8 or 12 (the smallest that holds a whole row when one
+// does, else 8), so that rows up to 3072 columns take one round of loads per task.
+int bf16_unroll(int cols) {
+    const int per_lane = ceil_div(ceil_div(padded_cols(cols), 8), kWarpSize);
+    return per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : per_lane <= 12 ? 12 : 8;
+}
+
+const void *bf16_kernel_for(GemvMode mode, int warps, int unroll) {
+    switch (warps) {
+        case 2: return bf16_kernel_of<2>(mode, unroll);
+        case 4: return bf16_kernel_of<4>(mode, unroll);
+        case 8: return bf16_kernel_of<8>(mode, unroll);
+    }
+    return nullptr;
+}
+
+cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
+                        bool pdl, const GemvParams &p) {
+    switch (warps) {
+        case 2: return launch_warps<2>(mode, unroll, grid, smem, stream, pdl, p);
+        case 4: return launch_warps<4>(mode, unroll, grid, smem, stream, pdl, p);
+        case 8: return launch_warps<8>(mode, unroll, grid, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidConfiguration;
+}
+
+}  // namespace og
