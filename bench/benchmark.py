@@ -21,7 +21,12 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   it consumes, so a step's time is the time between two tokens reaching the host; its ratio
   to the graph stepped one at a time is speedup_of_pipelining. The modes alternate in the
   same process on the same engine: repeat 0 is a warm-up for each (the graph is captured
-  there) and is excluded; later repeats reverse the order each time. tok/s = N / the sum of
+  there) and is excluded; later repeats reverse the order each time. --sampling
+  temperature=0.7,top_p=0.9,top_k=50 adds "graph-sampled" and "nongraph-sampled": the same
+  prompt and N steps through Engine.generate with those sampling parameters (the device
+  sampling stage, pipelined on the graph path as greedy is), timed as the pipelined greedy
+  steps are; sampled_over_greedy is their tok/s over greedy's on the same path (graph:
+  graph-pipelined, non-graph: nongraph). tok/s = N / the sum of
   the N step times, the median over repeats; TBT median and p90 pool every timed step.
 - Engines (--engines E): E engines are built for every (model, KV format, weight format, page),
   in rounds: round e builds engine e of every weight format in turn, so the formats share the
@@ -235,6 +240,7 @@ class Settings:
     ttft: list = field(default_factory=list)  # prompt lengths of the TTFT comparison
     step_output: str = "next_token"  # next_token: argmax on the device; logits: on the host
     pipeline: bool = True          # also time the graph's steps pipelined (Engine.stream), next_token only
+    sampling: object = None        # SamplingParams of the sampled modes (--sampling), or None
 
     def lm_head_fmt(self, fmt: str) -> str:
         return fmt if self.quantize_lm_head else "bf16"
@@ -318,6 +324,57 @@ def run_decode(engine, prompt: list[int], n: int, step_output: str = "next_token
     return {"ttft_ms": ttft_ms, "step_ms": step_ms, "tokens": tokens}
 
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed")
+# The greedy record a sampled record is compared with: the same path (graph steps pipelined).
+GREEDY_OF_SAMPLED = {"onegraph-graph-sampled": "onegraph-graph-pipelined",
+                     "onegraph-nongraph-sampled": "onegraph-nongraph"}
+
+
+def sampling_spec(text: str):
+    """--sampling "temperature=0.7,top_p=0.9,top_k=50" -> SamplingParams (seed 0 unless given, so
+    runs repeat); argparse.ArgumentTypeError naming the bad item."""
+    from onegraph.sampling import SamplingParams
+    values = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SAMPLING_KEYS:
+            raise argparse.ArgumentTypeError(f"--sampling item {item!r}: expected KEY=VALUE with KEY one of "
+                                             f"{', '.join(SAMPLING_KEYS)}")
+        if key in values:
+            raise argparse.ArgumentTypeError(f"--sampling: {key} given twice")
+        try:
+            values[key] = int(value) if key in ("top_k", "seed") else float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sampling {key}={value.strip()!r} is not a number") from None
+    if not values:
+        raise argparse.ArgumentTypeError("--sampling is empty: give e.g. temperature=0.7,top_p=0.9,top_k=50")
+    values.setdefault("seed", 0)
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--sampling: {e}") from None
+
+
+def sampling_record(params) -> dict | None:
+    """The sampling parameters as a record's "sampling" field."""
+    return None if params is None else {key: getattr(params, key) for key in SAMPLING_KEYS}
+
+
+def run_sampled(engine, prompt: list[int], n: int, params) -> dict:
+    """Prompt, then n sampled steps through Engine.generate (the device sampling stage, pipelined
+    on the graph path): {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}, timed as run_decode's
+    pipelined steps (between two tokens reaching the host)."""
+    engine.reset()
+    t0 = time.perf_counter()
+    stamps = []
+    tokens = engine.generate(prompt, n + 1, params, stop_token_ids=(),
+                             on_token=lambda _: stamps.append(time.perf_counter()))
+    step_ms = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "step_ms": step_ms, "tokens": tokens}
+
+
 def summarize(runs: list[dict]) -> dict:
     """The timing fields of a result from its timed runs (see RESULT_FIELDS)."""
     per_run = [len(r["step_ms"]) / (sum(r["step_ms"]) / 1e3) for r in runs]
@@ -331,7 +388,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def _set_mode(engine, mode: str) -> None:
     if mode != "cpu":
-        engine.set_graph(mode != "nongraph")
+        engine.set_graph(not mode.startswith("nongraph"))
 
 
 def _transfer_totals(engine) -> tuple[float, float, int]:
@@ -342,17 +399,21 @@ def _transfer_totals(engine) -> tuple[float, float, int]:
 
 
 def alternate_modes(engine, modes: list[str], prompt: list[int], n: int, repeats: int,
-                    step_output: str = "next_token") -> dict:
+                    step_output: str = "next_token", sampling=None) -> dict:
     """Repeat 0 warms every mode up (the graph is captured there); later repeats run the modes
     in alternating order. Modes: "graph" and "nongraph" one step at a time, "graph-pipelined"
-    (run_decode's pipeline), "cpu". Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
+    (run_decode's pipeline), "cpu", "graph-sampled" and "nongraph-sampled" (run_sampled with
+    `sampling`). Returns {mode: {"runs", "warmup_s", "h2d_per_token", "d2h_per_token"}}."""
     out = {m: {"runs": [], "warmup_s": None, "h2d": 0.0, "d2h": 0.0, "steps": 0} for m in modes}
     for rep in range(repeats + 1):
         for mode in (modes if rep % 2 == 0 else modes[::-1]):
             _set_mode(engine, mode)
             before = _transfer_totals(engine)
             t0 = time.perf_counter()
-            run = run_decode(engine, prompt, n, step_output, pipeline=mode == "graph-pipelined")
+            if mode.endswith("-sampled"):
+                run = run_sampled(engine, prompt, n, sampling)
+            else:
+                run = run_decode(engine, prompt, n, step_output, pipeline=mode == "graph-pipelined")
             if rep == 0:
                 out[mode]["warmup_s"] = time.perf_counter() - t0
                 continue
@@ -439,7 +500,9 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     with engine:
         modes = ["graph", "nongraph"] if engine.backend != "cpu" else ["cpu"]
         piped = ["graph-pipelined"] if engine.backend != "cpu" and s.pipeline and s.step_output == "next_token" else []
-        measured = alternate_modes(engine, modes + piped, prompt, s.n, s.repeats, s.step_output)
+        sampled = [f"{m}-sampled" for m in modes if m != "cpu"] if s.sampling is not None else []
+        measured = alternate_modes(engine, modes + piped + sampled, prompt, s.n, s.repeats, s.step_output,
+                                   s.sampling)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
         sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if with_sweep else []
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
@@ -449,7 +512,8 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         r.update(summarize(m["runs"]), load_s=load_s, warmup_s=m["warmup_s"], device_bytes=device_bytes,
                  h2d_per_token=m["h2d_per_token"], d2h_per_token=m["d2h_per_token"], bytes_per_token=bpt,
                  kv_page_size=page_size, step_output=s.step_output,
-                 pipelined=mode == "graph-pipelined")
+                 pipelined=mode in ("graph-pipelined", "graph-sampled"),
+                 sampling=sampling_record(s.sampling) if mode.endswith("-sampled") else None)
         r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
         results.append(r)
     for r in sweep:
@@ -595,7 +659,7 @@ def compare_tokens(results: list[dict]) -> None:
             anchors[r["model"]] = r
     for r in results:
         anchor = anchors.get(r["model"])
-        if r["status"] == "ok" and anchor is not None and r is not anchor:
+        if r["status"] == "ok" and anchor is not None and r is not anchor and r.get("sampling") is None:
             r["common_prefix_with_onegraph"] = _common_prefix(r["tokens"], anchor["tokens"])
     for g in (r for r in results if r["runtime"] == "onegraph-graph"):
         ng = next((r for r in results if r["runtime"] == "onegraph-nongraph"
@@ -604,6 +668,12 @@ def compare_tokens(results: list[dict]) -> None:
         if ng is not None:
             g["speedup_over_nongraph"] = g["tokens_per_s"] / ng["tokens_per_s"]
             g["same_tokens_as_nongraph"] = g["tokens"] == ng["tokens"]
+    for r in (r for r in results if r["runtime"].endswith("-sampled")):
+        key = (r["model"], r["kv"], r["weights"], r["kv_page_size"])
+        greedy = next((q for q in results if q["runtime"] == GREEDY_OF_SAMPLED[r["runtime"]]
+                       and (q["model"], q["kv"], q["weights"], q["kv_page_size"]) == key), None)
+        if greedy is not None and greedy["tokens_per_s"]:
+            r["sampled_over_greedy"] = r["tokens_per_s"] / greedy["tokens_per_s"]
     for p in (r for r in results if r["runtime"] == "onegraph-graph-pipelined"):
         key = (p["model"], p["kv"], p["weights"], p["kv_page_size"])
         g = next((r for r in results if r["runtime"] == "onegraph-graph"
@@ -645,7 +715,8 @@ RESULT_FIELDS = {
     "origin": "'preset NAME' or the model folder",
     "layers": "num_hidden_layers",
     "runtime": "onegraph-graph (one step at a time) | onegraph-graph-pipelined | onegraph-nongraph | "
-               "onegraph-cpu | hf-eager | hf-compile",
+               "onegraph-graph-sampled | onegraph-nongraph-sampled (--sampling) | onegraph-cpu | hf-eager | "
+               "hf-compile",
     "kv": "KV cache format: int8 | bf16 | fp32 (peers: bf16)",
     "kv_page_size": "rows per KV block of onegraph's paged cache (= max_seq_len: contiguous); null for peers and cpu",
     "weights": "weight format (runtime/quant.py WeightScheme.label): bf16 | int8 | q4, ':experts' / ':dense' when "
@@ -684,6 +755,11 @@ RESULT_FIELDS = {
                              "(onegraph-graph records only)",
     "speedup_of_pipelining": "graph pipelined tokens_per_s / graph one step at a time tokens_per_s "
                              "(onegraph-graph-pipelined records only)",
+    "sampling": "the sampling parameters of a sampled record (--sampling: temperature, top_k, top_p, min_p, "
+                "the penalties, seed); null for greedy records",
+    "sampled_over_greedy": "sampled tokens_per_s / greedy tokens_per_s on the same path in the same run "
+                           "(graph-sampled over graph-pipelined, nongraph-sampled over nongraph; sampled "
+                           "records only)",
     "same_tokens_as_nongraph": "this graph run and the non-graph run produced identical tokens (graph "
                                "records only)",
     "common_prefix_with_onegraph": "leading tokens equal to those of onegraph's graph run of the same model "
@@ -812,6 +888,11 @@ def _footnotes(results: list[dict]) -> list[str]:
         if r["runtime"] == "onegraph-graph" and r["speedup_over_nongraph"] is not None:
             lines.append(f"{tag}: graph / non-graph {r['speedup_over_nongraph']:.2f}x (one step at a time), "
                          f"same tokens: {r['same_tokens_as_nongraph']}")
+        if r["runtime"] in GREEDY_OF_SAMPLED and r.get("sampled_over_greedy") is not None:
+            spec = ",".join(f"{k}={v}" for k, v in r["sampling"].items() if k != "seed")
+            lines.append(f"{tag}: {r['runtime'].removeprefix('onegraph-')} / "
+                         f"{GREEDY_OF_SAMPLED[r['runtime']].removeprefix('onegraph-')} "
+                         f"{r['sampled_over_greedy']:.2f}x ({spec})")
         if r["runtime"] == "onegraph-graph-pipelined" and r["speedup_of_pipelining"] is not None:
             lines.append(f"{tag}: graph pipelined / graph step by step {r['speedup_of_pipelining']:.2f}x, "
                          f"same tokens as non-graph: {r['same_tokens_as_nongraph']}")
@@ -882,6 +963,10 @@ def parse_args(argv):
     p.add_argument("--pipeline", choices=["on", "off"], default="on",
                    help="with --step-output next_token: also time the graph's steps pipelined as greedy generation "
                         "runs them (the next launched before the token is read), a third mode")
+    p.add_argument("--sampling", type=sampling_spec, default=None, metavar="KEY=VALUE,...",
+                   help="also time sampled decoding with these parameters (temperature, top_k, top_p, min_p, "
+                        "repetition_penalty, presence_penalty, frequency_penalty, seed), graph and non-graph, "
+                        "next to greedy: e.g. temperature=0.7,top_p=0.9,top_k=50")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="cpu: the numpy reference path, to check the benchmark itself")
     p.add_argument("--json", default=None, help="write the full document here")
@@ -903,7 +988,7 @@ def settings_from(args) -> Settings:
                     weights=args.weights or ["bf16"], quantize=args.quantize,
                     quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
                     ttft=_csv(args.ttft, int), step_output=args.step_output, engines=args.engines,
-                    pipeline=args.pipeline == "on")
+                    pipeline=args.pipeline == "on", sampling=args.sampling)
 
 
 def targets_from(args) -> list[Target]:
@@ -949,6 +1034,7 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
 
 def make_doc(argv, s: Settings, bandwidth, results, sweep, notes, ttft: list | None = None) -> dict:
     settings = {k: getattr(s, k) for k in Settings.__dataclass_fields__}
+    settings["sampling"] = sampling_record(s.sampling)
     return {"schema_version": SCHEMA_VERSION, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": platform.node(), "gpu": gpu_name() if s.device == "gpu" else None,
             "command": "onegraph bench " + " ".join(argv), "copy_bandwidth_bytes_per_s": bandwidth,
@@ -976,6 +1062,8 @@ def merge_docs(docs: list[dict]) -> dict:
             r.setdefault("tokens_per_s_engines", None)
             r.setdefault("pipelined", False if r.get("runtime", "").startswith("onegraph") else None)
             r.setdefault("speedup_of_pipelining", None)
+            r.setdefault("sampling", None)  # ... and before --sampling
+            r.setdefault("sampled_over_greedy", None)
         check_schema(doc)
     merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)

@@ -268,6 +268,17 @@ OG_API og_status og_test_allocator_set_free_order(og_test_allocator *a, const in
  * block tables that are deliberately non-contiguous and out of order). */
 OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
 
+/* The decode body's sampling stage (cuda/sample.cu, OG_OUTPUT_SAMPLED) run n times on the same
+ * logits [vocab] with the same generated-token counts [vocab] (NULL: none; no draw adds to them)
+ * and parameters, draw k at row positions[k] (the Philox key): tokens[k], values[k] (the token's
+ * log-probability; the greedy path's value for temperature 0). top [OG_MAX_LOGPROBS] (may be
+ * NULL) and *n_top (may be NULL): the last draw's top log-probabilities. Logits with a NaN or
+ * +inf (or all -inf): OG_E_NONFINITE_LOGITS, tokens OG_TOKEN_NONFINITE. */
+OG_API og_status og_test_sample(const float *logits, int32_t vocab, const int32_t *counts,
+                                const og_sampling_params *params, const int32_t *positions,
+                                int32_t n, int32_t *tokens, float *values, og_top_logprob *top,
+                                int32_t *n_top);
+
 #ifdef __cplusplus
 }
 #endif

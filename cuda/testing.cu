@@ -12,6 +12,7 @@
 #include "kv_pool.h"
 #include "onegraph_testing.h"
 #include "quant.cuh"
+#include "sample.cuh"
 
 using namespace og;
 
@@ -787,4 +788,63 @@ OG_API og_status og_test_allocator_set_free_order(og_test_allocator *a, const in
     return a->blocks.set_free_order(blocks, count);
 }
 
+// ---- the sampling stage (sample.cu) on given logits -------------------------------------
+OG_API og_status og_test_sample(const float *logits, int32_t vocab, const int32_t *counts,
+                                const og_sampling_params *params, const int32_t *positions,
+                                int32_t n, int32_t *tokens, float *values, og_top_logprob *top,
+                                int32_t *n_top) {
+    if (logits == nullptr || params == nullptr || positions == nullptr || tokens == nullptr ||
+        values == nullptr || vocab <= 0 || n <= 0)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_test_sample: NULL array, vocab=%d or n=%d < 1", vocab, n);
+    OG_TRY(require_device());
+    // One sequence slot (0). The record's token is no id (-2): the stage neither counts it nor
+    // reads a previous step's token, so every draw sees the same counts.
+    og_step_record record = {};
+    record.token = -2;
+    DeviceBuffer d_logits, d_counts, d_params, d_step, d_z, d_state, d_out, d_results;
+    OG_TRY(alloc_copy(d_logits, logits, (size_t)vocab * 4));
+    OG_TRY(alloc(d_counts, (size_t)vocab * 4));
+    OG_CUDA_TRY(cudaMemset(d_counts.ptr, 0, (size_t)vocab * 4));
+    if (counts != nullptr)
+        OG_CUDA_TRY(cudaMemcpy(d_counts.ptr, counts, (size_t)vocab * 4, cudaMemcpyHostToDevice));
+    OG_TRY(alloc_copy(d_params, params, sizeof *params));
+    OG_TRY(alloc_copy(d_step, &record, sizeof record));
+    OG_TRY(alloc(d_z, (size_t)vocab * 4));
+    OG_TRY(alloc(d_state, sizeof(SampleState)));
+    OG_CUDA_TRY(cudaMemset(d_state.ptr, 0, sizeof(SampleState)));   // zero between steps
+    OG_TRY(alloc(d_out, sizeof(SampledResult)));
+    OG_TRY(alloc(d_results, (size_t)n * sizeof(NextToken)));
+    const SampleArgs args = {d_logits.as<float>(), vocab, d_step.as<og_step_record>(),
+                             d_params.as<og_sampling_params>(), nullptr, d_counts.as<int32_t>(),
+                             d_z.as<float>(), d_state.as<SampleState>(), d_out.as<SampledResult>()};
+    for (int32_t k = 0; k < n; ++k) {
+        // The draw's row, as og_begin_step writes it into the record.
+        OG_CUDA_TRY(cudaMemcpyAsync(&d_step.as<og_step_record>()->position, positions + k,
+                                    sizeof(int32_t), cudaMemcpyHostToDevice, 0));
+        const cudaError_t err = launch_sample(args, 0, false);
+        if (err != cudaSuccess) return cuda_failure(err, "launch_sample", __FILE__, __LINE__);
+        OG_CUDA_TRY(cudaMemcpyAsync(d_results.as<NextToken>() + k, d_out.ptr, sizeof(NextToken),
+                                    cudaMemcpyDeviceToDevice, 0));
+    }
+    OG_CUDA_TRY(cudaDeviceSynchronize());
+    std::vector<NextToken> results((size_t)n);
+    OG_TRY(copy_back(results.data(), d_results, (size_t)n * sizeof(NextToken)));
+    SampledResult last;
+    OG_TRY(copy_back(&last, d_out, sizeof last));
+    for (int32_t k = 0; k < n; ++k) tokens[k] = results[k].token, values[k] = results[k].logit;
+    if (top != nullptr)
+        for (int j = 0; j < last.n_top && j < OG_MAX_LOGPROBS; ++j) top[j] = last.top[j];
+    if (n_top != nullptr) *n_top = last.next.token >= 0 ? last.n_top : 0;
+    if (last.next.token == OG_TOKEN_NONFINITE)
+        return set_error(OG_E_NONFINITE_LOGITS,
+                         "og_test_sample: the logits hold a NaN or +inf (or overflow to +inf over "
+                         "the temperature, or are all -inf)");
+    if (last.next.token == OG_TOKEN_OVERFLOW)
+        return set_error(OG_E_UNSUPPORTED, "og_test_sample: more than %d ids lie at the filters' cut",
+                         kSampleCandidates);
+    return OG_OK;
+}
+
 }  // extern "C"
+

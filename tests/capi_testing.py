@@ -179,6 +179,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_test_allocator_set_free_order", c_void_p, P_i32, c_int32)
     # og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
     fn("og_test_kv_set_free_order", c_void_p, P_i32, c_int32)
+    # og_status og_test_sample(const float *logits, int32_t vocab, const int32_t *counts,
+    #                          const og_sampling_params *params, const int32_t *positions,
+    #                          int32_t n, int32_t *tokens, float *values, og_top_logprob *top,
+    #                          int32_t *n_top);
+    fn("og_test_sample", P_f32, c_int32, P_i32, POINTER(capi.OgSamplingParams), P_i32, c_int32, P_i32,
+       P_f32, POINTER(capi.OgTopLogprob), P_i32)
 
 
 def load() -> ctypes.CDLL:
@@ -240,6 +246,30 @@ def argmax(logits: np.ndarray, launches: int = 1) -> tuple[int, float]:
     _check(load().og_test_argmax(_p(logits, c_float), logits.size, launches, ctypes.byref(token),
                                  ctypes.byref(logit)), "og_test_argmax")
     return token.value, logit.value
+
+
+def sample(logits: np.ndarray, params, positions, counts=None, seed: int | None = None):
+    """The body's sampling stage (cuda/sample.cu) on logits [V] with sampling.SamplingParams
+    `params` (seed overrides params.seed), once per row of positions [n], with the same counts
+    [V] (None: none): (tokens [n] int32, values [n] float32, the last draw's top log-probabilities
+    as ((id, logprob), ...))."""
+    logits = _array(logits, np.float32)
+    positions = _array(positions, np.int32).reshape(-1)
+    counts = None if counts is None else _array(counts, np.int32)
+    seed = params.seed if seed is None else seed
+    p = capi.OgSamplingParams(seed=int(seed or 0), temperature=params.temperature, top_k=int(params.top_k),
+                              top_p=params.top_p, min_p=params.min_p,
+                              repetition_penalty=params.repetition_penalty,
+                              presence_penalty=params.presence_penalty,
+                              frequency_penalty=params.frequency_penalty, logprobs=int(params.logprobs))
+    tokens = np.full(positions.size, -1, np.int32)
+    values = _out(positions.size)
+    top = (capi.OgTopLogprob * capi.OG_MAX_LOGPROBS)()
+    n_top = c_int32()
+    _check(load().og_test_sample(_p(logits, c_float), logits.size, _p(counts, c_int32), ctypes.byref(p),
+                                 _p(positions, c_int32), positions.size, _p(tokens, c_int32),
+                                 _p(values, c_float), top, ctypes.byref(n_top)), "og_test_sample")
+    return tokens, values, tuple((top[j].token, top[j].logprob) for j in range(n_top.value))
 
 
 def gemv(weight_bits: np.ndarray, x: np.ndarray) -> np.ndarray:

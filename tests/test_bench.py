@@ -593,3 +593,83 @@ def test_cpu_run_with_two_engines(tmp_path):
     assert r["engines"] == 2 and len(r["tokens_per_s_engines"]) == 2
     assert r["tokens_per_s"] == min(r["tokens_per_s_engines"])  # the lower middle of two
     assert doc["settings"]["engines"] == 2
+
+
+# ---- --sampling: sampled decoding next to greedy -------------------------------------------------
+def test_sampling_option_parses_into_params(capsys):
+    from onegraph.sampling import SamplingParams
+    args = bench.parse_args(["--sampling", "temperature=0.7,top_p=0.9,top_k=50"])
+    assert args.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=0)
+    args = bench.parse_args(["--sampling", " min_p=0.05, repetition_penalty=1.1 ,seed=7,temperature=1"])
+    assert args.sampling == SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.1, seed=7)
+    assert bench.parse_args([]).sampling is None
+    for bad, says in (("temperature=hot", "is not a number"), ("tempo=1", "KEY=VALUE with KEY one of"),
+                      ("top_p=1.5", "top_p=1.5 must be in (0, 1]"), ("", "is empty"),
+                      ("top_k=5,top_k=6", "top_k given twice"), ("temperature", "KEY=VALUE"),
+                      ("top_k=2.5", "is not a number")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sampling", bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert says in err[-1] and "Traceback" not in "".join(err)
+
+
+class FakeSamplingEngine(FakeGpuEngine):
+    """FakeGpuEngine whose generate (the benchmark's sampled runs) is the CPU engine's, recording
+    the path each run took."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sampled_runs = []
+
+    def generate(self, prompt, n, params, stop_token_ids, on_token):
+        self.sampled_runs.append(("graph" if self.use_graph else "nongraph", params))
+        return self.inner.generate(prompt, n, params, stop_token_ids=stop_token_ids, on_token=on_token)
+
+
+def test_sampled_modes_time_generate_next_to_greedy(monkeypatch, tmp_path):
+    from onegraph.sampling import SamplingParams
+    engines = []
+
+    def make_engine(*args, **kwargs):
+        engines.append(FakeSamplingEngine(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr("onegraph.engine.Engine", make_engine)
+    params = bench.sampling_spec("temperature=0.7,top_p=0.9,top_k=50")
+    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], sampling=params)
+    target = bench.preset_target("tiny-dense", None, seed=0)
+    results, _ = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
+    bench.compare_tokens(results)
+    modes = ["graph", "nongraph", "graph-pipelined", "graph-sampled", "nongraph-sampled"]
+    assert [r["runtime"] for r in results] == [f"onegraph-{m}" for m in modes]
+    by = {r["runtime"].removeprefix("onegraph-"): r for r in results}
+    # the ratio against greedy on the same path, in the same run
+    assert by["graph-sampled"]["sampled_over_greedy"] == pytest.approx(
+        by["graph-sampled"]["tokens_per_s"] / by["graph-pipelined"]["tokens_per_s"])
+    assert by["nongraph-sampled"]["sampled_over_greedy"] == pytest.approx(
+        by["nongraph-sampled"]["tokens_per_s"] / by["nongraph"]["tokens_per_s"])
+    want = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0}
+    for m in modes:
+        sampled = m.endswith("-sampled")
+        assert by[m]["sampling"] == (want if sampled else None)
+        assert (by[m]["sampled_over_greedy"] is None) != sampled
+        assert len(by[m]["step_ms_runs"]) == 2 and all(len(run) == 4 for run in by[m]["step_ms_runs"])
+        assert by[m]["pipelined"] == (m in ("graph-pipelined", "graph-sampled"))
+    # the sampled tokens are the engine's generate with the parsed params (prompt, then 5 tokens)
+    with CpuEngine(target.config, target.source, kv="int8", max_seq_len=64, device="cpu") as ref:
+        tokens = ref.generate(bench.make_prompt(target.config, 3, 0), 5, params, stop_token_ids=())
+    assert by["graph-sampled"]["tokens"] == by["nongraph-sampled"]["tokens"] == tokens
+    assert by["graph-sampled"]["common_prefix_with_onegraph"] is None
+    # warm-up + 2 repeats of each sampled mode, each on its own path, with the parsed params
+    runs = engines[0].sampled_runs
+    assert sorted(path for path, _ in runs) == ["graph"] * 3 + ["nongraph"] * 3
+    assert all(p == params for _, p in runs)
+    doc = bench.make_doc([], s, 1e12, results, [], [])
+    bench.check_schema(doc)
+    bench.write_json(doc, str(tmp_path / "bench.json"))
+    read = json.loads((tmp_path / "bench.json").read_text())
+    assert read["settings"]["sampling"] == want and read["results"][3]["sampling"] == want
+    table = bench.format_table(doc)
+    assert "graph-sampled / graph-pipelined" in table and "nongraph-sampled / nongraph" in table
+    assert f"{by['graph-sampled']['sampled_over_greedy']:.2f}x" in table
