@@ -116,7 +116,7 @@ def test_next_token_output_gives_the_token_and_its_logit_and_refuses_bad_values(
         token, logit = ctypes.c_int32(7), ctypes.c_float()
         capi.check(lib.og_next_token(h, ctypes.byref(token), ctypes.byref(logit)))
         assert token.value == -1  # no next-token step yet
-        assert lib.og_set_output(h, 2) == capi.OG_E_INVALID_ARGUMENT and "output=2" in capi.last_error()
+        assert lib.og_set_output(h, 4) == capi.OG_E_INVALID_ARGUMENT and "output=4" in capi.last_error()
         assert lib.og_next_token(h, None, None) == capi.OG_E_INVALID_ARGUMENT
         session.begin(5)
         session.run_nongraph()
