@@ -105,7 +105,7 @@ def real():
 def hf_with_our_weights(real):
     """transformers' model holding exactly the engine's weights (our bf16 tensors as fp32)."""
     _, ours, hf, _, _ = real
-    state = {n: torch.from_numpy(np.asarray(t, dtype=np.float32)) for n, t in ours.tensors.items()}
+    state = {n: torch.from_numpy(np.array(t, dtype=np.float32)) for n, t in ours.tensors.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to embed_tokens
     return hf
