@@ -116,7 +116,7 @@ def cmd_demo(args) -> int:
 
 def _chat_demo(args, path: str) -> int:
     from .chat import Chat
-    from .engine import library_status
+    from .engine import Engine, library_status
     from .text import Tokenizer
     tokenizer = Tokenizer.from_model(path)
     usable, why = library_status()
@@ -130,11 +130,11 @@ def _chat_demo(args, path: str) -> int:
     for device, graph in backends:
         label = {True: "gpu graph", False: "gpu non-graph", None: "cpu"}[graph]
         engine_args = dict(_engine_kwargs(args), device=device, graph=bool(graph))
-        from .engine import Engine
         with Engine.from_pretrained(path, **engine_args) as engine:
             chat = Chat(engine, tokenizer, max_new_tokens=args.n)
-            chat.ask(args.question)   # warm-up: captures the graph, touches every weight
-            chat.reset()
+            if device == "gpu":   # warm-up: captures the graph, touches every weight
+                chat.ask(args.question)
+                chat.reset()
             print(f"[{label}] assistant: ", end="", flush=True)
             reply, rate = _stream_reply(chat, args.question)
             rates.append((label, rate.tokens_per_s, len(reply.token_ids)))
