@@ -114,3 +114,23 @@ def test_demo_without_a_model_or_network_runs_the_synthetic_model(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "onegraph fetch" in out.stderr and "synthetic demo model" in out.stderr
     assert "tok/s  tokens:" in out.stdout
+
+
+def test_prompt_text_without_a_tokenizer_is_one_line(tmp_path):
+    model = tmp_path / "m"
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(model)]) == 0
+    out = run_cli("generate", "--model", str(model), "--prompt", "hello", "--device", "cpu")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("onegraph: error: --prompt needs the model's tokenizer: ")
+    assert str(model) in lines[0] and "--prompt-ids" in lines[0]
+
+
+def test_generate_streams_text_and_a_seed_reproduces_a_sampled_answer():
+    from real_model import smollm2_gguf
+    args = ["generate", "--model", smollm2_gguf(), "--prompt", "Tell me a fun fact about octopuses.", "--chat",
+            "--temperature", "0.7", "--top-p", "0.9", "--top-k", "50", "--seed", "42", "-n", "12", "--device", "cpu"]
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+    assert "backend cpu:" in first.stderr
