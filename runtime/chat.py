@@ -29,6 +29,11 @@ from .text import Tokenizer
 DEFAULT_MAX_NEW_TOKENS = 512
 
 
+def stop_tokens(engine: Engine, tokenizer: Tokenizer) -> set[int]:
+    """The ids that end an answer: the tokenizer's (eos, end of turn) and the model config's eos."""
+    return set(tokenizer.stop_token_ids) | set(engine.config.eos_token_ids)
+
+
 @dataclass
 class ChatReply:
     text: str
@@ -119,7 +124,7 @@ class Chat:
 
     def _answer(self, fresh: list[int], max_new_tokens: int) -> Iterator[str]:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        stops = set(self.tokenizer.stop_token_ids) | set(self.engine.config.eos_token_ids)
+        stops = stop_tokens(self.engine, self.tokenizer)
         tokens: list[int] = []
         pieces: list[str] = []
         finish = "interrupted"

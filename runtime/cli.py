@@ -224,7 +224,8 @@ def cmd_generate(args) -> int:
             prompt = tokenizer.encode(args.prompt)
             decoder = tokenizer.stream_decoder()
             rate = Rate()
-            stops = set(tokenizer.stop_token_ids) | set(engine.config.eos_token_ids)
+            from .chat import stop_tokens
+            stops = stop_tokens(engine, tokenizer)
             for token in engine.stream(prompt, args.n, sampling, stop_token_ids=stops):
                 rate.tick()
                 sys.stdout.write(decoder.push(token))

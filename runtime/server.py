@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .engine import EngineError
+from .eval import log_softmax
 from .sampling import SamplingParams, sample_step
 
 log = logging.getLogger("onegraph.server")
@@ -283,13 +284,6 @@ class StopMatcher:
     def flush(self) -> str:
         text, self.held = self.held, ""
         return text
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of fp32 logits [vocab]."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
 
 
 # ---- the scheduler -------------------------------------------------------------------------
