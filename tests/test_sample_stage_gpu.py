@@ -103,3 +103,55 @@ def test_overflow_and_all_minus_inf_are_an_error():
         with pytest.raises(capi.LibraryError) as info:
             ct.sample(logits, params, [0])
         assert info.value.status == capi.OG_E_NONFINITE_LOGITS
+
+
+# ---- a large vocabulary: many blocks, both launches of the stage ----
+BIG_V = 151_936                      # Qwen3's vocabulary: 75 blocks of ~2026 ids
+BIG = np.random.default_rng(7).normal(0.0, 2.0, BIG_V).astype(np.float32)
+
+
+def _big_cases():
+    clustered = BIG.copy()           # the whole top 128 inside one block's slice
+    clustered[4100:4300] += 12.0
+    tied = BIG.copy()                # the k-th value shared by ids of many blocks
+    tied[np.argsort(-BIG, kind="stable")[40:400]] = np.float32(np.sort(BIG)[-40])
+    masked = np.full(BIG_V, -np.inf, np.float32)   # fewer finite ids than top_k: the select over V
+    masked[::5000] = BIG[::5000]
+    return {"random": BIG, "clustered": clustered, "tied": tied, "masked": masked}
+
+
+BIG_CASES = _big_cases()
+BIG_PARAMS = [
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.9, logprobs=5),
+    SamplingParams(temperature=1.3, top_k=128, min_p=0.01, logprobs=20),        # the largest one-launch top-k
+    SamplingParams(temperature=1.0, top_k=129, top_p=0.95, logprobs=3),         # past it: launch 2
+    SamplingParams(temperature=0.9, top_k=1),
+    SamplingParams(temperature=0.8, top_p=0.5, logprobs=4),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=1.0, logprobs=20),                               # no filter
+]
+
+
+# (masked with top_k 129: every -inf id shares the cut's bucket, more than kSampleCandidates)
+BIG_COMBOS = [pytest.param(case, params, id=f"{case}-k{params.top_k}-p{params.top_p}-m{params.min_p}")
+              for case in sorted(BIG_CASES) for params in BIG_PARAMS
+              if not (case == "masked" and params.top_k == 129)]
+
+
+@pytest.mark.parametrize("case,params", BIG_COMBOS)
+def test_a_large_vocabulary_draws_the_reference_tokens(case, params):
+    """Top-k lists per block and their merge (ties of the k-th d, a top-k inside one block, fewer
+    finite ids than k), and the histogram launch: the token, its value and the top
+    log-probabilities of sample_step at every row."""
+    logits = BIG_CASES[case]
+    counts = np.zeros(BIG_V, np.int32)
+    counts[np.argsort(-logits, kind="stable")[[0, 3, 77]]] = [2, 1, 1]
+    penalized = SamplingParams(**{**params.__dict__, "repetition_penalty": 1.3, "frequency_penalty": 0.1})
+    for p, c in ((params, None), (penalized, counts)):
+        positions = np.arange(40, 60)
+        tokens, values, top = ct.sample(logits, p, positions, c, seed=2 ** 40 + 3)
+        assert tokens.tolist() == draws(logits, p, 2 ** 40 + 3, positions, c).tolist()
+        want = sample_step(logits, p, int(positions[-1]), c, seed=2 ** 40 + 3)
+        np.testing.assert_allclose(values[-1], want.value, atol=1e-6)
+        assert [i for i, _ in top] == [i for i, _ in want.top]
+        np.testing.assert_allclose([lp for _, lp in top], [lp for _, lp in want.top], atol=1e-6)
