@@ -18,7 +18,9 @@ never written to disk: the 30B-A3B shape is 61 GB). transformers 5 stores a laye
 fused ([E, 2I, H] gate|up and [E, H, I] down); the per-expert names map into slices of
 those. Loading fails unless every parameter was written in full.
 
-runtime/bench.py imports this module only when --peers asks for it; the runtime never does.
+The third peer, ``llama.cpp`` (llama-cpp-python built with CUDA), lives in bench/llamacpp.py;
+run_peer hands it over. The benchmark imports these modules only when --peers asks for them;
+the runtime never does.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import warnings
 
 import numpy as np
 
-PEERS = ("hf-eager", "hf-compile")
+PEERS = ("hf-eager", "hf-compile", "llama.cpp")
 WARMUP_STEPS = 4  # cudagraph trees: a warm-up call, a recording call, then replays
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -38,6 +40,9 @@ def unavailable(peer: str, device: str = "cuda") -> str | None:
     """Why `peer` cannot run here, or None when it can."""
     if peer not in PEERS:
         return f"unknown peer {peer!r}; peers: {', '.join(PEERS)}"
+    if peer == "llama.cpp":
+        from bench import llamacpp
+        return llamacpp.unavailable() if device == "cuda" else "the llama.cpp peer runs on the GPU only"
     try:
         import torch
     except ImportError:
@@ -213,13 +218,18 @@ def _warm_up(peer: str, model, ids, n: int, sync, details: dict):
 
 
 def run_peer(peer: str, config, tensor_source, *, prompt: list[int], n: int, repeats: int,
-             device: str = "cuda", dtype: str = "bfloat16") -> dict:
+             device: str = "cuda", dtype: str = "bfloat16", model_path: str | None = None) -> dict:
     """A warm-up run (excluded from timing, its time is warmup_s), then `repeats` timed runs.
     Returns {"runtime", "status", "reason", "load_s", "warmup_s", "runs", "device_bytes",
-    "details"}; each run is {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}."""
+    "details"}; each run is {"ttft_ms", "step_ms" [n], "tokens" [n + 1]}. model_path: the
+    model's own file, which the llama.cpp peer decodes when it is a GGUF."""
     reason = unavailable(peer, device)
     if reason:
         return {"runtime": peer, "status": "skipped", "reason": reason}
+    if peer == "llama.cpp":
+        from bench import llamacpp
+        return llamacpp.run_peer(config, tensor_source, prompt=prompt, n=n, repeats=repeats,
+                                 model_path=model_path)
     import torch
     import transformers
     sync = _synchronize(device)

@@ -55,9 +55,11 @@ Dims derive_dims(const og_engine *e) {
 }
 
 // A [rows, cols] matrix of `format` (and its scales) from the arena.
-DeviceMatrix take_matrix(ArenaCursor &a, int format, int64_t rows, int64_t cols) {
-    DeviceMatrix m;
+WeightMatrix take_matrix(ArenaCursor &a, int format, int64_t rows, int64_t cols) {
+    WeightMatrix m;
     m.format = format;
+    m.rows = rows;
+    m.cols = (int)cols;
     m.data = a.take<char>((size_t)(rows * weight_row_bytes(format, cols)));
     if (format != OG_WEIGHTS_BF16)
         m.scales = a.take<char>(
@@ -84,7 +86,7 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         w.o_proj = take_matrix(a, dense, d.H, d.q_size);
         w.post_attention_layernorm = a.take<float>(d.H);
         if (w.is_moe) {
-            w.router = a.take<__nv_bfloat16>((size_t)d.E * d.ldH);
+            w.router = take_matrix(a, OG_WEIGHTS_BF16, d.E, d.H);
             w.expert_gate_up = take_matrix(a, experts, (int64_t)d.E * 2 * d.Im, d.H);
             w.expert_down = take_matrix(a, experts, (int64_t)d.E * d.H, d.Im);
         } else {
@@ -93,10 +95,13 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
         }
     }
     e->final_norm = a.take<float>(d.H);
-    if (e->cfg.tie_word_embeddings && e->cfg.weights_lm_head == OG_WEIGHTS_BF16)
-        e->lm_head.data = reinterpret_cast<char *>(e->embed_tokens);
-    else
+    if (e->cfg.tie_word_embeddings && e->cfg.weights_lm_head == OG_WEIGHTS_BF16) {
+        e->lm_head.data = e->embed_tokens;
+        e->lm_head.rows = d.V;
+        e->lm_head.cols = d.H;
+    } else {
         e->lm_head = take_matrix(a, e->cfg.weights_lm_head, d.V, d.H);
+    }
     e->weight_bytes = (size_t)round_up((int64_t)a.used, kArenaAlign);
 
     // KV cache: the block pool (n_blocks, block_stride) bytes and the block tables

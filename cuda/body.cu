@@ -50,8 +50,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         // ---- attention block: x += o_proj(attention(rope(qkv_proj(rmsnorm(x))))) ----
-        GemvArgs qkv_proj = {w.qkv.data, d.qkv_rows, d.H, e->x, w.input_layernorm,
-                             c.rms_norm_eps, e->qkv, nullptr, w.qkv.scales, w.qkv.format};
+        const GemvArgs qkv_proj = {w.qkv, e->x, w.input_layernorm, c.rms_norm_eps, e->qkv, nullptr};
         if (keep(e, kPartQkv)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_qkv, qkv_proj, stream, pdl));
 
         // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
@@ -75,39 +74,32 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         attn.out = e->attn_out;
         if (keep(e, kPartAttention)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
-        GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->attn_out, nullptr, 0.f, e->x,
-                           nullptr, w.o_proj.scales, w.o_proj.format};
+        GemvArgs o_proj = {w.o_proj, e->attn_out, nullptr, 0.f, e->x, nullptr};
         // x's last writer is the previous layer's FFN, three kernels back (none when omitted).
         o_proj.residual_settled = whole_body(e);
         if (keep(e, kPartOProj)) OG_CUDA_TRY(launch_gemv(kGemvResidual, e->plan_o, o_proj, stream, pdl));
 
         // ---- FFN block: x += mlp(rmsnorm(x)) ----
         if (w.is_moe) {
-            GemvArgs router = {w.router, d.E, d.H, e->x, w.post_attention_layernorm,
-                               c.rms_norm_eps, e->router_logits, e->normed};
-            const MoeExperts gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales,
-                                        w.expert_gate_up.format};
-            const MoeExperts down = {w.expert_down.data, w.expert_down.scales,
-                                     w.expert_down.format};
+            const GemvArgs router = {w.router, e->x, w.post_attention_layernorm, c.rms_norm_eps,
+                                     e->router_logits, e->normed};
             if (keep(e, kPartFfnIn)) {
                 OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
                 OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
                                             e->selected_experts, e->selected_weights, stream, pdl));
-                OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
+                OG_CUDA_TRY(launch_moe_gate_up_swiglu(w.expert_gate_up, e->normed, e->selected_experts,
                                                       d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
             }
             if (keep(e, kPartFfnOut))
-                OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
+                OG_CUDA_TRY(launch_moe_down_weighted_residual(w.expert_down, e->moe_act, e->selected_experts,
                                                               e->selected_weights, d.top_k, d.H,
                                                               d.Im, e->x, stream, pdl));
         } else {
-            GemvArgs gate_up = {w.gate_up.data, 2 * d.I, d.H, e->x, w.post_attention_layernorm,
-                                c.rms_norm_eps, e->act, nullptr, w.gate_up.scales,
-                                w.gate_up.format};
+            const GemvArgs gate_up = {w.gate_up, e->x, w.post_attention_layernorm,
+                                      c.rms_norm_eps, e->act, nullptr};
             if (keep(e, kPartFfnIn))
                 OG_CUDA_TRY(launch_gemv(kGemvNormSwiglu, e->plan_gate_up, gate_up, stream, pdl));
-            GemvArgs down = {w.down.data, d.H, d.I, e->act, nullptr, 0.f, e->x, nullptr,
-                             w.down.scales, w.down.format};
+            GemvArgs down = {w.down, e->act, nullptr, 0.f, e->x, nullptr};
             // x's last writer is the O projection, two kernels back (none when omitted).
             down.residual_settled = whole_body(e);
             if (keep(e, kPartFfnOut))
@@ -116,8 +108,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     }
 
     // ---- logits = lm_head(rmsnorm(x)) ----
-    GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->x, e->final_norm, c.rms_norm_eps,
-                        e->logits, nullptr, e->lm_head.scales, e->lm_head.format};
+    const GemvArgs lm_head = {e->lm_head, e->x, e->final_norm, c.rms_norm_eps, e->logits, nullptr};
     if (keep(e, kPartLmHead)) OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, pdl));
     // ---- the one device->host copy: the logits, or only their argmax (og_set_output) ----
     if (e->output == OG_OUTPUT_NEXT_TOKEN) {
@@ -155,15 +146,6 @@ PrefillModel prefill_model(const og_engine *e) {
     m.embed_tokens = e->embed_tokens;
     m.inv_freq = e->inv_freq;
     m.layers.resize(d.L);
-    const auto matrix = [](const DeviceMatrix &w, int rows, int cols) {
-        PrefillMatrix m;
-        m.data = w.data;
-        m.scales = w.scales;
-        m.format = w.format;
-        m.rows = rows;
-        m.cols = cols;
-        return m;
-    };
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         PrefillLayer &p = m.layers[l];
@@ -172,15 +154,15 @@ PrefillModel prefill_model(const og_engine *e) {
         p.post_attention_layernorm = w.post_attention_layernorm;
         p.q_norm = w.q_norm;
         p.k_norm = w.k_norm;
-        p.qkv = matrix(w.qkv, d.qkv_rows, d.H);
-        p.o_proj = matrix(w.o_proj, d.H, d.q_size);
+        p.qkv = w.qkv;
+        p.o_proj = w.o_proj;
         if (w.is_moe) {
             p.router = w.router;
-            p.expert_gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales, w.expert_gate_up.format};
-            p.expert_down = {w.expert_down.data, w.expert_down.scales, w.expert_down.format};
+            p.expert_gate_up = w.expert_gate_up;
+            p.expert_down = w.expert_down;
         } else {
-            p.gate_up = matrix(w.gate_up, 2 * d.I, d.H);
-            p.down = matrix(w.down, d.H, d.I);
+            p.gate_up = w.gate_up;
+            p.down = w.down;
         }
         p.kv = e->kv.pages(l);
     }
@@ -215,9 +197,8 @@ og_status run_prefill(og_engine *e, KvSequence &seq, const int32_t *tokens, int3
         OG_CUDA_TRY(enqueue_prefill_chunk(m, table_row, count, seq.length + start, stream));
     }
     const int last_row = (n_tokens - 1) % chunk;
-    GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->prefill.x + (size_t)last_row * d.H,
-                        e->final_norm, e->cfg.rms_norm_eps, e->logits, nullptr,
-                        e->lm_head.scales, e->lm_head.format};
+    const GemvArgs lm_head = {e->lm_head, e->prefill.x + (size_t)last_row * d.H, e->final_norm,
+                              e->cfg.rms_norm_eps, e->logits, nullptr};
     OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_lm_head, lm_head, stream, false));
     OG_CUDA_TRY(cudaMemcpyAsync(e->logits_host, e->logits, (size_t)d.V * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream));

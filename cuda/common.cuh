@@ -34,6 +34,19 @@ __host__ __device__ __forceinline__ int padded_cols(int cols) {
     return (int)round_up(cols, kRowAlignElems);
 }
 
+// ---- weight matrices ------------------------------------------------------------------
+// A weight matrix on the device in one of the OG_WEIGHTS_* formats; row layouts and scales in
+// quant.cuh. The one description of a matrix for every consumer: the decode GEMVs, the MoE
+// experts (E matrices stacked row-wise: rows = E * rows per expert) and prefill's GEMMs. The
+// bytes belong to the engine's arena; kernels only read them.
+struct WeightMatrix {
+    const void *data = nullptr;    // [rows, row bytes(format, cols)]
+    const void *scales = nullptr;  // bf16: none; int8: [rows] fp32; q4: [rows, ceil(cols / 32)] e5m3
+    int format = OG_WEIGHTS_BF16;
+    int64_t rows = 0;
+    int cols = 0;
+};
+
 // ---- bf16 ---------------------------------------------------------------------------
 // A 32-bit word holds two bf16 values; the element at the lower address is the low half.
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }

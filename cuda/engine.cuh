@@ -41,25 +41,18 @@ using namespace og;
 
 constexpr size_t kArenaAlign = 256;
 
-// A weight matrix in one of the OG_WEIGHTS_* formats; layouts (row bytes, scales) in quant.cuh.
-struct DeviceMatrix {
-    char *data = nullptr;                      // [rows, weight_row_bytes(format, cols)]
-    char *scales = nullptr;                    // int8: [rows] fp32; q4: [rows, groups] e5m3 bytes
-    int format = OG_WEIGHTS_BF16;
-};
-
 struct LayerWeights {
     bool is_moe = false;
     float *input_layernorm = nullptr;          // (H)
-    DeviceMatrix qkv;                          // (q + 2kv, H): q_proj | k_proj | v_proj
+    WeightMatrix qkv;                          // (q + 2kv, H): q_proj | k_proj | v_proj
     float *q_norm = nullptr, *k_norm = nullptr;  // (hd) each, qk_norm only
-    DeviceMatrix o_proj;                       // (H, q)
+    WeightMatrix o_proj;                       // (H, q)
     float *post_attention_layernorm = nullptr; // (H)
-    DeviceMatrix gate_up;                      // dense: (2I, H): gate_proj | up_proj
-    DeviceMatrix down;                         // dense: (H, I)
-    __nv_bfloat16 *router = nullptr;           // MoE: (E, ldH) mlp.gate, always bf16
-    DeviceMatrix expert_gate_up;               // MoE: (E * 2Im, H), expert-major
-    DeviceMatrix expert_down;                  // MoE: (E * H, Im), expert-major
+    WeightMatrix gate_up;                      // dense: (2I, H): gate_proj | up_proj
+    WeightMatrix down;                         // dense: (H, I)
+    WeightMatrix router;                       // MoE: (E, H) mlp.gate, always bf16
+    WeightMatrix expert_gate_up;               // MoE: (E * 2Im, H), expert-major
+    WeightMatrix expert_down;                  // MoE: (E * H, Im), expert-major
 };
 
 // One entry per Hugging Face tensor the config uses, in config.py's tensor_shapes order (a
@@ -121,7 +114,7 @@ struct og_engine {
     __nv_bfloat16 *embed_tokens = nullptr;  // (V, ldH)
     std::vector<LayerWeights> layers;
     float *final_norm = nullptr;            // (H) model.norm
-    DeviceMatrix lm_head;                   // (V, H); data == embed_tokens when tied and bf16
+    WeightMatrix lm_head;                   // (V, H); data == embed_tokens when tied and bf16
     // KV cache: the block pool, the block tables and the sequences (kv_pool.h)
     KvPool kv;
     og::GuardSet kv_guards;              // guard bands around the pool and the block tables

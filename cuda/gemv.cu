@@ -102,38 +102,41 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
-    if (args.format != plan.format) return cudaErrorInvalidValue;
-    if (args.format == OG_WEIGHTS_Q4) return launch_gemv_q4(mode, plan, args, stream, pdl);
-    if (args.format != OG_WEIGHTS_BF16) {
-        if (args.scales == nullptr) return cudaErrorInvalidValue;
+    if (args.w.format != plan.format) return cudaErrorInvalidValue;
+    // Row counts of a GEMV fit in int (gemv_plan's shapes); only stacked experts need int64.
+    if (args.w.rows < 1 || args.w.rows > INT32_MAX || args.w.cols < 1) return cudaErrorInvalidValue;
+    const int rows = (int)args.w.rows, cols = args.w.cols;
+    if (args.w.format == OG_WEIGHTS_Q4) return launch_gemv_q4(mode, plan, args, stream, pdl);
+    if (args.w.format != OG_WEIGHTS_BF16) {
+        if (args.w.scales == nullptr) return cudaErrorInvalidValue;
         QuantGemvParams q;
-        q.weight = static_cast<const uint8_t *>(args.weight);
-        q.scales = static_cast<const float *>(args.scales);
+        q.weight = static_cast<const uint8_t *>(args.w.data);
+        q.scales = static_cast<const float *>(args.w.scales);
         q.x = args.x;
         q.norm_weight = args.norm_weight;
         q.y = args.y;
         q.normed_out = args.normed_out;
-        q.rows = args.rows;
-        q.cols = args.cols;
-        set_int8_row_layout(q, args.cols);
-        q.n_tasks = gemv_tasks(mode, args.rows, args.format);
-        q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+        q.rows = rows;
+        q.cols = cols;
+        set_int8_row_layout(q, cols);
+        q.n_tasks = gemv_tasks(mode, rows, args.w.format);
+        q.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
         q.eps = args.eps;
         q.selected = nullptr;
         q.tasks_per_expert = 0;
         return launch_int8(mode, plan, stream, pdl, q);
     }
     GemvParams p;
-    p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
+    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
     p.x = args.x;
     p.norm_weight = args.norm_weight;
     p.y = args.y;
     p.normed_out = args.normed_out;
-    p.rows = args.rows;
-    p.cols = args.cols;
-    p.ld = padded_cols(args.cols);
-    p.n_tasks = gemv_tasks(mode, args.rows, OG_WEIGHTS_BF16);
-    p.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+    p.rows = rows;
+    p.cols = cols;
+    p.ld = padded_cols(cols);
+    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
+    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
     p.eps = args.eps;
     p.nv = 1;
     p.x_stride = 0;
@@ -188,24 +191,26 @@ cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const Ge
         }
         return cudaSuccess;
     }
-    if (args.format != OG_WEIGHTS_BF16) return cudaErrorInvalidValue;
+    if (args.w.format != OG_WEIGHTS_BF16) return cudaErrorInvalidValue;
+    if (args.w.rows < 1 || args.w.rows > INT32_MAX || args.w.cols < 1) return cudaErrorInvalidValue;
+    const int rows = (int)args.w.rows, cols = args.w.cols;
     GemvParams p;
-    p.weight = static_cast<const __nv_bfloat16 *>(args.weight);
+    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
     p.x = args.x;
     p.norm_weight = args.norm_weight;
     p.y = args.y;
     p.normed_out = args.normed_out;
-    p.rows = args.rows;
-    p.cols = args.cols;
-    p.ld = padded_cols(args.cols);
-    p.n_tasks = gemv_tasks(mode, args.rows, OG_WEIGHTS_BF16);
-    p.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
+    p.rows = rows;
+    p.cols = cols;
+    p.ld = padded_cols(cols);
+    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
+    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
     p.eps = args.eps;
     p.nv = n;
     p.x_stride = x_stride;
     p.y_stride = y_stride;
     return launch_bf16(mode, plan.single.warps, plan.single.unroll, dim3(plan.grid),
-                       (int)gemv_multi_smem_bytes(mode, args.cols, n), stream, pdl, p);
+                       (int)gemv_multi_smem_bytes(mode, cols, n), stream, pdl, p);
 }
 
 

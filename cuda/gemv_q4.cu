@@ -844,16 +844,17 @@ cudaError_t gemv_q4_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, bool
 cudaError_t launch_gemv_q4(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                            cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0 || plan.format != OG_WEIGHTS_Q4) return cudaErrorInvalidConfiguration;
-    if (args.format != OG_WEIGHTS_Q4 || args.scales == nullptr || mode < kGemvPlain ||
+    if (args.w.format != OG_WEIGHTS_Q4 || args.w.scales == nullptr || mode < kGemvPlain ||
         mode > kGemvNormSwiglu)
         return cudaErrorInvalidValue;
-    Q4Params q = q4_params(args.rows, args.cols, args.weight, args.scales);
+    const int rows = (int)args.w.rows;   // launch_gemv checked the range
+    Q4Params q = q4_params(rows, args.w.cols, args.w.data, args.w.scales);
     q.x = args.x;
     q.norm_weight = args.norm_weight;
     q.y = args.y;
     q.normed_out = args.normed_out;
-    q.out_rows = mode == kGemvNormSwiglu ? args.rows / 2 : args.rows;
-    q.n_tasks = mode == kGemvNormSwiglu ? q.out_rows : ceil_div(args.rows, 2);
+    q.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
+    q.n_tasks = mode == kGemvNormSwiglu ? q.out_rows : ceil_div(rows, 2);
     q.eps = args.eps;
     q.residual_settled = mode == kGemvResidual && args.residual_settled;
     return launch_q4(mode, plan, q, stream, pdl);

@@ -50,16 +50,12 @@ __host__ __device__ constexpr bool mode_has_norm(int mode) {
 }
 
 struct GemvArgs {
-    const void *weight;           // format's layout (quant.cuh); bf16: [rows, padded_cols(cols)]
-    int rows;                     // rows of weight (2*I for kGemvNormSwiglu)
-    int cols;
+    WeightMatrix w;               // [rows, cols] (2*I rows for kGemvNormSwiglu); format = the plan's
     const float *x;               // [cols]
     const float *norm_weight;     // [cols] (norm modes)
     float eps;                    // RMSNorm epsilon (norm modes)
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
-    const void *scales = nullptr; // int8: [rows] fp32; q4: [rows, ceil(cols / 32)] e5m3 bytes
-    int format = OG_WEIGHTS_BF16; // OG_WEIGHTS_*; must equal the plan's
     // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
     // kernel may read y before its PDL wait. Why that is safe: every kernel of the body
     // triggers its dependents only after its own wait, so this kernel's blocks start only after

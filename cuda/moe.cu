@@ -488,7 +488,7 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
 
 namespace {
 
-bool valid_quant_args(const MoeExperts &w, int top_k, int hidden, int inter) {
+bool valid_quant_args(const og::WeightMatrix &w, int top_k, int hidden, int inter) {
     return w.data != nullptr && w.scales != nullptr && aligned16(w.data) && top_k >= 1 &&
            top_k <= kMaxTopK && hidden >= 1 && inter >= 1 &&
            (long long)top_k * inter <= INT_MAX;
@@ -496,7 +496,7 @@ bool valid_quant_args(const MoeExperts &w, int top_k, int hidden, int inter) {
 
 }  // namespace
 
-cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_normed,
+cudaError_t launch_moe_gate_up_swiglu(const og::WeightMatrix &gate_up, const float *x_normed,
                                       const int32_t *selected_experts, int top_k, int hidden,
                                       int moe_inter, float *act, cudaStream_t stream, bool pdl) {
     if (gate_up.format == OG_WEIGHTS_BF16)
@@ -511,7 +511,7 @@ cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_
                                         pdl);
 }
 
-cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const float *act,
+cudaError_t launch_moe_down_weighted_residual(const og::WeightMatrix &down, const float *act,
                                               const int32_t *selected_experts,
                                               const float *selected_weights, int top_k,
                                               int hidden, int moe_inter, float *x,

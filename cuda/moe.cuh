@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "common.cuh"
+
 constexpr int kMaxExperts = 512;   // launch_moe_topk: one warp, up to 16 logits per lane
 constexpr int kMaxTopK = 32;       // one selected expert per lane of a warp
 
@@ -57,13 +59,6 @@ cudaError_t launch_moe_down_weighted_residual(const __nv_bfloat16 *down_weights,
                                               int hidden, int moe_inter, float *x,
                                               cudaStream_t stream, bool pdl = false);
 
-// The experts' weights in any OG_WEIGHTS_* format (scales NULL for bf16).
-struct MoeExperts {
-    const void *data;
-    const void *scales;
-    int format;
-};
-
 // With pdl, every MoE kernel is launched with programmatic dependent launch: it waits on its
 // predecessor (griddepcontrol.wait) before reading anything an earlier kernel wrote, so its
 // launch overlaps the predecessor's tail.
@@ -76,10 +71,10 @@ struct MoeExperts {
 //            rows as one long dot product against the concatenated act vectors, each 16-byte
 //            chunk's partial sum scaled by selected_weights[j] * (row scale or group scale);
 //            x[r] += the warp's sum.
-cudaError_t launch_moe_gate_up_swiglu(const MoeExperts &gate_up, const float *x_normed,
+cudaError_t launch_moe_gate_up_swiglu(const og::WeightMatrix &gate_up, const float *x_normed,
                                       const int32_t *selected_experts, int top_k, int hidden,
                                       int moe_inter, float *act, cudaStream_t stream, bool pdl);
-cudaError_t launch_moe_down_weighted_residual(const MoeExperts &down, const float *act,
+cudaError_t launch_moe_down_weighted_residual(const og::WeightMatrix &down, const float *act,
                                               const int32_t *selected_experts,
                                               const float *selected_weights, int top_k,
                                               int hidden, int moe_inter, float *x,

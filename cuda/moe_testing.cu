@@ -173,7 +173,8 @@ extern "C" OG_API og_status og_test_moe_gate_up_swiglu_quant(int32_t format, con
     OG_TRY(d_act.upload(act_out, sizeof(float) * (size_t)top_k * I));
     TestStream stream;
     OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
-    const MoeExperts w = {d_w.ptr, d_s.ptr, format};
+    og::WeightMatrix w;
+    w.data = d_w.ptr, w.scales = d_s.ptr, w.format = format, w.rows = (int64_t)E * 2 * I, w.cols = H;
     og_status st = to_status(launch_moe_gate_up_swiglu(w, d_x.as<float>(), d_sel.as<int32_t>(),
                                                        top_k, H, I, d_act.as<float>(), stream.s,
                                                        false));
@@ -200,7 +201,9 @@ extern "C" OG_API og_status og_test_moe_down_quant(int32_t format, const void *w
     OG_TRY(d_x.upload(x_inout, sizeof(float) * H));
     TestStream stream;
     OG_TRY(cudaStreamCreateWithFlags(&stream.s, cudaStreamNonBlocking));
-    const MoeExperts down = {d_w.ptr, d_s.ptr, format};
+    og::WeightMatrix down;
+    down.data = d_w.ptr, down.scales = d_s.ptr, down.format = format;
+    down.rows = (int64_t)E * H, down.cols = I;
     og_status st = to_status(launch_moe_down_weighted_residual(
         down, d_act.as<float>(), d_sel.as<int32_t>(), d_sw.as<float>(), top_k, H, I,
         d_x.as<float>(), stream.s, false));

@@ -617,7 +617,7 @@ dequant_split_kernel(const uint8_t *data, const void *scales, int rows, int cols
 // y (= or +=) a . w for a dense weight matrix in any format: bf16 as is; int8 / q4 dequantized
 // into the scratch's w_hi + w_lo, then y = a . w_hi (split a as given) + a_hi . w_lo. (q4's
 // input arrives rounded to int8 per group of 32, as the decode GEMV's: the callers do it.)
-cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScratch &s,
+cudaError_t gemm_weights(GemmArgs args, const WeightMatrix &w, const PrefillScratch &s,
                          cudaStream_t stream) {
     if (w.format == OG_WEIGHTS_BF16) {
         args.w = static_cast<const __nv_bfloat16 *>(w.data);
@@ -631,11 +631,11 @@ cudaError_t gemm_weights(GemmArgs args, const PrefillMatrix &w, const PrefillScr
     const uint8_t *data = static_cast<const uint8_t *>(w.data);
     if (w.format == OG_WEIGHTS_INT8)
         OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_INT8>, grid, block, 0, stream,
-                                        false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,
+                                        false, data, w.scales, (int)w.rows, w.cols, ld, row_bytes, spr,
                                         s.w_hi, s.w_lo));
     else if (w.format == OG_WEIGHTS_Q4)
         OG_CUDA_RETURN_IF(launch_kernel(dequant_split_kernel<OG_WEIGHTS_Q4>, grid, block, 0, stream,
-                                        false, data, w.scales, w.rows, w.cols, ld, row_bytes, spr,
+                                        false, data, w.scales, (int)w.rows, w.cols, ld, row_bytes, spr,
                                         s.w_hi, s.w_lo));
     else
         return cudaErrorInvalidValue;
@@ -662,7 +662,8 @@ static cudaError_t enqueue_moe_rows(const PrefillModel &m, const PrefillLayer &w
     OG_CUDA_RETURN_IF(launch_kernel(rmsnorm_rows_split_kernel, dim3(n), row_block, 0, stream, false,
                                     (const float *)s.x, w.post_attention_layernorm, m.eps, H,
                                     s.narrow, s.narrow_lo, ldH, false));
-    OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH, w.router, ldH,
+    OG_CUDA_RETURN_IF(launch_gemm_bf16(GemmArgs{s.narrow, s.narrow_lo, ldH,
+                                                static_cast<const __nv_bfloat16 *>(w.router.data), ldH,
                                                 s.moe_logits, m.E, n, m.E, ldH, false},
                                        stream));
     OG_CUDA_RETURN_IF(launch_moe_topk_rows(s.moe_logits, n, m.E, m.top_k, m.norm_topk_prob,
@@ -771,8 +772,8 @@ cudaError_t enqueue_prefill_chunk(const PrefillModel &m, const int32_t *table_ro
             // norm fused, top-k, experts) — the same arithmetic as a decode step's FFN.
             for (int r = 0; r < n; ++r) {
                 float *x_row = s.x + (size_t)r * H;
-                GemvArgs router = {w.router, m.E, H, x_row, w.post_attention_layernorm, m.eps,
-                                   m.router_logits, m.moe_normed};
+                const GemvArgs router = {w.router, x_row, w.post_attention_layernorm, m.eps,
+                                         m.router_logits, m.moe_normed};
                 OG_CUDA_RETURN_IF(launch_gemv(kGemvNorm, m.plan_router, router, stream, false));
                 OG_CUDA_RETURN_IF(launch_moe_topk(m.router_logits, m.E, m.top_k, m.norm_topk_prob,
                                                   m.selected_experts, m.selected_weights, stream));

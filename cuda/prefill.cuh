@@ -105,25 +105,17 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a
 }
 
 // ---- prefill.cu ---------------------------------------------------------------------
-// A dense weight matrix [rows, cols] as the decode body holds it (quant.cuh layouts).
-struct PrefillMatrix {
-    const void *data = nullptr;
-    const void *scales = nullptr;     // NULL for bf16
-    int format = OG_WEIGHTS_BF16;
-    int rows = 0, cols = 0;
-};
-
 struct PrefillLayer {
     bool is_moe = false;
     const float *input_layernorm = nullptr;           // [H]
     const float *post_attention_layernorm = nullptr;  // [H]
     const float *q_norm = nullptr, *k_norm = nullptr; // [hd] or NULL
-    PrefillMatrix qkv;                                // [qkv_rows, H]
-    PrefillMatrix o_proj;                             // [H, q_size]
-    PrefillMatrix gate_up;                            // dense: [2I, H]
-    PrefillMatrix down;                               // dense: [H, I]
-    const __nv_bfloat16 *router = nullptr;            // MoE: [E, ldH]
-    MoeExperts expert_gate_up = {}, expert_down = {}; // MoE
+    WeightMatrix qkv;                                 // [qkv_rows, H]
+    WeightMatrix o_proj;                              // [H, q_size]
+    WeightMatrix gate_up;                             // dense: [2I, H]
+    WeightMatrix down;                                // dense: [H, I]
+    WeightMatrix router;                              // MoE: [E, H] bf16
+    WeightMatrix expert_gate_up, expert_down;         // MoE: [E * 2Im, H], [E * H, Im]
     KvPages kv;                                       // the layer's pages
 };
 

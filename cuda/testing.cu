@@ -244,8 +244,10 @@ og_status gemv_common(const char *fn, GemvMode mode, const uint16_t *weight, int
     if (normed != nullptr) OG_TRY(alloc_copy(d_normed, normed, (size_t)cols * 4));
     GemvPlan plan;
     OG_CUDA_TRY(gemv_plan(mode, rows, cols, &plan));
-    GemvArgs args = {d_w.as<__nv_bfloat16>(), rows, cols, d_x.as<float>(),
-                     d_norm.as<float>(), eps, d_y.as<float>(), d_normed.as<float>()};
+    WeightMatrix w;
+    w.data = d_w.ptr, w.rows = rows, w.cols = cols;
+    const GemvArgs args = {w, d_x.as<float>(), d_norm.as<float>(), eps, d_y.as<float>(),
+                           d_normed.as<float>()};
     OG_TRY(finish_launch(launch_gemv(mode, plan, args, 0, false), "launch_gemv"));
     OG_TRY(copy_back(y, d_y, (size_t)y_len * 4));
     if (normed != nullptr) OG_TRY(copy_back(normed, d_normed, (size_t)cols * 4));
@@ -298,8 +300,10 @@ OG_API og_status og_test_gemv_quant(int32_t format, int32_t mode, const void *we
     if (normed != nullptr) OG_TRY(alloc_copy(d_normed, normed, (size_t)cols * 4));
     GemvPlan plan;
     OG_CUDA_TRY(gemv_plan(m, rows, cols, &plan, format, bulk_stream != 0));
-    GemvArgs args = {d_w.ptr, rows, cols, d_x.as<float>(), d_norm.as<float>(), eps,
-                     d_y.as<float>(), d_normed.as<float>(), d_s.ptr, format};
+    WeightMatrix w;
+    w.data = d_w.ptr, w.scales = d_s.ptr, w.format = format, w.rows = rows, w.cols = cols;
+    const GemvArgs args = {w, d_x.as<float>(), d_norm.as<float>(), eps, d_y.as<float>(),
+                           d_normed.as<float>()};
     OG_TRY(finish_launch(launch_gemv(m, plan, args, 0, false), "launch_gemv"));
     OG_TRY(copy_back(y, d_y, (size_t)y_len * 4));
     if (normed != nullptr) OG_TRY(copy_back(normed, d_normed, (size_t)cols * 4));

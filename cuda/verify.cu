@@ -34,8 +34,8 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         // ---- attention block: x_j += o_proj(attention_j(rope(qkv_proj(rmsnorm(x_j))))) ----
-        GemvArgs qkv_proj = {w.qkv.data, d.qkv_rows, d.H, e->verify_x, w.input_layernorm,
-                             c.rms_norm_eps, e->verify_qkv, nullptr, w.qkv.scales, w.qkv.format};
+        const GemvArgs qkv_proj = {w.qkv, e->verify_x, w.input_layernorm, c.rms_norm_eps,
+                                   e->verify_qkv, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_qkv, qkv_proj, n, d.ldH, ld_qkv, stream, pdl));
 
         for (int j = 0; j < n; ++j) {
@@ -59,45 +59,38 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
             OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, false));
         }
 
-        GemvArgs o_proj = {w.o_proj.data, d.H, d.q_size, e->verify_attn, nullptr, 0.f, e->verify_x,
-                           nullptr, w.o_proj.scales, w.o_proj.format};
+        const GemvArgs o_proj = {w.o_proj, e->verify_attn, nullptr, 0.f, e->verify_x, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_o, o_proj, n, d.ldQ, d.ldH, stream, pdl));
 
         // ---- FFN block: x_j += mlp(rmsnorm(x_j)) ----
         if (w.is_moe) {
-            const MoeExperts gate_up = {w.expert_gate_up.data, w.expert_gate_up.scales,
-                                        w.expert_gate_up.format};
-            const MoeExperts down = {w.expert_down.data, w.expert_down.scales,
-                                     w.expert_down.format};
             for (int j = 0; j < n; ++j) {
                 float *x = e->verify_x + (size_t)j * d.ldH;
-                GemvArgs router = {w.router, d.E, d.H, x, w.post_attention_layernorm,
-                                   c.rms_norm_eps, e->router_logits, e->normed};
+                const GemvArgs router = {w.router, x, w.post_attention_layernorm, c.rms_norm_eps,
+                                         e->router_logits, e->normed};
                 OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
                 OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
                                             e->selected_experts, e->selected_weights, stream, pdl));
-                OG_CUDA_TRY(launch_moe_gate_up_swiglu(gate_up, e->normed, e->selected_experts,
+                OG_CUDA_TRY(launch_moe_gate_up_swiglu(w.expert_gate_up, e->normed, e->selected_experts,
                                                       d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
-                OG_CUDA_TRY(launch_moe_down_weighted_residual(down, e->moe_act, e->selected_experts,
+                OG_CUDA_TRY(launch_moe_down_weighted_residual(w.expert_down, e->moe_act, e->selected_experts,
                                                               e->selected_weights, d.top_k, d.H,
                                                               d.Im, x, stream, pdl));
             }
         } else {
-            GemvArgs gate_up = {w.gate_up.data, 2 * d.I, d.H, e->verify_x, w.post_attention_layernorm,
-                                c.rms_norm_eps, e->verify_act, nullptr, w.gate_up.scales,
-                                w.gate_up.format};
+            const GemvArgs gate_up = {w.gate_up, e->verify_x, w.post_attention_layernorm,
+                                      c.rms_norm_eps, e->verify_act, nullptr};
             OG_CUDA_TRY(launch_gemv_multi(kGemvNormSwiglu, e->vplan_gate_up, gate_up, n, d.ldH,
                                           d.ldI, stream, pdl));
-            GemvArgs down = {w.down.data, d.H, d.I, e->verify_act, nullptr, 0.f, e->verify_x,
-                             nullptr, w.down.scales, w.down.format};
+            const GemvArgs down = {w.down, e->verify_act, nullptr, 0.f, e->verify_x, nullptr};
             OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_down, down, n, d.ldI, d.ldH,
                                           stream, pdl));
         }
     }
 
     // ---- logits_j = lm_head(rmsnorm(x_j)), their argmax ----
-    GemvArgs lm_head = {e->lm_head.data, d.V, d.H, e->verify_x, e->final_norm, c.rms_norm_eps,
-                        e->verify_logits, nullptr, e->lm_head.scales, e->lm_head.format};
+    const GemvArgs lm_head = {e->lm_head, e->verify_x, e->final_norm, c.rms_norm_eps,
+                              e->verify_logits, nullptr};
     OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_lm_head, lm_head, n, d.ldH, d.V, stream, pdl));
     for (int j = 0; j < n; ++j)
         OG_CUDA_TRY(launch_argmax(e->verify_logits + (size_t)j * d.V, d.V, e->argmax_partials,

@@ -5,9 +5,12 @@
 namespace {
 
 // The tensor `name` = rows [first_row, first_row + rows) of m (cols columns); a quantized
-// matrix adds "<name>.scale" for the same rows.
+// matrix adds "<name>.scale" for the same rows. The arena's bytes are the engine's to write:
+// the descriptor is read-only only for the kernels.
 void add_matrix(og_engine *e, const std::string &name, int64_t rows, int64_t cols,
-                const DeviceMatrix &m, int64_t first_row) {
+                const WeightMatrix &m, int64_t first_row) {
+    char *data = static_cast<char *>(const_cast<void *>(m.data));
+    char *scales = static_cast<char *>(const_cast<void *>(m.scales));
     WeightSlot s;
     s.name = name;
     s.kind = WeightSlot::kMatrix;
@@ -15,19 +18,21 @@ void add_matrix(og_engine *e, const std::string &name, int64_t rows, int64_t col
     s.rows = rows;
     s.cols = cols;
     s.pitch = weight_row_bytes(m.format, cols);
-    s.dst = m.data + first_row * s.pitch;
+    s.dst = data + first_row * s.pitch;
     e->slots.push_back(s);
     if (m.format == OG_WEIGHTS_BF16) return;
     s.name = name + ".scale";
     s.kind = WeightSlot::kScales;
     s.pitch = weight_scales_per_row(m.format, cols) * weight_scale_bytes(m.format);
-    s.dst = m.scales + first_row * s.pitch;
+    s.dst = scales + first_row * s.pitch;
     e->slots.push_back(std::move(s));
 }
 
-DeviceMatrix bf16_matrix(__nv_bfloat16 *data) {
-    DeviceMatrix m;
-    m.data = reinterpret_cast<char *>(data);
+WeightMatrix bf16_matrix(__nv_bfloat16 *data, int64_t rows, int cols) {
+    WeightMatrix m;
+    m.data = data;
+    m.rows = rows;
+    m.cols = cols;
     return m;
 }
 
@@ -46,7 +51,7 @@ void add_vector(og_engine *e, std::string name, int64_t length, float *dst) {
 // The tensor table: HF name -> device region (fused layouts assembled by row offset).
 void build_weight_table(og_engine *e) {
     const Dims &d = e->d;
-    add_matrix(e, "model.embed_tokens.weight", d.V, d.H, bf16_matrix(e->embed_tokens), 0);
+    add_matrix(e, "model.embed_tokens.weight", d.V, d.H, bf16_matrix(e->embed_tokens, d.V, d.H), 0);
     for (int l = 0; l < d.L; ++l) {
         const LayerWeights &w = e->layers[l];
         const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -61,7 +66,7 @@ void build_weight_table(og_engine *e) {
         }
         add_vector(e, p + "post_attention_layernorm.weight", d.H, w.post_attention_layernorm);
         if (w.is_moe) {
-            add_matrix(e, p + "mlp.gate.weight", d.E, d.H, bf16_matrix(w.router), 0);
+            add_matrix(e, p + "mlp.gate.weight", d.E, d.H, w.router, 0);
             for (int x = 0; x < d.E; ++x) {
                 const std::string q = p + "mlp.experts." + std::to_string(x) + ".";
                 const int64_t gate_row = (int64_t)x * 2 * d.Im;

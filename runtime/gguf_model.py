@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -308,14 +308,17 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
 
 def write_gguf(config: ModelConfig, tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
                types: str | Mapping[str, str] = "F32",
-               quantize: Callable[[np.ndarray, object], np.ndarray] | None = None) -> str:
+               quantize: Callable[[np.ndarray, object], np.ndarray] | None = None,
+               vocab: Sequence[str] | None = None) -> str:
     """Write a model as a GGUF file (metadata from config, tensors by HF name).
 
     ``types``: the GGML type name of every matrix (e.g. "Q8_0"), or a mapping HF name -> type
     name (unlisted matrices F32; a layer's stacked experts take expert 0's type). 1-D norms are
     always F32, as llama.cpp's converter writes them. ``quantize(values_f32, qtype) -> blocks``
     defaults to ``gguf.quants.quantize``, which has no K-quant quantizer: tests pass one that
-    makes K-quant blocks. Written to a temporary name and renamed when complete."""
+    makes K-quant blocks. ``vocab``: token strings written as a gpt2-type tokenizer with no
+    real merges, for readers that load no model without a vocabulary (llama.cpp) when the ids
+    are given directly. Written to a temporary name and renamed when complete."""
     import gguf
     from gguf.quants import quantize as gguf_quantize
     quantize = quantize or gguf_quantize
@@ -353,6 +356,13 @@ def write_gguf(config: ModelConfig, tensors: Mapping[str, np.ndarray], path: str
             writer.add_expert_used_count(config.num_experts_per_tok)
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
             writer.add_expert_weights_norm(config.norm_topk_prob)
+        if vocab is not None:
+            if len(vocab) != config.vocab_size:
+                raise ValueError(f"vocab: {len(vocab)} tokens, the config's vocab_size is {config.vocab_size}")
+            writer.add_tokenizer_model("gpt2")
+            writer.add_token_list(list(vocab))
+            writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
+            writer.add_token_merges([f"{vocab[0]} {vocab[1]}"])
         if config.bos_token_id is not None:
             writer.add_bos_token_id(config.bos_token_id)
         if config.eos_token_ids:

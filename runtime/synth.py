@@ -2,8 +2,8 @@
 
 Presets
 -------
-``PRESETS`` holds config.json dicts: the public shapes of Qwen3-0.6B, Qwen3-8B and
-Qwen3-30B-A3B, a small ``demo`` model (the CLI's embedded default), and tiny models for tests
+``PRESETS`` holds config.json dicts: the public shapes of Qwen3-0.6B, Qwen3-8B,
+Qwen3-30B-A3B and SmolLM2-135M, a small ``demo`` model (the CLI's embedded default), and tiny models for tests
 whose sizes are deliberately not multiples of 32 where the architecture allows it.
 ``preset_config(name, num_hidden_layers=None, **overrides)`` turns one into a ``ModelConfig``.
 
@@ -104,6 +104,13 @@ PRESETS: dict[str, dict] = {
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[],
         tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=40960, **_COMMON, **_QWEN3_IDS),
+    # https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct/blob/main/config.json: the shape
+    # of the default real model, for benchmarks where no copy of its GGUF is at hand.
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        tie_word_embeddings=True, rope_theta=100_000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
     # The CLI's embedded default: small enough to generate in well under a second.
     "demo": dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=4096, hidden_size=256, intermediate_size=768,

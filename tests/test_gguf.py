@@ -146,6 +146,20 @@ def test_engine_from_gguf_matches_engine_from_tensors(tmp_path):
     assert ours == ref
 
 
+def test_placeholder_vocab_is_written_and_checked(tmp_path):
+    """A vocabulary given to write_gguf lands as a gpt2-type tokenizer that gguf reads back;
+    one of the wrong length is refused before anything is written."""
+    config, tensors = model("tiny-dense")
+    vocab = [f"<t{i}>" for i in range(config.vocab_size)]
+    path = write_gguf(config, tensors, tmp_path / "m.gguf", types="BF16", vocab=vocab)
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == vocab
+    with pytest.raises(ValueError, match=f"vocab: 3 tokens, the config's vocab_size is {config.vocab_size}"):
+        write_gguf(config, tensors, tmp_path / "short.gguf", vocab=vocab[:3])
+    assert not (tmp_path / "short.gguf").exists()
+
+
 def test_pack_reads_gguf(tmp_path):
     from onegraph.pack import open_packed, pack_model
     config, tensors = model("tiny-tied")

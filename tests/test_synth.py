@@ -304,3 +304,17 @@ def test_command_line(tmp_path, capsys):
     assert synth.main(["tiny-llama", str(tmp_path / "m"), "--seed", "3", "--layers", "2"]) == 0
     assert "wrote 3 files" in capsys.readouterr().out
     assert load_model(tmp_path / "m").config.num_hidden_layers == 2
+
+
+def test_smollm2_preset_is_the_real_models_shape():
+    """The smollm2-135m preset stands in for the real model in benchmarks: same shape."""
+    pytest.importorskip("gguf")
+    from real_model import smollm2_gguf
+    from onegraph.gguf_model import load_gguf
+    real = load_gguf(smollm2_gguf()).config
+    preset = synth.preset_config("smollm2-135m")
+    for key in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "rope_theta", "max_position_embeddings"):
+        assert getattr(preset, key) == getattr(real, key), key
+    assert preset.rms_norm_eps == pytest.approx(real.rms_norm_eps, rel=1e-6)
