@@ -258,6 +258,7 @@ OG_API og_status og_begin_step_seq(og_engine *e, int32_t id, int32_t token) {
                                      seq->blocks[position / e->kv.layout.page_size]};
     e->pending[0] = og_engine::PendingStep{id, 0, position, e->output};
     e->n_pending = 1;
+    e->verify_n = 0;  // a begun verify step's rows are no longer the sequence's next rows
     return OG_OK;
 }
 
@@ -380,6 +381,120 @@ OG_API og_status og_step(og_engine *e, int32_t token, const float **logits) {
     return OG_OK;
 }
 
+// ---- the verify step (verify.cu) ----
+OG_API og_status og_begin_verify_seq(og_engine *e, int32_t id, const int32_t *tokens, int32_t n) {
+    OG_CHECK_HANDLE(e);
+    if (tokens == nullptr || n < 2 || n > OG_MAX_VERIFY)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_begin_verify_seq: tokens is NULL or n=%d is outside [2, %d]", n,
+                         OG_MAX_VERIFY);
+    for (int32_t j = 0; j < n; ++j)
+        if (tokens[j] < 0 || tokens[j] >= e->d.V)
+            return set_error(OG_E_TOKEN_OUT_OF_RANGE,
+                             "og_begin_verify_seq: tokens[%d]=%d is outside the vocabulary [0, %d)",
+                             j, tokens[j], e->d.V);
+    if (e->n_pending != 0)
+        return set_error(OG_E_BAD_STATE,
+                         "og_begin_verify_seq: %d decode step(s) begun and not ended (end or "
+                         "cancel them first)",
+                         e->n_pending);
+    KvSequence *seq = nullptr;
+    og_status status = e->kv.lookup(id, "og_begin_verify_seq", &seq);
+    if (status != OG_OK) return status;
+    const int32_t position = seq->length;
+    if ((int64_t)position + n > e->d.max_seq)
+        return set_error(OG_E_CONTEXT_FULL,
+                         "og_begin_verify_seq: sequence %d holds %d rows; %d more would exceed "
+                         "max_seq_len=%d",
+                         id, position, n, e->d.max_seq);
+    status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // As og_begin_step: the rows' blocks (fresh, or a private copy of a shared one) are the
+    // only state changed before the record.
+    status = e->kv.reserve(id, n, e->stream);
+    if (status != OG_OK) return status;
+    const int page = e->kv.layout.page_size;
+    for (int32_t j = 0; j < n; ++j)
+        e->verify_host[j] = og_step_record{tokens[j], position + j, seq->slot,
+                                           seq->blocks[(position + j) / page]};
+    e->verify_seq = id;
+    e->verify_position = position;
+    e->verify_n = n;
+    e->verify_output = e->output;
+    return OG_OK;
+}
+
+OG_API og_status og_enqueue_verify(og_engine *e, void *stream) {
+    OG_CHECK_HANDLE(e);
+    if (e->verify_n == 0)
+        return set_error(OG_E_BAD_STATE, "og_enqueue_verify: no verify step begun (og_begin_verify_seq)");
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    e->verify_output = e->output;
+    const cudaStream_t s = stream != nullptr ? static_cast<cudaStream_t>(stream) : e->stream;
+    return enqueue_verify(e, s);
+}
+
+OG_API og_status og_run_verify(og_engine *e) {
+    const og_status status = og_enqueue_verify(e, nullptr);
+    if (status != OG_OK) return status;
+    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
+    return OG_OK;
+}
+
+OG_API og_status og_verify_results(og_engine *e, int32_t *next, float *logit, int32_t capacity) {
+    OG_CHECK_HANDLE(e);
+    if (next == nullptr || capacity < 0)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_verify_results: next is NULL or capacity=%d < 0",
+                         capacity);
+    if (e->verify_n == 0)
+        return set_error(OG_E_BAD_STATE, "og_verify_results: no verify step begun");
+    for (int32_t j = 0; j < e->verify_n && j < capacity; ++j) {
+        next[j] = e->verify_next_host[j].token;
+        if (logit != nullptr) logit[j] = e->verify_next_host[j].logit;
+    }
+    return OG_OK;
+}
+
+OG_API og_status og_verify_logits(og_engine *e, const float **logits, int32_t *n) {
+    OG_CHECK_HANDLE(e);
+    if (logits == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_verify_logits: logits is NULL");
+    if (e->verify_n == 0 || e->verify_output != OG_OUTPUT_LOGITS)
+        return set_error(OG_E_BAD_STATE,
+                         "og_verify_logits: no verify step begun and enqueued with OG_OUTPUT_LOGITS");
+    *logits = e->verify_logits_host;
+    if (n != nullptr) *n = e->verify_n;
+    return OG_OK;
+}
+
+OG_API og_status og_end_verify(og_engine *e, int32_t accepted) {
+    OG_CHECK_HANDLE(e);
+    if (e->verify_n == 0) return set_error(OG_E_BAD_STATE, "og_end_verify: no verify step begun");
+    if (accepted < 1 || accepted > e->verify_n)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_end_verify: accepted=%d is outside [1, %d]",
+                         accepted, e->verify_n);
+    KvSequence *seq = nullptr;
+    og_status status = e->kv.lookup(e->verify_seq, "og_end_verify", &seq);
+    if (status != OG_OK) return status;  // unreachable: freeing a sequence cancels its steps
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    // Every written row first becomes the sequence's, then the rejected ones are cut off:
+    // set_length releases the blocks past the kept rows (their rows are never read again).
+    seq->length = e->verify_position + e->verify_n;
+    status = e->kv.set_length(e->verify_seq, e->verify_position + accepted, e->stream);
+    if (status != OG_OK) {
+        seq->length = e->verify_position;
+        return status;
+    }
+    e->verify_n = 0;
+    e->stats.steps += 1;
+    return OG_OK;
+}
+
 OG_API og_status og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens,
                             float *logits) {
     OG_CHECK_HANDLE(e);
@@ -419,6 +534,7 @@ OG_API og_status og_prefill_seq(og_engine *e, int32_t id, const int32_t *tokens,
     status = e->kv.reserve(id, n_tokens, e->stream);  // OG_E_POOL_EXHAUSTED changes nothing
     if (status != OG_OK) return status;
     e->n_pending = 0;  // a begun step's row is no longer the sequence's next row
+    e->verify_n = 0;
     status = run_prefill(e, *seq, tokens, n_tokens);
     if (status != OG_OK) return status;
     if (logits != nullptr) memcpy(logits, e->logits_host, (size_t)e->d.V * sizeof(float));
@@ -580,6 +696,7 @@ OG_API og_status og_free(og_engine *e) {
 // Steps begun on a sequence whose blocks change are no longer valid: they must be begun again.
 static void cancel_step_of(og_engine *e, int32_t seq) {
     if (e->n_pending > 0 && e->pending[0].seq == seq) e->n_pending = 0;  // all on one sequence
+    if (e->verify_n > 0 && e->verify_seq == seq) e->verify_n = 0;
 }
 
 #define OG_CHECK_OUT(p)                                                                      \

@@ -137,6 +137,14 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->argmax_ticket = a.take<unsigned>(1);
     e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
     e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention));
+    e->verify_qkv_ld = padded_cols(d.qkv_rows);
+    e->verify_steps = a.take<og_step_record>(OG_MAX_VERIFY);
+    e->verify_x = a.take<float>((size_t)OG_MAX_VERIFY * d.ldH);
+    e->verify_qkv = a.take<float>((size_t)OG_MAX_VERIFY * e->verify_qkv_ld);
+    e->verify_attn = a.take<float>((size_t)OG_MAX_VERIFY * d.ldQ);
+    e->verify_act = a.take<float>((size_t)OG_MAX_VERIFY * d.ldI);
+    e->verify_logits = a.take<float>((size_t)OG_MAX_VERIFY * d.V);
+    e->verify_next = a.take<NextToken>(OG_MAX_VERIFY);
     if (d.any_moe) {
         e->router_logits = a.take<float>(d.E);
         e->selected_experts = a.take<int32_t>(d.top_k);
@@ -188,6 +196,9 @@ void destroy(og_engine *e) {
     pinned_free(e->step_host);
     pinned_free(e->logits_host);
     pinned_free(e->next_host);
+    pinned_free(e->verify_host);
+    pinned_free(e->verify_next_host);
+    pinned_free(e->verify_logits_host);
     (void)cudaGetLastError();
     delete e;
 }
@@ -234,6 +245,15 @@ og_status plan_kernels(og_engine *e) {
                          d.n_heads, d.n_kv, d.hd);
     }
     OG_CUDA_TRY(err);
+    // The verify body's GEMVs over up to OG_MAX_VERIFY vectors, on the decode plans.
+    static_assert(OG_MAX_VERIFY == kGemvMaxVectors, "a verify step's positions are the GEMV's vectors");
+    OG_CUDA_TRY(gemv_multi_plan(kGemvNorm, e->plan_qkv, d.qkv_rows, d.H, &e->vplan_qkv));
+    OG_CUDA_TRY(gemv_multi_plan(kGemvResidual, e->plan_o, d.H, d.q_size, &e->vplan_o));
+    if (d.any_dense) {
+        OG_CUDA_TRY(gemv_multi_plan(kGemvNormSwiglu, e->plan_gate_up, 2 * d.I, d.H, &e->vplan_gate_up));
+        OG_CUDA_TRY(gemv_multi_plan(kGemvResidual, e->plan_down, d.H, d.I, &e->vplan_down));
+    }
+    OG_CUDA_TRY(gemv_multi_plan(kGemvNorm, e->plan_lm_head, d.V, d.H, &e->vplan_lm_head));
     return OG_OK;
 }
 
@@ -272,6 +292,12 @@ og_status init_engine(og_engine *e) {
     memset(e->next_host, 0, kStepSlots * sizeof(SampledResult));
     for (int slot = 0; slot < kStepSlots; ++slot)
         e->next_host[slot].next = NextToken{-1, 0.f};  // no OG_OUTPUT_NEXT_TOKEN step yet
+    OG_CUDA_TRY(pinned_alloc(&e->verify_host, OG_MAX_VERIFY * sizeof(og_step_record)));
+    memset(e->verify_host, 0, OG_MAX_VERIFY * sizeof(og_step_record));
+    OG_CUDA_TRY(pinned_alloc(&e->verify_next_host, OG_MAX_VERIFY * sizeof(NextToken)));
+    memset(e->verify_next_host, 0, OG_MAX_VERIFY * sizeof(NextToken));
+    OG_CUDA_TRY(pinned_alloc(&e->verify_logits_host, (size_t)OG_MAX_VERIFY * e->d.V * sizeof(float)));
+    memset(e->verify_logits_host, 0, (size_t)OG_MAX_VERIFY * e->d.V * sizeof(float));
 
     std::vector<float> inv_freq(e->d.hd / 2);
     rope_inv_freq(e->d.hd, (double)e->cfg.rope_theta, (double)e->cfg.rope_linear_factor,

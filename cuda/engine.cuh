@@ -155,6 +155,26 @@ struct og_engine {
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     AttentionPlan plan_attention;
 
+    // ---- the verify step (verify.cu): n = 2..OG_MAX_VERIFY positions in one pass ----
+    // Per position j < n: the step record (token, position, seq_slot, row_block) and the
+    // buffers of the decode body, one row each, rows padded so that each starts 16-byte
+    // aligned like the decode body's single buffers.
+    og_step_record *verify_host = nullptr;     // pinned [OG_MAX_VERIFY]
+    og::NextToken *verify_next_host = nullptr; // pinned [OG_MAX_VERIFY]: each position's argmax
+    float *verify_logits_host = nullptr;       // pinned [OG_MAX_VERIFY, V] (OG_OUTPUT_LOGITS)
+    og_step_record *verify_steps = nullptr;    // [OG_MAX_VERIFY]
+    float *verify_x = nullptr;                 // [OG_MAX_VERIFY, ldH]
+    float *verify_qkv = nullptr;               // [OG_MAX_VERIFY, verify_qkv_ld]
+    float *verify_attn = nullptr;              // [OG_MAX_VERIFY, ldQ]
+    float *verify_act = nullptr;               // [OG_MAX_VERIFY, ldI]
+    float *verify_logits = nullptr;            // [OG_MAX_VERIFY, V]
+    og::NextToken *verify_next = nullptr;      // [OG_MAX_VERIFY]
+    int verify_qkv_ld = 0;                     // padded_cols(q + 2kv)
+    GemvMultiPlan vplan_qkv, vplan_o, vplan_gate_up, vplan_down, vplan_lm_head;
+    // The begun verify step (og_begin_verify_seq): its sequence, first position and positions
+    // (0: none); its results are readable once it completed (og_verify_results).
+    int32_t verify_seq = -1, verify_position = 0, verify_n = 0, verify_output = OG_OUTPUT_NEXT_TOKEN;
+
     std::vector<WeightSlot> slots;
     std::unordered_map<std::string, size_t> slot_index;
     std::vector<uint8_t> resident;       // per slot
@@ -209,4 +229,6 @@ og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *d
 // body.cu: one decode step enqueued on stream; og_prefill's chunks for sequence seq
 // (synchronous; the sequence grows only when all of it completed).
 og_status enqueue_body(og_engine *e, cudaStream_t stream);
+// verify.cu: the begun verify step's n positions enqueued on stream (the verify body).
+og_status enqueue_verify(og_engine *e, cudaStream_t stream);
 og_status run_prefill(og_engine *e, KvSequence &seq, const int32_t *tokens, int32_t n_tokens);

@@ -138,7 +138,79 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
     p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
     p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
     p.eps = args.eps;
+    p.nv = 1;
+    p.x_stride = 0;
+    p.y_stride = 0;
     return launch_bf16(mode, plan.warps, plan.unroll, dim3(plan.grid), plan.smem_bytes, stream, pdl, p);
+}
+
+// Shared memory of the multi-vector instance over n vectors: n staged inputs (+ the norm weights).
+static size_t gemv_multi_smem_bytes(GemvMode mode, int cols, int n) {
+    const size_t input = gemv_input_smem_bytes(cols, OG_WEIGHTS_BF16);
+    return (n + (mode_has_norm(mode) ? 1 : 0)) * input;
+}
+
+cudaError_t gemv_multi_plan(GemvMode mode, const GemvPlan &single, int rows, int cols,
+                            GemvMultiPlan *plan) {
+    if (plan == nullptr || single.grid <= 0 || rows <= 0 || cols <= 0) return cudaErrorInvalidValue;
+    plan->single = single;
+    plan->grid = 0;
+    if (single.format != OG_WEIGHTS_BF16) return cudaSuccess;  // per-vector launches
+    const void *kernel = bf16_kernel_for(mode, single.warps, single.unroll, true);
+    if (kernel == nullptr) return cudaErrorInvalidValue;
+    const size_t smem = gemv_multi_smem_bytes(mode, cols, kGemvMaxVectors);
+    int blocks_per_sm = 0;
+    if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                      single.warps * kWarpSize, smem) != cudaSuccess ||
+        blocks_per_sm <= 0) {
+        (void)cudaGetLastError();  // too large for a block: per-vector launches (not an error)
+        return cudaSuccess;
+    }
+    int sm_count = 0;
+    OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
+    // The grid does not change a vector's arithmetic (a warp computes whole rows and every
+    // block stages and norms the whole input); the block size and unroll do, so they are the
+    // single plan's.
+    const int needed = ceil_div(gemv_tasks(mode, rows, OG_WEIGHTS_BF16), single.warps);
+    plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    return cudaSuccess;
+}
+
+cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const GemvArgs &args, int n,
+                              int64_t x_stride, int64_t y_stride, cudaStream_t stream, bool pdl) {
+    if (n < 1 || n > kGemvMaxVectors) return cudaErrorInvalidValue;
+    if (plan.grid <= 0 || n == 1) {
+        for (int j = 0; j < n; ++j) {
+            GemvArgs one = args;
+            one.x = args.x + (size_t)j * x_stride;
+            one.y = args.y + (size_t)j * y_stride;
+            if (args.normed_out != nullptr) one.normed_out = args.normed_out + (size_t)j * x_stride;
+            one.residual_settled = false;
+            OG_CUDA_RETURN_IF(launch_gemv(mode, plan.single, one, stream, pdl));
+        }
+        return cudaSuccess;
+    }
+    if (args.w.format != OG_WEIGHTS_BF16) return cudaErrorInvalidValue;
+    if (args.w.rows < 1 || args.w.rows > INT32_MAX || args.w.cols < 1) return cudaErrorInvalidValue;
+    const int rows = (int)args.w.rows, cols = args.w.cols;
+    GemvParams p;
+    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
+    p.x = args.x;
+    p.norm_weight = args.norm_weight;
+    p.y = args.y;
+    p.normed_out = args.normed_out;
+    p.rows = rows;
+    p.cols = cols;
+    p.ld = padded_cols(cols);
+    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
+    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
+    p.eps = args.eps;
+    p.nv = n;
+    p.x_stride = x_stride;
+    p.y_stride = y_stride;
+    return launch_bf16(mode, plan.single.warps, plan.single.unroll, dim3(plan.grid),
+                       (int)gemv_multi_smem_bytes(mode, cols, n), stream, pdl, p);
 }
 
 

@@ -19,13 +19,18 @@ struct GemvParams {
     float *normed_out;
     int rows, cols, ld, n_tasks, out_rows;
     float eps;
+    int nv;                  // vectors: 1, or up to kGemvMaxVectors (the verify body)
+    int64_t x_stride;        // floats from one vector's x (and normed_out) to the next's
+    int64_t y_stride;        // floats from one vector's y to the next's
 };
 
 // Chunks per lane in flight for a row of `cols` columns (4, 8 or 12).
 int bf16_unroll(int cols);
-// The bf16 kernel for a mode, block size (2, 4 or 8 warps) and unroll (nullptr for other ones).
-const void *bf16_kernel_for(GemvMode mode, int warps, int unroll);
-// Launch that kernel on grid with smem bytes of dynamic shared memory.
+// The bf16 kernel for a mode, block size (2, 4 or 8 warps) and unroll (nullptr for other ones);
+// multi: its instance over up to kGemvMaxVectors vectors.
+const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, bool multi = false);
+// Launch that kernel (the multi-vector instance when p.nv > 1) on grid with smem bytes of
+// dynamic shared memory.
 cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
                         bool pdl, const GemvParams &p);
 

@@ -69,12 +69,17 @@ __device__ __forceinline__ void load_chunks(const uint4 *w0, const uint4 *w1, in
     }
 }
 
-template <int MODE, int WARPS, int U>
+// NV: 1 (the decode body), or kGemvMaxVectors (the verify body: p.nv <= NV vectors, each x
+// p.x_stride floats after the one before, each y p.y_stride floats). Each vector's arithmetic is
+// the NV = 1 code's: its own staging and RMSNorm sum over the same threads, the same chunk order
+// per lane and the same shuffle reduction; only the weights are loaded once for all of them.
+template <int MODE, int WARPS, int U, int NV>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    extern __shared__ float4 x_smem4[];              // [ld / 4], then norm modes: w [ld / 4]
+    const int nv = NV == 1 ? 1 : p.nv;
+    extern __shared__ float4 x_smem4[];              // [nv][ld / 4], then norm modes: w [ld / 4]
     float *x_smem = reinterpret_cast<float *>(x_smem4);
-    float *w_smem = x_smem + p.ld;
+    float *w_smem = x_smem + (size_t)nv * p.ld;
     __shared__ float scratch[WARPS];
 
     const int warp = threadIdx.x / kWarpSize;
@@ -100,52 +105,58 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     pdl_wait();
     pdl_launch_dependents();
 
-    // Stage x (zeros in the pad columns so that 0-weight * pad stays 0). With cols % 4 == 0
-    // a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
-    float sum_sq = 0.f;
-    if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0) {
-        const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
-        const int cols4 = p.cols / 4;
-        const int n4 = p.ld / 4;
-        // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072 columns:
-        // 8-12 per thread), then stored and summed in index order.
-        constexpr int kStage = 12;
-        for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
-            float4 v[kStage];
+    for (int vec = 0; vec < nv; ++vec) {
+        const float *x = p.x + (size_t)vec * p.x_stride;
+        float4 *xs4 = x_smem4 + (size_t)vec * (p.ld / 4);
+        float *xs = x_smem + (size_t)vec * p.ld;
+        // Stage x (zeros in the pad columns so that 0-weight * pad stays 0). With cols % 4 == 0
+        // a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
+        float sum_sq = 0.f;
+        if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+            const float4 *x4 = reinterpret_cast<const float4 *>(x);
+            const int cols4 = p.cols / 4;
+            const int n4 = p.ld / 4;
+            // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072
+            // columns: 8-12 per thread), then stored and summed in index order.
+            constexpr int kStage = 12;
+            for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
+                float4 v[kStage];
 #pragma unroll
-            for (int k = 0; k < kStage; ++k) {
-                const int i = first + k * kThreads;
-                v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+                for (int k = 0; k < kStage; ++k) {
+                    const int i = first + k * kThreads;
+                    v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
 #pragma unroll
-            for (int k = 0; k < kStage; ++k) {
-                const int i = first + k * kThreads;
-                if (i < n4) {
-                    x_smem4[i] = v[k];
-                    sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
-                    sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
-                    sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
-                    sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
+                for (int k = 0; k < kStage; ++k) {
+                    const int i = first + k * kThreads;
+                    if (i < n4) {
+                        xs4[i] = v[k];
+                        sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
+                        sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
+                        sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
+                        sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
+                    }
                 }
             }
-        }
-    } else {
+        } else {
 #pragma unroll 4
-        for (int i = threadIdx.x; i < p.ld; i += kThreads) {
-            const float v = i < p.cols ? p.x[i] : 0.f;
-            x_smem[i] = v;
-            sum_sq = fmaf(v, v, sum_sq);
+            for (int i = threadIdx.x; i < p.ld; i += kThreads) {
+                const float v = i < p.cols ? x[i] : 0.f;
+                xs[i] = v;
+                sum_sq = fmaf(v, v, sum_sq);
+            }
         }
-    }
-    if (mode_has_norm(MODE)) {
-        // block_sum ends with a barrier: every staged element is visible below.
-        const float total = block_sum<kThreads>(sum_sq, scratch);
-        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
-        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-            const float n = x_smem[i] * inv_rms * w_smem[i];
-            x_smem[i] = n;
-            if (write_normed) p.normed_out[i] = n;
+        if (mode_has_norm(MODE)) {
+            // block_sum ends with a barrier: every staged element is visible below, and
+            // scratch is free for the next vector's sum.
+            const float total = block_sum<kThreads>(sum_sq, scratch);
+            const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+            const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+            for (int i = threadIdx.x; i < p.cols; i += kThreads) {
+                const float n = xs[i] * inv_rms * w_smem[i];
+                xs[i] = n;
+                if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
+            }
         }
     }
     __syncthreads();
@@ -159,83 +170,118 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         if (!first) task_rows<MODE>(p, task, r0, r1);
         const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
-        float acc0 = 0.f, acc1 = 0.f;
+        float acc0[NV], acc1[NV];
+#pragma unroll
+        for (int vec = 0; vec < NV; ++vec) acc0[vec] = 0.f, acc1[vec] = 0.f;
         for (int base = lane; base < n_chunks; base += kWarpSize * U) {
             if (!first || base != lane) load_chunks<U>(w0, w1, base, n_chunks, v0, v1);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = base + u * kWarpSize;
                 if (c < n_chunks) {
-                    const float4 first_half = x_smem4[2 * c + swap_halves];
-                    const float4 second_half = x_smem4[2 * c + 1 - swap_halves];
-                    const float4 xa = swap_halves ? second_half : first_half;
-                    const float4 xb = swap_halves ? first_half : second_half;
-                    acc0 = dot8(v0[u], xa, xb, acc0);
-                    acc1 = dot8(v1[u], xa, xb, acc1);
+#pragma unroll
+                    for (int vec = 0; vec < NV; ++vec) {
+                        if (vec < nv) {
+                            const float4 *xs4 = x_smem4 + (size_t)vec * (p.ld / 4);
+                            const float4 first_half = xs4[2 * c + swap_halves];
+                            const float4 second_half = xs4[2 * c + 1 - swap_halves];
+                            const float4 xa = swap_halves ? second_half : first_half;
+                            const float4 xb = swap_halves ? first_half : second_half;
+                            acc0[vec] = dot8(v0[u], xa, xb, acc0[vec]);
+                            acc1[vec] = dot8(v1[u], xa, xb, acc1[vec]);
+                        }
+                    }
                 }
             }
         }
-        acc0 = warp_sum(acc0);
-        acc1 = warp_sum(acc1);
-        if (lane == 0) {
-            if (MODE == kGemvNormSwiglu) {
-                const float silu = acc0 / (1.0f + expf(-acc0));
-                p.y[task] = silu * acc1;
-            } else if (MODE == kGemvResidual) {
-                p.y[r0] += acc0;
-                if (r1 != r0) p.y[r1] += acc1;
-            } else {
-                p.y[r0] = acc0;
-                if (r1 != r0) p.y[r1] = acc1;
+#pragma unroll
+        for (int vec = 0; vec < NV; ++vec) {
+            if (vec < nv) {
+                const float a0 = warp_sum(acc0[vec]);
+                const float a1 = warp_sum(acc1[vec]);
+                float *y = p.y + (size_t)vec * p.y_stride;
+                if (lane == 0) {
+                    if (MODE == kGemvNormSwiglu) {
+                        const float silu = a0 / (1.0f + expf(-a0));
+                        y[task] = silu * a1;
+                    } else if (MODE == kGemvResidual) {
+                        y[r0] += a0;
+                        if (r1 != r0) y[r1] += a1;
+                    } else {
+                        y[r0] = a0;
+                        if (r1 != r0) y[r1] = a1;
+                    }
+                }
             }
         }
     }
 }
 
-template <int MODE, int WARPS>
+template <int MODE, int WARPS, int NV>
 const void *bf16_kernel_of(int unroll) {
     switch (unroll) {
-        case 4: return (const void *)gemv_bf16_kernel<MODE, WARPS, 4>;
-        case 8: return (const void *)gemv_bf16_kernel<MODE, WARPS, 8>;
-        case 12: return (const void *)gemv_bf16_kernel<MODE, WARPS, 12>;
+        case 4: return (const void *)gemv_bf16_kernel<MODE, WARPS, 4, NV>;
+        case 8: return (const void *)gemv_bf16_kernel<MODE, WARPS, 8, NV>;
+        case 12: return (const void *)gemv_bf16_kernel<MODE, WARPS, 12, NV>;
     }
     return nullptr;
 }
 
-template <int WARPS>
+template <int WARPS, int NV>
 const void *bf16_kernel_of(GemvMode mode, int unroll) {
     switch (mode) {
-        case kGemvPlain: return bf16_kernel_of<kGemvPlain, WARPS>(unroll);
-        case kGemvNorm: return bf16_kernel_of<kGemvNorm, WARPS>(unroll);
-        case kGemvResidual: return bf16_kernel_of<kGemvResidual, WARPS>(unroll);
-        case kGemvNormSwiglu: return bf16_kernel_of<kGemvNormSwiglu, WARPS>(unroll);
+        case kGemvPlain: return bf16_kernel_of<kGemvPlain, WARPS, NV>(unroll);
+        case kGemvNorm: return bf16_kernel_of<kGemvNorm, WARPS, NV>(unroll);
+        case kGemvResidual: return bf16_kernel_of<kGemvResidual, WARPS, NV>(unroll);
+        case kGemvNormSwiglu: return bf16_kernel_of<kGemvNormSwiglu, WARPS, NV>(unroll);
     }
     return nullptr;
 }
 
-template <int MODE, int WARPS>
+template <int NV>
+const void *bf16_kernel_nv(GemvMode mode, int warps, int unroll) {
+    switch (warps) {
+        case 2: return bf16_kernel_of<2, NV>(mode, unroll);
+        case 4: return bf16_kernel_of<4, NV>(mode, unroll);
+        case 8: return bf16_kernel_of<8, NV>(mode, unroll);
+    }
+    return nullptr;
+}
+
+template <int MODE, int WARPS, int NV>
 cudaError_t launch_bf16_of(int unroll, dim3 grid, int smem, cudaStream_t stream, bool pdl,
-                        const GemvParams &p) {
+                           const GemvParams &p) {
     const dim3 block(WARPS * kWarpSize);
     switch (unroll) {
-        case 4: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 4>, grid, block, smem, stream, pdl, p);
-        case 8: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 8>, grid, block, smem, stream, pdl, p);
-        case 12: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 12>, grid, block, smem, stream, pdl, p);
+        case 4: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 4, NV>, grid, block, smem, stream, pdl, p);
+        case 8: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 8, NV>, grid, block, smem, stream, pdl, p);
+        case 12: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 12, NV>, grid, block, smem, stream, pdl, p);
     }
     return cudaErrorInvalidConfiguration;
 }
 
-template <int WARPS>
+template <int WARPS, int NV>
 cudaError_t launch_warps(GemvMode mode, int unroll, dim3 grid, int smem, cudaStream_t stream,
                          bool pdl, const GemvParams &p) {
     switch (mode) {
-        case kGemvPlain: return launch_bf16_of<kGemvPlain, WARPS>(unroll, grid, smem, stream, pdl, p);
-        case kGemvNorm: return launch_bf16_of<kGemvNorm, WARPS>(unroll, grid, smem, stream, pdl, p);
-        case kGemvResidual: return launch_bf16_of<kGemvResidual, WARPS>(unroll, grid, smem, stream, pdl, p);
+        case kGemvPlain: return launch_bf16_of<kGemvPlain, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
+        case kGemvNorm: return launch_bf16_of<kGemvNorm, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
+        case kGemvResidual: return launch_bf16_of<kGemvResidual, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
         case kGemvNormSwiglu:
-            return launch_bf16_of<kGemvNormSwiglu, WARPS>(unroll, grid, smem, stream, pdl, p);
+            return launch_bf16_of<kGemvNormSwiglu, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
     }
     return cudaErrorInvalidValue;
+}
+
+template <int NV>
+cudaError_t launch_bf16_nv(GemvMode mode, int warps, int unroll, dim3 grid, int smem,
+                           cudaStream_t stream, bool pdl, const GemvParams &p) {
+    switch (warps) {
+        case 2: return launch_warps<2, NV>(mode, unroll, grid, smem, stream, pdl, p);
+        case 4: return launch_warps<4, NV>(mode, unroll, grid, smem, stream, pdl, p);
+        case 8: return launch_warps<8, NV>(mode, unroll, grid, smem, stream, pdl, p);
+    }
+    return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace
@@ -247,23 +293,16 @@ int bf16_unroll(int cols) {
     return per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : per_lane <= 12 ? 12 : 8;
 }
 
-const void *bf16_kernel_for(GemvMode mode, int warps, int unroll) {
-    switch (warps) {
-        case 2: return bf16_kernel_of<2>(mode, unroll);
-        case 4: return bf16_kernel_of<4>(mode, unroll);
-        case 8: return bf16_kernel_of<8>(mode, unroll);
-    }
-    return nullptr;
+const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, bool multi) {
+    return multi ? bf16_kernel_nv<kGemvMaxVectors>(mode, warps, unroll)
+                 : bf16_kernel_nv<1>(mode, warps, unroll);
 }
 
 cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
                         bool pdl, const GemvParams &p) {
-    switch (warps) {
-        case 2: return launch_warps<2>(mode, unroll, grid, smem, stream, pdl, p);
-        case 4: return launch_warps<4>(mode, unroll, grid, smem, stream, pdl, p);
-        case 8: return launch_warps<8>(mode, unroll, grid, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidConfiguration;
+    if (p.nv < 1 || p.nv > kGemvMaxVectors) return cudaErrorInvalidValue;
+    return p.nv == 1 ? launch_bf16_nv<1>(mode, warps, unroll, grid, smem, stream, pdl, p)
+                     : launch_bf16_nv<kGemvMaxVectors>(mode, warps, unroll, grid, smem, stream, pdl, p);
 }
 
 }  // namespace og

@@ -80,6 +80,23 @@ struct GemvPlan {
 constexpr int kQ4StreamRegisters = 0;
 constexpr int kQ4StreamBulk = 1;
 
+// ---- GEMV over several vectors (the verify body) ----
+// y_j = W . x_j for j < n <= kGemvMaxVectors, each y_j bit-identical to launch_gemv's result
+// for x_j alone: bf16 weights on the multi-vector instance of the kernel (the weights read once
+// for all n; same warps and unroll as the single plan, so the same per-vector arithmetic); where
+// that does not apply (int8 / q4 weights, or n staged inputs beyond a block's shared memory) one
+// launch_gemv per vector. Strides in floats; every x_j (and normed_out_j) x_stride after the
+// one before, every y_j y_stride; x_stride keeps each x_j 16-byte aligned as the single x is.
+constexpr int kGemvMaxVectors = 9;
+struct GemvMultiPlan {
+    GemvPlan single;              // the one-vector plan (the decode body's)
+    int grid = 0;                 // the multi-vector instance's grid; 0: per-vector launches
+};
+cudaError_t gemv_multi_plan(GemvMode mode, const GemvPlan &single, int rows, int cols,
+                            GemvMultiPlan *plan);
+cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const GemvArgs &args, int n,
+                              int64_t x_stride, int64_t y_stride, cudaStream_t stream, bool pdl);
+
 // Plan a GEMV on the current device (occupancy query, shared-memory limit). Call once
 // per shape outside stream capture.
 // bulk_stream: a q4 plan takes the copy-engine stream where the shape allows (other formats

@@ -77,11 +77,14 @@ extern "C" {
  * major.minor works with a library of the same major number and a minor number at least its
  * own (og_abi_version_numbers); the Python binding checks exactly that. */
 #define OG_ABI_VERSION_MAJOR 6
-#define OG_ABI_VERSION_MINOR 3  /* 1: og_abi_version_numbers, og_status_string;
+#define OG_ABI_VERSION_MINOR 4  /* 1: og_abi_version_numbers, og_status_string;
                                    2: og_begin_step_seq, og_prefill_seq;
                                    3: OG_OUTPUT_SAMPLED(_LOGPROBS), og_sampling_params,
                                       og_seq_set_sampling, og_top_logprobs,
-                                      OG_E_NONFINITE_LOGITS */
+                                      OG_E_NONFINITE_LOGITS;
+                                   4: the verify step (OG_MAX_VERIFY, og_begin_verify_seq,
+                                      og_enqueue_verify, og_run_verify, og_verify_results,
+                                      og_verify_logits, og_end_verify) */
 /* The major number alone (og_config.abi_version, og_abi_version()). */
 #define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
                            /* major 2: og_config.weights_dense / _experts / _lm_head appended;
@@ -376,6 +379,51 @@ OG_API og_status og_end_step(og_engine *e);
 /* Convenience for C callers: begin_step + run + end_step; *logits (may be NULL) points at
  * the pinned logits [vocab_size] fp32, valid until the next step. */
 OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
+
+/* ---- the verify step (speculative decoding; ABI 6.4) --------------------------------------
+ * One pass feeds n = 2..OG_MAX_VERIFY tokens (the last accepted token and n - 1 drafted ones)
+ * at rows length .. length + n - 1 of a sequence, writes their K/V rows and gives the greedy
+ * token (argmax, numpy's rule) after each of them. Each position's logits are bit-identical to
+ * those of a decode step (og_enqueue) at that position with the same history, so accepting
+ * drafts while they equal the verify's tokens reproduces greedy decoding exactly. Use:
+ *   og_begin_verify_seq(e, seq, tokens, n) -> og_enqueue_verify captured once per n (and
+ *   per output) and launched, then synchronized; or og_run_verify(e) -> og_verify_results(e,
+ *   next, logit_values, n) -> og_end_verify(e, accepted).
+ * The verify body makes one H2D copy (the n step records) and one D2H copy (n results of 8
+ * bytes); with og_set_output(OG_OUTPUT_LOGITS) also a second D2H copy of the n logits rows
+ * (og_verify_logits; tests compare them with the decode body's). The verify step is greedy
+ * whatever the output: a sampled output gives the argmax too. Single-threaded per engine. */
+#define OG_MAX_VERIFY 9
+
+/* Begin a verify step of n tokens on sequence seq: checks the tokens (OG_E_TOKEN_OUT_OF_RANGE),
+ * 2 <= n <= OG_MAX_VERIFY (OG_E_INVALID_ARGUMENT), length + n <= max_seq_len
+ * (OG_E_CONTEXT_FULL), no decode step begun and not ended (OG_E_BAD_STATE), the precheck; makes
+ * the n rows writable (og_seq_reserve of n rows: OG_E_POOL_EXHAUSTED) and fills the pinned
+ * verify record. On error nothing changes. tokens is borrowed for the call. */
+OG_API og_status og_begin_verify_seq(og_engine *e, int32_t seq, const int32_t *tokens, int32_t n);
+
+/* THE VERIFY BODY: enqueue the begun verify step on stream (NULL = the engine's stream):
+ * capturable like og_enqueue; the graph serves every verify step of the same n and output.
+ * OG_E_BAD_STATE when no verify step is begun. */
+OG_API og_status og_enqueue_verify(og_engine *e, void *stream);
+
+/* The non-graph path: og_enqueue_verify on the engine's stream, then synchronize. */
+OG_API og_status og_run_verify(og_engine *e);
+
+/* After the begun verify step completed: next[j] (and logit[j] when not NULL) = the argmax
+ * after position j and its logit, for j < min(n, capacity). OG_E_BAD_STATE when no verify step
+ * is begun. */
+OG_API og_status og_verify_results(og_engine *e, int32_t *next, float *logit, int32_t capacity);
+
+/* ... and with OG_OUTPUT_LOGITS set when it was enqueued: *logits points at the pinned
+ * [n, vocab_size] fp32 logits (valid until the next verify step). */
+OG_API og_status og_verify_logits(og_engine *e, const float **logits, int32_t *n);
+
+/* End the verify step keeping its first `accepted` rows (1 <= accepted <= n): the sequence's
+ * length advances by `accepted`; the rows after them are no longer visible (the next step
+ * overwrites them) and blocks holding none of the kept rows go back to the pool: the rollback
+ * of rejected drafts. On error (OG_E_INVALID_ARGUMENT, OG_E_BAD_STATE) nothing changes. */
+OG_API og_status og_end_verify(og_engine *e, int32_t accepted);
 
 /* Batched prefill: feed tokens[0, n_tokens) to sequence seq (OG_E_INVALID_ARGUMENT for an id
  * that is not live; the selection is neither read nor changed) in passes of

@@ -14,8 +14,9 @@ from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint
 # The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
 # and at least this minor number loads.
 ABI_VERSION = 6          # OG_ABI_VERSION_MAJOR (og_abi_version())
-ABI_MINOR_REQUIRED = 3   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq;
-                         # OG_OUTPUT_SAMPLED(_LOGPROBS), og_seq_set_sampling, og_top_logprobs
+ABI_MINOR_REQUIRED = 4   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq;
+                         # OG_OUTPUT_SAMPLED(_LOGPROBS), og_seq_set_sampling, og_top_logprobs;
+                         # the verify step (og_begin_verify_seq .. og_end_verify)
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -116,6 +117,10 @@ class OgSamplingParams(ctypes.Structure):
 # typedef struct og_top_logprob { int32_t token; float logprob; } og_top_logprob;
 class OgTopLogprob(ctypes.Structure):
     _fields_ = [("token", c_int32), ("logprob", c_float)]
+
+
+# OG_MAX_VERIFY: positions of one verify step (the last accepted token and up to 8 drafts).
+MAX_VERIFY = 9
 
 
 class OgStepRecord(ctypes.Structure):
@@ -248,6 +253,18 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_end_step", c_int32, Handle)
     # og_status og_step(og_engine *e, int32_t token, const float **logits);
     fn("og_step", c_int32, Handle, c_int32, POINTER(POINTER(c_float)))
+    # og_status og_begin_verify_seq(og_engine *e, int32_t seq, const int32_t *tokens, int32_t n);
+    fn("og_begin_verify_seq", c_int32, Handle, c_int32, POINTER(c_int32), c_int32)
+    # og_status og_enqueue_verify(og_engine *e, void *stream);
+    fn("og_enqueue_verify", c_int32, Handle, c_void_p)
+    # og_status og_run_verify(og_engine *e);
+    fn("og_run_verify", c_int32, Handle)
+    # og_status og_verify_results(og_engine *e, int32_t *next, float *logit, int32_t capacity);
+    fn("og_verify_results", c_int32, Handle, POINTER(c_int32), POINTER(c_float), c_int32)
+    # og_status og_verify_logits(og_engine *e, const float **logits, int32_t *n);
+    fn("og_verify_logits", c_int32, Handle, POINTER(POINTER(c_float)), POINTER(c_int32))
+    # og_status og_end_verify(og_engine *e, int32_t accepted);
+    fn("og_end_verify", c_int32, Handle, c_int32)
     # og_status og_prefill_seq(og_engine *e, int32_t seq, const int32_t *tokens, int32_t n_tokens,
     #                          float *logits);
     fn("og_prefill_seq", c_int32, Handle, c_int32, POINTER(c_int32), c_int32, POINTER(c_float))

@@ -214,6 +214,9 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--prompt needs the model's tokenizer: {e}; pass --prompt-ids instead") from None
     elif args.chat or args.system:
         raise UsageError("--chat and --system need --prompt TEXT")
+    if args.speculative and (args.chat or args.system):
+        raise UsageError("--speculative is not available with --chat / --system yet: "
+                         "pass the prompt without them")
     with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
         if tokenizer is not None and (args.chat or args.system):
             from .chat import Chat
@@ -226,7 +229,8 @@ def cmd_generate(args) -> int:
             rate = Rate()
             from .chat import stop_tokens
             stops = stop_tokens(engine, tokenizer)
-            for token in engine.stream(prompt, args.n, sampling, stop_token_ids=stops):
+            for token in engine.stream(prompt, args.n, sampling, stop_token_ids=stops,
+                                       speculative=args.speculative):
                 rate.tick()
                 sys.stdout.write(decoder.push(token))
                 sys.stdout.flush()
@@ -235,12 +239,18 @@ def cmd_generate(args) -> int:
         else:
             rate = Rate()
             tokens = []
-            for token in engine.stream(_parse_ids(args.prompt_ids), args.n, sampling):
+            for token in engine.stream(_parse_ids(args.prompt_ids), args.n, sampling,
+                                       speculative=args.speculative):
                 rate.tick()
                 tokens.append(token)
             print(" ".join(map(str, tokens)))
             n = len(tokens)
-        _stderr(f"backend {engine.backend}: {n} tokens, {rate.tokens_per_s:.1f} tok/s")
+        line = f"backend {engine.backend}: {n} tokens, {rate.tokens_per_s:.1f} tok/s"
+        stats = engine.stats()
+        if args.speculative and stats["verify_steps"]:
+            line += (f"; speculative: {stats['verify_steps']} verify steps, "
+                     f"{stats['accepted']}/{stats['drafted']} drafts accepted")
+        _stderr(line)
     return 0
 
 
@@ -390,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="prompt token ids, comma or space separated")
     sp.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
     sp.add_argument("--system", default=None, help="system prompt (implies --chat)")
+    sp.add_argument("--speculative", choices=["ngram"], default=None,
+                    help="greedy decoding with drafts verified several at a time: 'ngram' looks the "
+                         "last tokens up in the prompt and output (same tokens as without it)")
     _runtime_flags(sp)
     _sampling_flags(sp)
     sp.set_defaults(func=cmd_generate)

@@ -76,6 +76,7 @@ from .graph import GraphError
 from .quant import WeightScheme, quantize_stream
 from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
+from .speculative import SPECULATIVE_MODES, AdaptiveK, Drafter, accepted_drafts, make_drafter
 
 log = logging.getLogger("onegraph")
 
@@ -193,7 +194,9 @@ class Engine:
         # step on the CPU path needs to choose the token the device stage would.
         self._sampling: tuple[SamplingParams, int, int] | None = None
         self._timing = {"tokens": 0, "seconds": 0.0, "graph_steps": 0, "nongraph_steps": 0, "cpu_steps": 0,
-                        "graph_failures": 0, "prefill_tokens": 0, "prefill_seconds": 0.0}
+                        "graph_failures": 0, "prefill_tokens": 0, "prefill_seconds": 0.0,
+                        # speculative decoding: verify steps, drafts they fed, drafts accepted
+                        "verify_steps": 0, "drafted": 0, "accepted": 0}
         self.fallback_reason: str | None = None
         if device in ("auto", "gpu"):
             usable, reason = library_status()
@@ -513,6 +516,127 @@ class Engine:
             self._drop_launched(fed)
             raise
 
+    def _speculative_tokens(self, token: int, max_steps: int, stop: set, drafter: Drafter,
+                            adaptive: AdaptiveK | None = None) -> Iterator[int]:
+        """_greedy_tokens' tokens, state and errors, decoded speculatively: per step the drafter
+        proposes up to k tokens after `token` (k from `adaptive`), one verify step feeds token
+        and the drafts and gives the greedy token after each, the drafts equal to those are
+        accepted and the rest rolled back. Without drafts (or while adaptive pauses drafting)
+        tokens come from plain greedy steps, pipelined on the graph path."""
+        adaptive = adaptive or AdaptiveK()
+        out: list[int] = []
+        while len(out) < max_steps:
+            remaining = max_steps - len(out)
+            room = self.max_seq_len - len(self._history) - 1   # rows past the one `token` takes
+            k = min(adaptive.next_k(), remaining - 1, room, capi.MAX_VERIFY - 1)
+            drafts = drafter.propose(self._history + [token], k) if k > 0 else []
+            if not drafts:
+                # Plain steps: the rest of a cool-down (at least one step), pipelined on the graph path.
+                plain = min(remaining, max(1, adaptive.pause))
+                part: list[int] = []
+                if self._gpu is not None and self.use_graph and self._graph_retry_in <= 0 and plain > 1:
+                    self._validate(token)
+                    fits = min(plain, self.max_seq_len - len(self._history))
+                    feed = yield from self._pipelined_greedy(int(token), fits, stop, part)
+                    out.extend(part)
+                    adaptive.plain_steps(len(part))
+                    if part and part[-1] in stop:
+                        return
+                    if feed is None:
+                        token = part[-1]
+                        continue
+                    token = feed
+                    if len(out) >= max_steps:
+                        return
+                token = self.step_greedy(token)
+                adaptive.plain_steps(1)
+                out.append(token)
+                yield token
+                if token in stop:
+                    return
+                continue
+            feed = [int(token)] + [int(d) for d in drafts]
+            verified = self._verify(feed)
+            accepted = accepted_drafts(drafts, verified)
+            adaptive.update(len(drafts), accepted)
+            # New tokens: verified[0 .. accepted], cut at the first stop token and at max_steps;
+            # the rows kept are those of the inputs before each new token (the last new token
+            # is not fed).
+            new = [int(t) for t in verified[:accepted + 1]][:remaining]
+            for i, t in enumerate(new):
+                if t in stop:
+                    new = new[:i + 1]
+                    break
+            self._end_verify(feed, len(new))
+            for t in new:
+                out.append(t)
+                yield t
+            token = new[-1]
+            if token in stop:
+                return
+
+    def _verify(self, feed: list[int]) -> np.ndarray:
+        """One verify step over feed (2..capi.MAX_VERIFY tokens) at the selected sequence's next
+        rows: the greedy token after each position [n]. ValueError when a position's logits hold
+        a NaN. The rows stay written until _end_verify."""
+        self._validate(feed[0])
+        if len(self._history) + len(feed) > self.max_seq_len:
+            raise EngineError(f"the context is full: {len(self._history)} + {len(feed)} tokens exceed "
+                              f"max_seq_len {self.max_seq_len}")
+        t0 = time.perf_counter()
+        if self._gpu is not None:
+            try:
+                tokens, logits = self._gpu_verify(feed)
+            except capi.LibraryError as e:
+                if e.status != capi.OG_E_MISSING_WEIGHT:
+                    raise self._refusal(e) from e
+                self._switch_to_cpu(f"hit-only precheck failed ({e}); the GPU state was left unchanged")
+                return self._verify(feed)
+        else:
+            all_logits = self._cpu.verify(feed)                   # [n, vocab]
+            tokens = np.argmax(all_logits, axis=1)
+            logits = all_logits[np.arange(len(feed)), tokens]
+            self._timing["cpu_steps"] += 1
+        self._timing["seconds"] += time.perf_counter() - t0
+        self._timing["verify_steps"] += 1
+        self._timing["drafted"] += len(feed) - 1
+        if np.isnan(logits).any():
+            self._end_verify(feed, 1 + int(np.argmax(np.isnan(logits))))
+            raise ValueError("logits contain NaN")
+        return tokens
+
+    def _gpu_verify(self, feed: list[int]):
+        gpu = self._gpu
+        gpu.set_output("next_token")
+        gpu.begin_verify(feed)  # validates and prechecks; on error nothing has changed
+        if self.use_graph and self._graph_retry_in <= 0:
+            try:
+                gpu.capture_verify(len(feed)).replay()
+                self._timing["graph_steps"] += 1
+                return gpu.verify_results(len(feed))
+            except (GraphError, capi.LibraryError) as e:
+                log.warning("onegraph: verify graph failed (%s); running it on the non-graph path, "
+                            "capturing again in %d steps", e, self.recapture_after)
+                self.last_graph_error = str(e)
+                self._timing["graph_failures"] += 1
+                self._graph_retry_in = self.recapture_after
+                gpu.drop_graph()
+        elif self.use_graph:
+            self._graph_retry_in -= 1
+        gpu.run_verify_nongraph()
+        self._timing["nongraph_steps"] += 1
+        return gpu.verify_results(len(feed))
+
+    def _end_verify(self, feed: list[int], keep: int) -> None:
+        """Keep the first `keep` rows of the verify step over feed; roll back the others."""
+        if self._gpu is not None:
+            self._gpu.end_verify(keep)
+        else:
+            self._cpu.truncate(len(self._history) + keep)
+        self._history.extend(feed[:keep])
+        self._timing["tokens"] += keep
+        self._timing["accepted"] += keep - 1
+
     def _drop_launched(self, fed: list) -> None:
         """Wait for the launched steps not ended, then drop them (og_cancel_step)."""
         self._gpu.drain()
@@ -630,14 +754,23 @@ class Engine:
         return logits
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-               stop_token_ids: Iterable[int] | None = None) -> Iterator[int]:
+               stop_token_ids: Iterable[int] | None = None, speculative: str | None = None) -> Iterator[int]:
         """Feed the prompt, then yield each new token (greedy by default) as it reaches the host:
         up to max_new_tokens of them, the last one a stop token when one comes (stop_token_ids,
         default: the model's end-of-sequence ids). The last token yielded is not fed. The
         request is checked now (EngineError, ValueError; nothing changed); the prompt is fed at
         the first next(). Stopping early (break, close(), an exception) leaves the sequence
-        holding exactly the tokens fed; the module docstring says when an open stream ends."""
+        holding exactly the tokens fed; the module docstring says when an open stream ends.
+        speculative: None, or "ngram" (greedy only): the same tokens, decoded with drafts
+        verified several at a time (the module docstring)."""
         self._end_open_stream()
+        if speculative is not None:
+            if speculative not in SPECULATIVE_MODES:
+                raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES} (or None)")
+            params = sampling or SamplingParams()
+            if not params.greedy or params.penalized:
+                raise ValueError(f"speculative={speculative!r} decodes greedily: it takes no sampling "
+                                 "temperature or penalties")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -653,12 +786,12 @@ class Engine:
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         key = object()
         tokens = self._stream_tokens(key, prompt_ids, int(max_new_tokens), sampling or SamplingParams(),
-                                     {int(t) for t in stops})
+                                     {int(t) for t in stops}, speculative)
         self._open_stream = (key, weakref.ref(tokens))
         return tokens
 
     def _stream_tokens(self, key, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                       stop: set) -> Iterator[int]:
+                       stop: set, speculative: str | None = None) -> Iterator[int]:
         """stream()'s generator; `key` marks it as the engine's open stream until it ends."""
         try:
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
@@ -670,7 +803,9 @@ class Engine:
             yield token
             if token in stop or max_new_tokens == 1:
                 return
-            if params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
+            if speculative is not None:  # drafts verified several at a time (greedy)
+                yield from self._speculative_tokens(token, max_new_tokens - 1, stop, make_drafter(speculative))
+            elif params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
                 yield from self._greedy_tokens(token, max_new_tokens - 1, stop)
             else:  # the sampling stage on the device (pipelined on the graph path), or on the host
                 yield from self._sampled_tokens(token, max_new_tokens - 1, stop, params, seed)
@@ -691,10 +826,11 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_token_ids: Iterable[int] | None = None,
-                 on_token: Callable[[int], None] | None = None) -> list[int]:
+                 on_token: Callable[[int], None] | None = None, speculative: str | None = None) -> list[int]:
         """list(stream(...)): the new tokens; on_token(token) is called as each one arrives."""
         out: list[int] = []
-        with contextlib.closing(self.stream(prompt_ids, max_new_tokens, sampling, stop_token_ids)) as tokens:
+        with contextlib.closing(self.stream(prompt_ids, max_new_tokens, sampling, stop_token_ids,
+                                            speculative)) as tokens:
             for token in tokens:
                 out.append(token)
                 if on_token is not None:
@@ -739,7 +875,7 @@ class Engine:
             lib = self._gpu.stats()
             t["library"] = lib
             gpu_steps = t["graph_steps"] + t["nongraph_steps"]
-            if gpu_steps:
+            if gpu_steps and not t["verify_steps"]:  # per decode step: verify steps copy otherwise
                 # Non-graph steps are counted by the library per enqueue; graph replays copy
                 # what the captured graph holds (one H2D and one D2H node, see graph.py).
                 graph_h2d = graph_d2h = 0

@@ -491,6 +491,27 @@ class ReferenceDecoder:
             self._forward(int(t), want_logits=False)   # lm_head skipped: nobody reads it
         return self._forward(int(tokens[-1]), want_logits=True)
 
+    def verify(self, tokens: Iterable[int]) -> np.ndarray:
+        """The verify step of speculative decoding: feed tokens (the last accepted token and the
+        drafts) at rows position .. position + n - 1, one decode step each (so each row's logits
+        are exactly step()'s); returns their logits [n, vocab] and advances position by n. The
+        caller keeps the rows it accepts with truncate(). Checked before anything runs."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("verify needs at least one token")
+        self._check_room(len(tokens))
+        for t in tokens:
+            self._check_token(t)
+        return np.stack([self._forward(int(t), want_logits=True) for t in tokens])
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows (0 <= length <= position): the rollback of rejected
+        drafts. Later rows stay in memory but are never read (attention reads rows [0,
+        position]); the next step overwrites them."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self._position:
+            raise ValueError(f"truncate: length {length!r} is outside 0..{self._position} (rows held)")
+        self._position = int(length)
+
     # -- validation (before any state changes) --
     def _check_token(self, token) -> None:
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)):

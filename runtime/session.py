@@ -7,7 +7,8 @@
 What it owns (all freed by close()):
 - the handle (og_init .. og_free): weights, the paged KV cache (runtime/kvpool.py), buffers;
 - the captured graphs, one per (output, step slot): "logits" or "next_token" (og_set_output),
-  slot 0 for og_begin_step, the chained slots og_begin_chained_step returns;
+  slot 0 for og_begin_step, the chained slots og_begin_chained_step returns; and one per
+  ("verify", output, n) for the verify steps of n positions (speculative decoding);
 - the capture stream, on which graphs are captured and replayed one step at a time (replaced
   after a failed capture);
 - the pipeline stream and one event per slot: pipelined steps (Engine.stream) launch the graphs
@@ -195,6 +196,45 @@ class GpuSession:
     def run_nongraph(self) -> None:
         capi.check(self.lib.og_run(self.handle), "og_run")
 
+    # ---- the verify step (speculative decoding) ----------------------------------------
+    def begin_verify(self, tokens) -> None:
+        """og_begin_verify_seq on the selected sequence: tokens (2..capi.MAX_VERIFY of them)
+        at its next rows; on error nothing has changed."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        capi.check(self.lib.og_begin_verify_seq(self.handle, self.pool.current(),
+                                                ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                                len(ids)), "og_begin_verify_seq")
+
+    def capture_verify(self, n: int):
+        """The verify graph for n positions and the current output, captured now when new (the
+        verify step begun must have n positions)."""
+        def enqueue(stream: int) -> None:
+            capi.check(self.lib.og_enqueue_verify(self.handle, ctypes.c_void_p(stream)), "og_enqueue_verify")
+        return self._captured(("verify", self.output, int(n)), enqueue)
+
+    def run_verify_nongraph(self) -> None:
+        capi.check(self.lib.og_run_verify(self.handle), "og_run_verify")
+
+    def verify_results(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """After the verify step completed: (next tokens [n] int32, their logits [n] fp32)."""
+        tokens = np.zeros(n, np.int32)
+        logits = np.zeros(n, np.float32)
+        capi.check(self.lib.og_verify_results(self.handle, tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                              logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n),
+                   "og_verify_results")
+        return tokens, logits
+
+    def verify_logits(self) -> np.ndarray:
+        """A copy of the verify step's logits [n, vocab] (it was enqueued with output "logits")."""
+        ptr = ctypes.POINTER(ctypes.c_float)()
+        n = ctypes.c_int32()
+        capi.check(self.lib.og_verify_logits(self.handle, ctypes.byref(ptr), ctypes.byref(n)), "og_verify_logits")
+        return np.ctypeslib.as_array(ptr, shape=(n.value, self.config.vocab_size)).copy()
+
+    def end_verify(self, accepted: int) -> None:
+        """og_end_verify: keep the first `accepted` rows of the verify step, roll back the rest."""
+        capi.check(self.lib.og_end_verify(self.handle, int(accepted)), "og_end_verify")
+
     def set_output(self, output: str) -> None:
         """"logits" (the step copies the logits [vocab]), "next_token" (only their argmax,
         taken on the device) or "sampled" (the device sampling stage's token and its
@@ -239,7 +279,11 @@ class GpuSession:
         def enqueue(stream: int) -> None:
             capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
 
-        graph = self._graphs.get((self.output, slot))
+        return self._captured((self.output, slot), enqueue)
+
+    def _captured(self, key: tuple, enqueue):
+        """The graph under `key`, captured from enqueue(stream) now when new."""
+        graph = self._graphs.get(key)
         if graph is None:
             if self._capture_stream is None:
                 self._capture_stream = self._new_stream()
@@ -248,7 +292,7 @@ class GpuSession:
             except BaseException:
                 self._destroy_capture_stream()  # a failed capture's stream is not used again
                 raise
-            self._graphs[(self.output, slot)] = graph
+            self._graphs[key] = graph
             self.captures += 1
         return graph
 
@@ -260,9 +304,9 @@ class GpuSession:
     def drop_graph(self) -> None:
         """Discard the graphs after a failure: wait for anything they launched, then free them."""
         self.drain()
-        for (output, slot), graph in list(self._graphs.items()):
+        for key, graph in list(self._graphs.items()):
             try:
-                if output == self.output and slot == 0:
+                if key == (self.output, 0):
                     self.graph_copies = graph.memcpy_directions()
                 graph.synchronize()
             except Exception:  # the failure being handled may make these fail too

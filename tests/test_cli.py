@@ -134,3 +134,18 @@ def test_generate_streams_text_and_a_seed_reproduces_a_sampled_answer():
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout and first.stdout.strip()
     assert "backend cpu:" in first.stderr
+
+
+def test_generate_speculative_prints_the_plain_tokens(tmp_path):
+    """--speculative ngram on token ids: the same tokens as without it, a summary line, and a
+    one-line error for a sampled request or --chat."""
+    model = tmp_path / "m"
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(model)]) == 0
+    ids = "3,17,99,250,4,61,200,8,3,17,99,250,4,61,200,8"
+    base = ["generate", "--model", str(model), "--prompt-ids", ids, "-n", "24", "--device", "cpu"]
+    plain, spec = run_cli(*base), run_cli(*base, "--speculative", "ngram")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout.split()) >= 1
+    sampled = run_cli(*base, "--speculative", "ngram", "--temperature", "0.7")
+    assert sampled.returncode != 0 and "Traceback" not in sampled.stderr
+    assert len(sampled.stderr.strip().splitlines()) == 1 and "greedily" in sampled.stderr

@@ -1,0 +1,109 @@
+// verify.cu — THE VERIFY BODY: n = 2..OG_MAX_VERIFY positions of one sequence in one pass
+// (speculative decoding, onegraph.h), read top to bottom like the decode body (body.cu):
+// H2D verify record (n step records) -> n embeddings -> per layer (attention block, FFN block)
+// -> final norm + lm_head -> n argmaxes -> D2H n results.
+//
+// Every position's arithmetic is the decode body's, so its logits are bit-identical to a decode
+// step's at that position:
+//   - the GEMVs over the n vectors (launch_gemv_multi): bf16 weights read once for all n by the
+//     multi-vector instance of the decode kernel (same block size and unroll, each vector's
+//     staging, norm, chunk order and reduction as alone); int8 / q4 weights, and inputs whose n
+//     staged copies do not fit in a block's shared memory, one decode launch per vector;
+//   - attention: the decode kernel once per position in order (position j's row is written by
+//     its own launch before position j + 1 reads it), each with its step record. Those launches
+//     go without programmatic dependent launch: the kernel issues its first tile's K/V loads
+//     and block-table reads before its PDL wait, which is safe in the decode body (the rows
+//     come from earlier steps) but not when the kernel just before wrote one of them;
+//   - MoE layers: router, top-k and experts once per position, in order (their scratch is
+//     single);
+//   - the argmax per position.
+#include "engine.cuh"
+
+og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
+    const Dims &d = e->d;
+    const og_config &c = e->cfg;
+    const bool pdl = e->pdl;
+    const int n = e->verify_n;
+    const int64_t ld_qkv = e->verify_qkv_ld;
+    OG_CUDA_TRY(cudaMemcpyAsync(e->verify_steps, e->verify_host, n * sizeof(og_step_record),
+                                cudaMemcpyHostToDevice, stream));
+    for (int j = 0; j < n; ++j)
+        OG_CUDA_TRY(launch_embedding(e->embed_tokens, d.V, d.H, e->verify_steps + j, nullptr,
+                                     e->verify_x + (size_t)j * d.ldH, stream, false));
+
+    for (int l = 0; l < d.L; ++l) {
+        const LayerWeights &w = e->layers[l];
+        // ---- attention block: x_j += o_proj(attention_j(rope(qkv_proj(rmsnorm(x_j))))) ----
+        const GemvArgs qkv_proj = {w.qkv, e->verify_x, w.input_layernorm, c.rms_norm_eps,
+                                   e->verify_qkv, nullptr};
+        OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_qkv, qkv_proj, n, d.ldH, ld_qkv, stream, pdl));
+
+        for (int j = 0; j < n; ++j) {
+            AttentionArgs attn = {};
+            attn.qkv = e->verify_qkv + (size_t)j * ld_qkv;
+            attn.q_norm = w.q_norm;
+            attn.k_norm = w.k_norm;
+            attn.eps = c.rms_norm_eps;
+            attn.inv_freq = e->inv_freq;
+            attn.table_update = l == 0 ? e->kv.tables : nullptr;
+            attn.kv = e->kv.pages(l);
+            attn.step = e->verify_steps + j;
+            attn.n_heads = d.n_heads;
+            attn.n_kv_heads = d.n_kv;
+            attn.head_dim = d.hd;
+            attn.max_seq_len = d.max_seq;
+            attn.kv_dtype = d.kv_dtype;
+            attn.partials = e->attn_partials;
+            attn.counters = e->attn_counters;
+            attn.out = e->verify_attn + (size_t)j * d.ldQ;
+            OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, false));
+        }
+
+        const GemvArgs o_proj = {w.o_proj, e->verify_attn, nullptr, 0.f, e->verify_x, nullptr};
+        OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_o, o_proj, n, d.ldQ, d.ldH, stream, pdl));
+
+        // ---- FFN block: x_j += mlp(rmsnorm(x_j)) ----
+        if (w.is_moe) {
+            for (int j = 0; j < n; ++j) {
+                float *x = e->verify_x + (size_t)j * d.ldH;
+                const GemvArgs router = {w.router, x, w.post_attention_layernorm, c.rms_norm_eps,
+                                         e->router_logits, e->normed};
+                OG_CUDA_TRY(launch_gemv(kGemvNorm, e->plan_router, router, stream, pdl));
+                OG_CUDA_TRY(launch_moe_topk(e->router_logits, d.E, d.top_k, c.norm_topk_prob,
+                                            e->selected_experts, e->selected_weights, stream, pdl));
+                OG_CUDA_TRY(launch_moe_gate_up_swiglu(w.expert_gate_up, e->normed, e->selected_experts,
+                                                      d.top_k, d.H, d.Im, e->moe_act, stream, pdl));
+                OG_CUDA_TRY(launch_moe_down_weighted_residual(w.expert_down, e->moe_act, e->selected_experts,
+                                                              e->selected_weights, d.top_k, d.H,
+                                                              d.Im, x, stream, pdl));
+            }
+        } else {
+            const GemvArgs gate_up = {w.gate_up, e->verify_x, w.post_attention_layernorm,
+                                      c.rms_norm_eps, e->verify_act, nullptr};
+            OG_CUDA_TRY(launch_gemv_multi(kGemvNormSwiglu, e->vplan_gate_up, gate_up, n, d.ldH,
+                                          d.ldI, stream, pdl));
+            const GemvArgs down = {w.down, e->verify_act, nullptr, 0.f, e->verify_x, nullptr};
+            OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_down, down, n, d.ldI, d.ldH,
+                                          stream, pdl));
+        }
+    }
+
+    // ---- logits_j = lm_head(rmsnorm(x_j)), their argmax ----
+    const GemvArgs lm_head = {e->lm_head, e->verify_x, e->final_norm, c.rms_norm_eps,
+                              e->verify_logits, nullptr};
+    OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_lm_head, lm_head, n, d.ldH, d.V, stream, pdl));
+    for (int j = 0; j < n; ++j)
+        OG_CUDA_TRY(launch_argmax(e->verify_logits + (size_t)j * d.V, d.V, e->argmax_partials,
+                                  e->argmax_ticket, e->verify_next + j, stream, pdl));
+    OG_CUDA_TRY(cudaMemcpyAsync(e->verify_next_host, e->verify_next, n * sizeof(NextToken),
+                                cudaMemcpyDeviceToHost, stream));
+    e->stats.d2h_copies += 1;
+    if (e->output == OG_OUTPUT_LOGITS) {
+        OG_CUDA_TRY(cudaMemcpyAsync(e->verify_logits_host, e->verify_logits,
+                                    (size_t)n * d.V * sizeof(float), cudaMemcpyDeviceToHost, stream));
+        e->stats.d2h_copies += 1;
+    }
+    e->stats.enqueues += 1;
+    e->stats.h2d_copies += 1;
+    return OG_OK;
+}

@@ -1,0 +1,207 @@
+"""Speculative decoding on the CPU path: the prompt-lookup drafter, the acceptance rule, the
+adaptive draft length, the reference's verify and rollback, and Engine.generate(speculative=)
+giving plain greedy decoding's tokens and state."""
+import numpy as np
+import pytest
+
+from gpu_support import synthetic
+from onegraph.engine import Engine, EngineError
+from onegraph.reference import ReferenceDecoder
+from onegraph.sampling import SamplingParams
+from onegraph.speculative import AdaptiveK, NgramDrafter, accepted_drafts, make_drafter
+from real_model import smollm2_gguf
+
+
+def lookup_oracle(context, k, n_min=1, n_max=4):
+    """Prompt lookup by brute force: the latest earlier match of the longest suffix."""
+    end = len(context)
+    for n in range(min(n_max, end - 1), n_min - 1, -1):
+        suffix = list(context[end - n:])
+        for i in range(end - n - 1, -1, -1):
+            if list(context[i:i + n]) == suffix:
+                return list(context[i + n:i + n + k])
+    return []
+
+
+# ---- the drafter ------------------------------------------------------------------------
+@pytest.mark.parametrize("context, k, expected", [
+    ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),            # 2-gram [1, 2] at 0
+    ([5, 2, 9, 7, 2, 8, 5, 2], 3, [9, 7, 2]),      # the longer match wins over 1-gram [2] at 4
+    ([1, 7, 1, 8, 1], 2, [8, 1]),                  # the latest earlier occurrence
+    ([1, 2, 3, 4], 4, []),                         # nothing repeats
+    ([6], 2, []),                                  # a single token has no earlier occurrence
+    ([3, 4, 3, 4, 3], 8, [4, 3]),                  # the continuation ends at the context's end
+    ([9, 1, 2, 3, 4, 5, 1, 2, 3, 4], 2, [5, 1]),   # 4-gram, k caps the proposal
+])
+def test_ngram_drafter_cases(context, k, expected):
+    assert NgramDrafter().propose(context, k) == expected
+    assert lookup_oracle(context, k) == expected
+
+
+def test_ngram_drafter_k_zero_and_bad_sizes():
+    assert NgramDrafter().propose([1, 2, 1], 0) == []
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        NgramDrafter(n_min=3, n_max=2)
+
+
+def test_ngram_drafter_incremental_index_matches_brute_force():
+    """Contexts that grow (a generation), shrink or change (a rebuild) give the oracle's
+    proposals at every step."""
+    rng = np.random.default_rng(0)
+    drafter = NgramDrafter()
+    context = [int(t) for t in rng.integers(0, 6, 5)]
+    for step in range(300):
+        k = int(rng.integers(1, 9))
+        assert drafter.propose(context, k) == lookup_oracle(context, k), step
+        if step % 97 == 96:
+            context = [int(t) for t in rng.integers(0, 6, 7)]           # another sequence
+        else:
+            context = context + [int(t) for t in rng.integers(0, 6, int(rng.integers(1, 4)))]
+
+
+def test_make_drafter_refuses_unknown_modes():
+    assert isinstance(make_drafter("ngram"), NgramDrafter)
+    with pytest.raises(ValueError, match="'draft'"):
+        make_drafter("draft")
+
+
+# ---- acceptance and the adaptive draft length ---------------------------------------------
+@pytest.mark.parametrize("drafts, verified, expected", [
+    ([4, 5, 6], [4, 5, 6, 7], 3),
+    ([4, 5, 6], [4, 9, 6, 7], 1),
+    ([4, 5, 6], [1, 5, 6, 7], 0),
+    ([], [3], 0),
+])
+def test_accepted_drafts(drafts, verified, expected):
+    assert accepted_drafts(drafts, verified) == expected
+
+
+def test_adaptive_k_grows_shrinks_and_cools_down():
+    a = AdaptiveK(k_max=6, k_min=1, k_start=3, patience=2, cooldown=2, max_cooldown=8)
+    assert a.next_k() == 3
+    a.update(3, 3)
+    assert a.next_k() == 4
+    a.update(4, 4)
+    a.update(5, 5)
+    a.update(6, 6)
+    assert a.next_k() == 6                        # capped at k_max
+    a.update(6, 2)
+    assert a.next_k() == 3                        # accepted + 1
+    a.update(3, 0)
+    assert a.next_k() == 1                        # one miss: still drafting
+    a.update(1, 0)
+    assert a.next_k() == 0                        # two misses in a row: a cool-down of 2
+    a.plain_steps(1)
+    assert a.next_k() == 0
+    a.plain_steps(1)
+    assert a.next_k() == 1
+    a.update(1, 0)
+    a.update(1, 0)
+    assert a.pause == 4                           # the cool-down doubles while misses repeat
+    a.plain_steps(10)
+    a.update(1, 1)                                # an accepted draft resets it
+    assert a.cooldown == 2 and a.next_k() == 2
+    with pytest.raises(ValueError, match="outside"):
+        a.update(2, 3)
+    with pytest.raises(ValueError, match="k_min <= k_start <= k_max"):
+        AdaptiveK(k_max=2, k_start=3)
+
+
+# ---- the reference's verify and rollback --------------------------------------------------
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_reference_verify_equals_steps_and_truncate_rolls_back(kv):
+    config, tensors = synthetic("tiny-dense")
+    prompt, feed = [3, 17, 99, 250], [7, 41, 300, 12, 5]
+    stepped = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=32)
+    stepped.prefill(prompt)
+    expected = np.stack([stepped.step(t) for t in feed])
+    verifier = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=32)
+    verifier.prefill(prompt)
+    got = verifier.verify(feed)
+    assert got.shape == (len(feed), config.vocab_size)
+    assert np.array_equal(got, expected)
+    assert verifier.position == len(prompt) + len(feed)
+    # Keep two of the five rows, then feed other tokens: as if the rejected rows never existed.
+    verifier.truncate(len(prompt) + 2)
+    fresh = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=32)
+    fresh.prefill(prompt + feed[:2])
+    assert np.array_equal(verifier.step(88), fresh.step(88))
+    with pytest.raises(ValueError, match="outside 0..7"):
+        verifier.truncate(8)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        verifier.verify([1] * 26)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        verifier.verify([1, config.vocab_size])
+    assert verifier.position == 7                 # refused calls changed nothing
+
+
+# ---- Engine.generate(speculative="ngram") == plain greedy ---------------------------------
+REPETITIVE = [3, 17, 99, 250, 4, 61, 200, 8] * 3
+
+
+def plain_and_speculative(config, tensors, prompt, n, **kwargs):
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as spec:
+        expected = plain.generate(prompt, n, **kwargs)
+        got = spec.generate(prompt, n, speculative="ngram", **kwargs)
+        return expected, got, plain.history, spec.history, spec.stats()
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-llama", "tiny-moe"])
+def test_speculative_generate_equals_plain_greedy(preset):
+    config, tensors = synthetic(preset)
+    expected, got, plain_history, spec_history, stats = plain_and_speculative(
+        config, tensors, REPETITIVE, 40, stop_token_ids=())
+    assert got == expected and len(got) == 40
+    assert spec_history == plain_history          # the same rows: rejected drafts rolled back
+    assert stats["verify_steps"] > 0 and stats["drafted"] > 0
+    assert stats["tokens"] == len(REPETITIVE) + 39
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 13])
+def test_speculative_generate_stops_where_plain_stops(cut):
+    """A stop token inside an accepted run, and max_new_tokens inside one, end the generation at
+    the same token, with the same rows held."""
+    config, tensors = synthetic("tiny-dense")
+    full, _, _, _, _ = plain_and_speculative(config, tensors, REPETITIVE, 30, stop_token_ids=())
+    stop = full[cut]
+    expected, got, plain_history, spec_history, _ = plain_and_speculative(
+        config, tensors, REPETITIVE, 30, stop_token_ids=[stop])
+    assert got == expected and got[-1] == stop
+    assert spec_history == plain_history
+    expected, got, plain_history, spec_history, _ = plain_and_speculative(
+        config, tensors, REPETITIVE, cut + 1, stop_token_ids=())
+    assert got == expected == full[:cut + 1]
+    assert spec_history == plain_history
+
+
+def test_speculative_generate_refuses_sampling_and_unknown_modes():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as engine:
+        with pytest.raises(ValueError, match="is not one of"):
+            engine.generate([1, 2, 3], 4, speculative="draft")
+        with pytest.raises(ValueError, match="decodes greedily"):
+            engine.generate([1, 2, 3], 4, SamplingParams(temperature=0.7), speculative="ngram")
+        assert engine.position == 0
+        with pytest.raises(EngineError, match="exceeds max_seq_len"):
+            engine.generate([1, 2, 3], 70, speculative="ngram")
+        assert engine.position == 0
+
+
+def test_speculative_generate_real_model_equals_plain():
+    """SmolLM2-135M-Instruct (the trained model), asked to repeat a sentence: the drafts come
+    from the prompt and the output equals plain greedy decoding."""
+    path = smollm2_gguf()
+    from onegraph.text import Tokenizer
+    tokenizer = Tokenizer.from_model(path)
+    text = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
+            "river bank, while the farmer watches from his porch.")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
+    with Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as plain, \
+            Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as spec:
+        expected = plain.generate(prompt, 24)
+        got = spec.generate(prompt, 24, speculative="ngram")
+        assert got == expected
+        assert spec.history == plain.history
+        stats = spec.stats()
+        assert stats["accepted"] > 0

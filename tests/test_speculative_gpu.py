@@ -1,0 +1,149 @@
+"""The verify step on the GPU (cuda/verify.cu): each position's logits bit-identical to the
+decode body's at that position, for every k in 1..8, graph and non-graph, every KV format, bf16
+weights (the multi-vector GEMV) and int8 / q4 weights (per-vector launches); the rollback of
+rejected rows; its errors; Engine.generate(speculative="ngram") equal to plain greedy decoding.
+Skipped without a usable GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_support import require_gpu, synthetic
+from onegraph import capi
+from onegraph.engine import Engine
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
+FEED = [5, 77, 410, 12, 9, 300, 41, 2, 150]   # the last accepted token and up to 8 drafts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu():
+    require_gpu()
+
+
+def engine_for(preset, kv, weights, graph, max_seq_len=96, page=8):
+    config, tensors = synthetic(preset)
+    # A small page: the fed rows cross block boundaries (fresh blocks, and shared ones copied).
+    return Engine.from_tensors(config, tensors, kv=kv, max_seq_len=max_seq_len, graph=graph, device="gpu",
+                               weights=weights, kv_page_size=page, kv_pool_blocks=64)
+
+
+def decode_logits(engine, base, tokens):
+    """Logits after each of tokens, fed by the decode body on a fork of base."""
+    seq = engine.fork(base)
+    engine.use(seq)
+    rows = np.stack([engine.step(t) for t in tokens])
+    engine.free_sequence(seq)
+    return rows
+
+
+def verify_logits(engine, base, tokens, graph):
+    """Logits after each of tokens from one verify step on a fork of base (all rows kept)."""
+    seq = engine.fork(base)
+    engine.use(seq)
+    gpu = engine.session
+    gpu.set_output("logits")
+    gpu.begin_verify(tokens)
+    if graph:
+        gpu.capture_verify(len(tokens)).replay()
+    else:
+        gpu.run_verify_nongraph()
+    rows = gpu.verify_logits()
+    next_tokens, next_logits = gpu.verify_results(len(tokens))
+    gpu.end_verify(len(tokens))
+    engine.free_sequence(seq)
+    return rows, next_tokens, next_logits
+
+
+CASES = [(preset, kv, "bf16") for preset in ("tiny-dense", "tiny-llama", "tiny-moe")
+         for kv in ("fp32", "bf16", "int8")]
+CASES += [(preset, "int8", weights) for preset in ("tiny-dense", "tiny-moe") for weights in ("int8", "q4")]
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
+@pytest.mark.parametrize("preset, kv, weights", CASES)
+def test_verify_logits_are_the_decode_bodys_bit_for_bit(preset, kv, weights, graph):
+    with engine_for(preset, kv, weights, graph) as engine:
+        engine.prefill(PROMPT)
+        base = engine.sequence
+        expected = decode_logits(engine, base, FEED)
+        for n in range(2, capi.MAX_VERIFY + 1):
+            got, next_tokens, next_logits = verify_logits(engine, base, FEED[:n], graph)
+            for j in range(n):
+                assert np.array_equal(got[j], expected[j]), f"k={n - 1}, position {j}"
+            best = np.argmax(expected[:n], axis=1)
+            assert np.array_equal(next_tokens, best)
+            assert np.array_equal(next_logits, expected[np.arange(n), best])
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
+def test_rollback_makes_rejected_rows_invisible(graph):
+    """Verify 9 rows (16..24: two blocks of 8), keep 2: the block holding none of the kept rows
+    goes back to the pool, and the next decode step equals one on a sequence that only ever
+    held the 2 kept rows."""
+    with engine_for("tiny-dense", "int8", "bf16", graph) as engine:
+        engine.prefill(PROMPT)
+        base = engine.sequence
+        gpu = engine.session
+        free_before = gpu.pool.info()["free_blocks"]
+        seq = engine.fork(base)
+        engine.use(seq)
+        gpu.set_output("next_token")
+        gpu.begin_verify(FEED)
+        if graph:
+            gpu.capture_verify(len(FEED)).replay()
+        else:
+            gpu.run_verify_nongraph()
+        gpu.end_verify(2)
+        lib_seq = gpu.pool.current()
+        assert gpu.pool.length(lib_seq) == len(PROMPT) + 2
+        assert len(gpu.pool.blocks(lib_seq)) == 3          # rows 0..17 in blocks of 8
+        assert gpu.pool.info()["free_blocks"] == free_before - 1   # block 2 taken, block 3 released
+        gpu.set_output("logits")
+        gpu.begin(123)
+        gpu.run_nongraph()
+        got = gpu.end()
+        expected = decode_logits(engine, base, FEED[:2] + [123])[-1]
+        assert np.array_equal(got, expected)
+
+
+def test_verify_errors_change_nothing():
+    with engine_for("tiny-dense", "int8", "bf16", True, max_seq_len=24) as engine:
+        engine.prefill(PROMPT)
+        gpu = engine.session
+        seq = gpu.pool.current()
+        for tokens, status in [([5], capi.OG_E_INVALID_ARGUMENT),
+                               (FEED + [1], capi.OG_E_INVALID_ARGUMENT),
+                               ([5, engine.config.vocab_size], capi.OG_E_TOKEN_OUT_OF_RANGE),
+                               (FEED, capi.OG_E_CONTEXT_FULL)]:
+            with pytest.raises(capi.LibraryError) as err:
+                gpu.begin_verify(tokens)
+            assert err.value.status == status
+            assert gpu.pool.length(seq) == len(PROMPT)
+        with pytest.raises(capi.LibraryError) as err:
+            gpu.end_verify(1)                       # no verify step begun
+        assert err.value.status == capi.OG_E_BAD_STATE
+        gpu.begin_verify(FEED[:3])
+        with pytest.raises(capi.LibraryError) as err:
+            gpu.end_verify(4)                       # more rows than fed
+        assert err.value.status == capi.OG_E_INVALID_ARGUMENT
+        gpu.run_verify_nongraph()
+        gpu.end_verify(3)
+        assert gpu.pool.length(seq) == len(PROMPT) + 3
+
+
+REPETITIVE = [3, 17, 99, 250, 4, 61, 200, 8] * 3
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
+@pytest.mark.parametrize("preset, weights", [("tiny-dense", "bf16"), ("tiny-llama", "bf16"),
+                                             ("tiny-moe", "bf16"), ("tiny-dense", "q4")])
+def test_speculative_generate_equals_plain_on_the_gpu(preset, weights, graph):
+    with engine_for(preset, "int8", weights, graph) as plain, engine_for(preset, "int8", weights, graph) as spec:
+        expected = plain.generate(REPETITIVE, 48, stop_token_ids=())
+        got = spec.generate(REPETITIVE, 48, stop_token_ids=(), speculative="ngram")
+        assert got == expected
+        assert spec.history == plain.history
+        assert spec.stats()["verify_steps"] > 0
