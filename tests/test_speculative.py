@@ -188,6 +188,7 @@ def test_speculative_generate_refuses_sampling_and_unknown_modes():
         assert engine.position == 0
 
 
+@pytest.mark.slow
 def test_speculative_generate_real_model_equals_plain():
     """SmolLM2-135M-Instruct (the trained model), asked to repeat a sentence: the drafts come
     from the prompt and the output equals plain greedy decoding."""
@@ -197,11 +198,11 @@ def test_speculative_generate_real_model_equals_plain():
     text = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the "
             "river bank, while the farmer watches from his porch.")
     prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
-    with Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as plain, \
-            Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as spec:
-        expected = plain.generate(prompt, 24)
-        got = spec.generate(prompt, 24, speculative="ngram")
+    with Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as engine:
+        expected = engine.generate(prompt, 16)
+        plain_history = engine.history
+        engine.reset()
+        got = engine.generate(prompt, 16, speculative="ngram")
         assert got == expected
-        assert spec.history == plain.history
-        stats = spec.stats()
-        assert stats["accepted"] > 0
+        assert engine.history == plain_history
+        assert engine.stats()["accepted"] > 0
