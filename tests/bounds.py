@@ -1,0 +1,163 @@
+"""The measured error bounds of the GPU tests, in one place: case -> (measured, margin).
+
+An error case passes while its value is below measured * margin; an agreement case (a fraction
+of steps whose top-1 token agrees) while its value is at least measured / margin. The values
+are what `python3 scripts/measure_bounds.py` records on an H200 when it runs the very tests that
+assert them (tests call assert_below / assert_at_least; with $ONEGRAPH_RECORD_BOUNDS set to a
+file they append the value there instead of asserting).
+
+MEASUREMENT: PROVISIONAL. No GPU run of scripts/measure_bounds.py is recorded yet. Where an H200
+value was quoted (test comments, docs/journal.md 2026-11-30 and 2026-12-01) it is used; elsewhere
+the entry is the former hand-set bound divided by its margin. Replace every entry with the
+script's output and name its JSON file (bench/results/bounds-<date>-<gpu>.json) here.
+
+Margins, by what makes the error:
+"""
+from __future__ import annotations
+
+import json
+import os
+
+# fp32 summation order only (fp32 KV; bf16 or int8 weights; fp32 on both sides against Hugging
+# Face): deterministic on one GPU, but another GPU's plan (SM count, split-K) reorders the sums.
+# Such errors are ~1e-6; a wrong RoPE, norm, scale or routing moves logits by >= 1e-3.
+ORDER = 10
+# Rounding-boundary flips (bf16 / int8 KV rounded on both sides; q4 inputs rounded to int8 per
+# group of 32): a value within the last bits of a boundary rounds one way here, the other way
+# there, one quantization step on one element. How many flip follows the summation order.
+FLIP = 3
+# q4 / int8 against bf16 weights on random tiny models: a sanity check (broken dequantization
+# gives garbage, agreement at chance level), not an accuracy claim.
+SANITY = 2
+# Teacher-forced top-1 agreement of the widened demo model (one miss in 64 steps at a near tie).
+AGREEMENT = 1.1
+
+MAX_ERROR = {
+    # test_engine_gpu.py: greedy decode of PROMPT + 64 steps, worst logits rel. L2 vs the numpy reference
+    "engine/tiny-dense/kv=fp32": (1e-5, ORDER),
+    "engine/tiny-dense/kv=bf16": (3.3e-3, FLIP),
+    "engine/tiny-dense/kv=int8": (3.3e-3, FLIP),
+    "engine/tiny-llama/kv=fp32": (1e-5, ORDER),
+    "engine/tiny-llama/kv=bf16": (3.3e-3, FLIP),
+    "engine/tiny-llama/kv=int8": (3.3e-3, FLIP),
+    "engine/qwen3-0.6b/kv=bf16": (3.3e-3, FLIP),
+    "engine/qwen3-0.6b/kv=int8": (3.3e-3, FLIP),
+    # ... an all-float16 folder on the GPU against the CPU reference of the same folder (fp32 KV)
+    "engine/float16-folder/tiny-dense": (1e-5, ORDER),
+    "engine/float16-folder/tiny-moe": (1e-5, ORDER),
+    # test_moe_gpu.py: as the engine's
+    "moe/tiny-moe/kv=fp32": (1e-5, ORDER),
+    "moe/tiny-moe/kv=int8": (3.3e-3, FLIP),
+    "moe/qwen3-30b-a3b-4l/kv=int8": (3.3e-3, FLIP),
+    # test_hf_oracle_gpu.py: the engine (bf16 weights, fp32 KV) vs Hugging Face on the CPU (fp32),
+    # worst logits rel. L2 over an 8-token prompt and 32 greedy steps
+    "hf-gpu/tiny-dense": (1e-5, ORDER),
+    "hf-gpu/tiny-llama": (1e-5, ORDER),
+    "hf-gpu/tiny-moe": (1e-5, ORDER),
+    # test_paged_gpu.py: greedy decode with scrambled block tables, worst logits rel. L2
+    "paged/tiny-dense/kv=int8/page=16": (3.3e-3, FLIP),
+    "paged/tiny-dense/kv=int8/page=64": (3.3e-3, FLIP),
+    "paged/tiny-llama/kv=bf16/page=16": (3.3e-3, FLIP),
+    "paged/tiny-llama/kv=bf16/page=64": (3.3e-3, FLIP),
+    "paged/tiny-dense/kv=fp32/page=16": (1e-5, ORDER),
+    "paged/tiny-dense/kv=fp32/page=64": (1e-5, ORDER),
+    # ... teacher-forced long context on a 1-layer model, worst over the checked positions
+    "paged/long-4096/kv=fp32": (1e-4, ORDER),
+    "paged/long-32768/kv=fp32": (1e-4, ORDER),
+    # test_prefill_gpu.py: batched prefill then 64 steps teacher-forced on the reference's greedy
+    # tokens, worst logits rel. L2 (the first entry is the last prompt token's)
+    "prefill/tiny-dense-1-int8-hd": (4e-3, FLIP),
+    "prefill/tiny-dense-17-int8-hd": (4e-3, FLIP),
+    "prefill/tiny-llama-17-bf16-hd": (4e-3, FLIP),
+    "prefill/tiny-tied-17-fp32-hd": (2e-5, ORDER),
+    "prefill/tiny-moe-17-int8-hd": (4e-3, FLIP),
+    "prefill/tiny-dense-512-int8-hd": (4e-3, FLIP),
+    "prefill/tiny-dense-512-bf16-128": (4e-3, FLIP),
+    "prefill/tiny-dense-2048-int8-hd": (4e-3, FLIP),
+    "prefill/tiny-tied-2048-bf16-256": (4e-3, FLIP),
+    # ... a second turn after decoded steps (int8 KV): the first turn, then the second
+    "prefill/second-turn/first": (4e-3, FLIP),
+    "prefill/second-turn/second": (4e-3, FLIP),
+    # ... quantized weights: the last prompt token's logits batched vs token by token (bf16 KV),
+    # then 32 steps teacher-forced against the reference on the same quantized weights (int8 KV)
+    "prefill-quant/tiny-dense-int8/batched-vs-token": (7e-4, FLIP),
+    "prefill-quant/tiny-dense-q4/batched-vs-token": (1.4e-2, FLIP),
+    "prefill-quant/tiny-llama-int8/batched-vs-token": (7e-4, FLIP),
+    "prefill-quant/tiny-moe-q4/batched-vs-token": (1.4e-2, FLIP),
+    "prefill-quant/tiny-dense-int8/vs-reference": (4e-3, FLIP),
+    "prefill-quant/tiny-dense-q4/vs-reference": (1.5e-2, FLIP),
+    "prefill-quant/tiny-llama-int8/vs-reference": (4e-3, FLIP),
+    "prefill-quant/tiny-moe-q4/vs-reference": (1.5e-2, FLIP),
+    # test_quant_gpu.py: greedy decode on quantized weights vs the reference on the same weights,
+    # worst logits rel. L2 over 64 steps (H200 quoted: q4 fp32 KV tiny-moe 1.5e-2, tiny-tied
+    # 1.1e-2, the other q4 cases <= 7.2e-7)
+    "quant/tiny-dense-int8-all+lm_head/kv=fp32": (1e-5, ORDER),
+    "quant/tiny-dense-int8-all+lm_head/kv=int8": (3.3e-3, FLIP),
+    "quant/tiny-dense-q4-all+lm_head/kv=fp32": (7.2e-7, ORDER),
+    "quant/tiny-dense-q4-all+lm_head/kv=int8": (1.5e-2, FLIP),
+    "quant/tiny-moe-int8-all+lm_head/kv=fp32": (1e-5, ORDER),
+    "quant/tiny-moe-int8-all+lm_head/kv=int8": (3.3e-3, FLIP),
+    "quant/tiny-moe-q4-all+lm_head/kv=fp32": (1.5e-2, FLIP),
+    "quant/tiny-moe-q4-all+lm_head/kv=int8": (1.5e-2, FLIP),
+    "quant/tiny-moe-q4-experts/kv=fp32": (7.2e-7, ORDER),
+    "quant/tiny-moe-q4-experts/kv=int8": (1.5e-2, FLIP),
+    "quant/tiny-tied-q4-all+lm_head/kv=fp32": (1.1e-2, FLIP),
+    "quant/tiny-tied-q4-all+lm_head/kv=int8": (1.5e-2, FLIP),
+    "quant/tiny-llama-int8-dense/kv=fp32": (1e-5, ORDER),
+    "quant/tiny-llama-int8-dense/kv=int8": (3.3e-3, FLIP),
+    # ... the widened demo model on the q4 bulk stream, teacher-forced, worst over 64 steps
+    "quant/bulk-demo-512/worst": (1.42e-2, FLIP),
+    # ... quantized vs bf16 weights, teacher-forced, median logits rel. L2 over 64 steps
+    "quant-vs-bf16/tiny-dense-int8/median": (5e-2, SANITY),
+    "quant-vs-bf16/tiny-dense-q4/median": (0.348, SANITY),
+    "quant-vs-bf16/tiny-moe-int8/median": (5e-2, SANITY),
+    "quant-vs-bf16/tiny-moe-q4/median": (0.431, SANITY),
+}
+
+MIN_AGREEMENT = {
+    "quant/bulk-demo-512/top1": (0.98, AGREEMENT),
+    "quant-vs-bf16/tiny-dense-int8/top1": (0.9, SANITY),
+    "quant-vs-bf16/tiny-dense-q4/top1": (0.56, SANITY),
+    "quant-vs-bf16/tiny-moe-int8/top1": (0.9, SANITY),
+    "quant-vs-bf16/tiny-moe-q4/top1": (0.39, SANITY),
+}
+
+RECORD_ENV = "ONEGRAPH_RECORD_BOUNDS"
+
+
+def error_bound(case: str) -> float:
+    measured, margin = MAX_ERROR[case]
+    return measured * margin
+
+
+def agreement_floor(case: str) -> float:
+    measured, margin = MIN_AGREEMENT[case]
+    return measured / margin
+
+
+def _record(case: str, kind: str, value: float) -> bool:
+    """Under $ONEGRAPH_RECORD_BOUNDS (scripts/measure_bounds.py): append the value, skip the assert."""
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return False
+    with open(path, "a") as f:
+        f.write(json.dumps({"case": case, "kind": kind, "value": float(value)}) + "\n")
+    return True
+
+
+def assert_below(case: str, value: float, what: str = "logits rel. L2"):
+    bound = error_bound(case)  # a KeyError names an unlisted case before anything is recorded
+    if _record(case, "max", value):
+        return
+    measured, margin = MAX_ERROR[case]
+    assert value < bound, (f"{case}: {what} {value:.3g} is over the bound {bound:.3g} "
+                           f"(measured {measured:.3g} x margin {margin})")
+
+
+def assert_at_least(case: str, value: float, what: str = "top-1 agreement"):
+    floor = agreement_floor(case)
+    if _record(case, "min", value):
+        return
+    measured, margin = MIN_AGREEMENT[case]
+    assert value >= floor, (f"{case}: {what} {value:.3g} is under the floor {floor:.3g} "
+                            f"(measured {measured:.3g} / margin {margin})")
