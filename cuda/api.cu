@@ -223,6 +223,27 @@ OG_API og_status og_precheck(og_engine *e) {
     return precheck(e);
 }
 
+namespace {
+
+// What every begun step checks and does before its record: rows up to last_row fit the
+// sequence, the engine is usable on its device, and the last `rows` rows' blocks are made
+// writable (a fresh block, or a private copy of a shared one): the only state a begin changes
+// before its record, and one any later step of the sequence would make too.
+og_status prepare_rows(og_engine *e, const char *fn, int32_t id, int32_t last_row, int32_t rows) {
+    if (last_row >= e->d.max_seq)
+        return set_error(OG_E_CONTEXT_FULL,
+                         "%s: position %d: sequence %d is full (max_seq_len=%d); og_reset starts "
+                         "it over",
+                         fn, last_row, id, e->d.max_seq);
+    og_status status = precheck(e);
+    if (status != OG_OK) return status;
+    status = use_device(e);
+    if (status != OG_OK) return status;
+    return e->kv.reserve(id, rows, e->stream);
+}
+
+}  // namespace
+
 OG_API og_status og_begin_step(og_engine *e, int32_t token) {
     OG_CHECK_HANDLE(e);
     const int32_t id = e->kv.current;
@@ -241,18 +262,7 @@ OG_API og_status og_begin_step_seq(og_engine *e, int32_t id, int32_t token) {
     og_status status = e->kv.lookup(id, "og_begin_step_seq", &seq);
     if (status != OG_OK) return status;
     const int32_t position = seq->length;
-    if (position >= e->d.max_seq)
-        return set_error(OG_E_CONTEXT_FULL,
-                         "position %d: sequence %d is full (max_seq_len=%d); og_reset starts it "
-                         "over",
-                         position, id, e->d.max_seq);
-    status = precheck(e);
-    if (status != OG_OK) return status;
-    status = use_device(e);
-    if (status != OG_OK) return status;
-    // The only state this changes before the record: the row's block (a fresh block, or a
-    // private copy of a shared one), which any later step of the sequence would take too.
-    status = e->kv.reserve(id, 1, e->stream);
+    status = prepare_rows(e, "og_begin_step_seq", id, position, 1);
     if (status != OG_OK) return status;
     e->step_host[0] = og_step_record{token, position, seq->slot,
                                      seq->blocks[position / e->kv.layout.page_size]};
@@ -287,18 +297,9 @@ OG_API og_status og_begin_chained_step(og_engine *e, int32_t *slot) {
     og_status status = e->kv.lookup(id, "og_begin_chained_step", &seq);
     if (status != OG_OK) return status;
     const int32_t position = prev.position + 1;
-    if (position >= e->d.max_seq)
-        return set_error(OG_E_CONTEXT_FULL,
-                         "position %d: sequence %d is full (max_seq_len=%d); og_reset starts it "
-                         "over",
-                         position, id, e->d.max_seq);
-    status = precheck(e);
-    if (status != OG_OK) return status;
-    status = use_device(e);
-    if (status != OG_OK) return status;
     // Rows prev.position (already writable) and position; a block the step in flight writes
     // is not copied again, so nothing here touches it.
-    status = e->kv.reserve(id, 2, e->stream);
+    status = prepare_rows(e, "og_begin_chained_step", id, position, 2);
     if (status != OG_OK) return status;
     const int32_t next = 1 - prev.slot;
     e->step_host[next] = og_step_record{OG_TOKEN_PREVIOUS_ARGMAX, position, seq->slot,
@@ -402,18 +403,7 @@ OG_API og_status og_begin_verify_seq(og_engine *e, int32_t id, const int32_t *to
     og_status status = e->kv.lookup(id, "og_begin_verify_seq", &seq);
     if (status != OG_OK) return status;
     const int32_t position = seq->length;
-    if ((int64_t)position + n > e->d.max_seq)
-        return set_error(OG_E_CONTEXT_FULL,
-                         "og_begin_verify_seq: sequence %d holds %d rows; %d more would exceed "
-                         "max_seq_len=%d",
-                         id, position, n, e->d.max_seq);
-    status = precheck(e);
-    if (status != OG_OK) return status;
-    status = use_device(e);
-    if (status != OG_OK) return status;
-    // As og_begin_step: the rows' blocks (fresh, or a private copy of a shared one) are the
-    // only state changed before the record.
-    status = e->kv.reserve(id, n, e->stream);
+    status = prepare_rows(e, "og_begin_verify_seq", id, position + n - 1, n);
     if (status != OG_OK) return status;
     const int page = e->kv.layout.page_size;
     for (int32_t j = 0; j < n; ++j)
