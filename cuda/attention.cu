@@ -127,7 +127,9 @@ __host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_bloc
     AttnSmem s;
     int off = 0;
     s.q = off;        off += round4(head_group * hd);                    // [HG, hd]
-    s.o = off;        off += round4(kAttnWarps * head_group * hd);       // [warps, HG, hd]
+    // [warps, HG, hd]; with a ring, each warp's o sits at the start of its own ring instead
+    // (written once the warp's last tile has landed and been folded in)
+    s.o = off;        off += ring_floats > 0 ? 0 : round4(kAttnWarps * head_group * hd);
     s.m = off;        off += round4(kAttnWarps * head_group);            // [warps, HG]
     s.l = off;        off += round4(kAttnWarps * head_group);
     s.f = off;        off += round4(kAttnWarps * head_group);
@@ -753,7 +755,10 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     __syncthreads();
     ATTN_TRACE(trace_prologue);
 
-    float *o_s = smem + lay.o;       // [warps, HG, hd]
+    // Warp w's o [HG, hd] at o_s + w * o_stride: in its own ring for variants 1, 2.
+    float *o_s = VAR == 0 ? smem + lay.o : smem + lay.ring;
+    const int o_stride = VAR == 0 ? HG * hd : D * L::kStageFloats;
+    static_assert(VAR == 0 || HG * HD <= D * L::kStageFloats, "o fits in a warp's ring");
     float *m_s = smem + lay.m;       // [warps, HG]
     float *l_s = smem + lay.l;
     float *f_s = smem + lay.f;
@@ -826,7 +831,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     if (lane < LPR) {
 #pragma unroll
         for (int j = 0; j < HG; ++j) {
-            float *o_w = o_s + (warp * HG + j) * hd;
+            float *o_w = o_s + warp * o_stride + j * hd;
 #pragma unroll
             for (int v = 0; v < L::kVecsPerLane; ++v) {
                 if constexpr (L::kVector) {
@@ -870,7 +875,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
         float o = 0.f;
 #pragma unroll
         for (int w = 0; w < kAttnWarps; ++w)
-            o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
+            o = fmaf(f_s[w * HG + j], o_s[w * o_stride + j * hd + d], o);
         const size_t head = (size_t)head0 + j;
         if (n_active == 1)
             a.out[head * hd + d] = o / stats[stats_stride + j];
