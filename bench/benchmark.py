@@ -628,9 +628,19 @@ def format_ttft(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def model_file(target: Target) -> str | None:
+    """The file or folder a target was loaded from (None for a preset)."""
+    return None if target.origin.startswith("preset ") else target.origin
+
+
 def bench_peer(peer: str, target: Target, s: Settings, bandwidth: float | None) -> dict:
-    """One peer's result record; status "skipped" (with the reason) when it cannot run here."""
-    r = empty_result(target, peer, "bf16", s)
+    """One peer's result record; status "skipped" (with the reason) when it cannot run here.
+    The llama.cpp peer decodes a GGUF model's own file (its weights: "gguf", their bytes the
+    file's size); every other case runs bf16 weights."""
+    path = model_file(target)
+    own_gguf = peer == "llama.cpp" and path is not None and path.endswith(".gguf")
+    # llama.cpp keeps its KV cache in f16 (the size of bf16, which the HF peers use)
+    r = empty_result(target, peer, "f16" if peer == "llama.cpp" else "bf16", s, "gguf" if own_gguf else "bf16")
     try:
         from bench import peers
     except ImportError as e:
@@ -638,11 +648,14 @@ def bench_peer(peer: str, target: Target, s: Settings, bandwidth: float | None) 
         return r
     device = "cuda" if s.device == "gpu" else "cpu"
     out = peers.run_peer(peer, target.config, target.source, prompt=make_prompt(target.config, s.prompt, s.seed),
-                         n=s.n, repeats=s.repeats, device=device)
+                         n=s.n, repeats=s.repeats, device=device, model_path=path)
     r.update(status=out["status"], reason=out["reason"])
     if out["status"] != "ok":
         return r
     bpt = bytes_per_token(target.config, "bf16", mean_decode_context(s.prompt, s.n))
+    if own_gguf:
+        weights = os.path.getsize(path)
+        bpt.update(weights={"total": weights}, weight_format="gguf", total=weights + bpt["kv_read"])
     r.update(summarize(out["runs"]), load_s=out["load_s"], warmup_s=out["warmup_s"],
              device_bytes=out["device_bytes"], bytes_per_token=bpt, details=out["details"])
     r.update(floor_fields(bpt["total"], bandwidth, r["ms_per_token"]))
@@ -946,7 +959,7 @@ def parse_args(argv):
                    help="engines built per record, in rounds over the weight formats; each result is the "
                         "median engine's (odd counts give a true median)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and prompt")
-    p.add_argument("--peers", default="", help="comma-separated: hf-eager,hf-compile")
+    p.add_argument("--peers", default="", help="comma-separated: hf-eager,hf-compile,llama.cpp")
     p.add_argument("--contexts", default="", help="comma-separated context lengths, e.g. 128,1024,4096,32768")
     p.add_argument("--context-steps", type=int, default=16, help="timed steps per context and mode")
     p.add_argument("--context-fill", choices=["position", "prefill"], default="position",

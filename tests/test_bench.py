@@ -436,7 +436,7 @@ def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
     from bench import peers
     asked = []
 
-    def fake_run_peer(peer, config, source, *, prompt, n, repeats, device):
+    def fake_run_peer(peer, config, source, *, prompt, n, repeats, device, model_path=None):
         asked.append((len(prompt), n, repeats))
         return {"status": "ok", "runs": [{"ttft_ms": ms} for ms in (5.0, 90.0, 6.0)[:repeats]]}
 

@@ -65,3 +65,25 @@ def test_llama_cpp_decodes_the_reference_tokens():
         compared += 1
         logits = ref.step(got)
     assert compared >= 1, "the reference's first top-2 margin is under 0.05: pick another prompt"
+
+
+def test_bench_record_of_a_gguf_counts_the_files_bytes(monkeypatch, tmp_path):
+    """bench: llama.cpp on a GGUF model decodes that file; its floor counts the file's bytes."""
+    from bench import benchmark as bench
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 1000)
+    seen = {}
+
+    def fake_run_peer(peer, config, source, *, prompt, n, repeats, device, model_path=None):
+        seen["model_path"] = model_path
+        return {"status": "ok", "reason": None, "load_s": 0.0, "warmup_s": 0.0, "device_bytes": None,
+                "details": {}, "runs": [{"ttft_ms": 1.0, "step_ms": [1.0] * n, "tokens": [0] * (n + 1)}]}
+
+    monkeypatch.setattr(peers, "run_peer", fake_run_peer)
+    config = preset_config("tiny-dense")
+    target = bench.Target("m", config, None, str(model))
+    r = bench.bench_peer("llama.cpp", target, bench.Settings(n=4, repeats=1), bandwidth=1e12)
+    assert seen["model_path"] == str(model)
+    assert r["weights"] == "gguf" and r["kv"] == "f16"
+    assert r["bytes_per_token"]["weights"]["total"] == 1000
+    assert r["bytes_per_token"]["total"] == 1000 + r["bytes_per_token"]["kv_read"]
