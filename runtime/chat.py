@@ -48,6 +48,7 @@ class Chat:
     system: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    speculative: str | None = None   # None, or "ngram": greedy answers drafted and verified (Engine.stream)
     messages: list[dict] = field(default_factory=list)
     last_reply: ChatReply | None = None
     reused_tokens: int = 0       # prompt tokens of the last turn found in the cache
@@ -129,7 +130,8 @@ class Chat:
         pieces: list[str] = []
         finish = "interrupted"
         try:
-            for token in self.engine.stream(fresh, max_new_tokens, self.sampling, stop_token_ids=stops):
+            for token in self.engine.stream(fresh, max_new_tokens, self.sampling, stop_token_ids=stops,
+                                            speculative=self.speculative):
                 tokens.append(token)
                 if token in stops:
                     finish = "stop"

@@ -97,6 +97,12 @@ def _stream_reply(chat, text: str, out=sys.stdout) -> tuple[str, Rate]:
     return chat.last_reply, rate
 
 
+def _speculative_flag(sp) -> None:
+    sp.add_argument("--speculative", choices=["ngram"], default=None,
+                    help="greedy decoding with drafts verified several at a time: 'ngram' looks the "
+                         "last tokens up in the prompt and output (same tokens as without it)")
+
+
 # ---- commands ---------------------------------------------------------------------------
 
 def cmd_demo(args) -> int:
@@ -174,7 +180,8 @@ def cmd_chat(args) -> int:
                          f"use 'onegraph generate --prompt' for plain text")
     from .engine import Engine
     with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
-        chat = Chat(engine, tokenizer, system=args.system, sampling=_sampling(args), max_new_tokens=args.n)
+        chat = Chat(engine, tokenizer, system=args.system, sampling=_sampling(args), max_new_tokens=args.n,
+                    speculative=args.speculative)
         _stderr(f"onegraph chat ({engine.backend}); /reset starts over, Ctrl-C stops an answer, "
                 f"Ctrl-D (EOF) exits")
         while True:
@@ -214,13 +221,11 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--prompt needs the model's tokenizer: {e}; pass --prompt-ids instead") from None
     elif args.chat or args.system:
         raise UsageError("--chat and --system need --prompt TEXT")
-    if args.speculative and (args.chat or args.system):
-        raise UsageError("--speculative is not available with --chat / --system yet: "
-                         "pass the prompt without them")
     with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
         if tokenizer is not None and (args.chat or args.system):
             from .chat import Chat
-            chat = Chat(engine, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.n)
+            chat = Chat(engine, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.n,
+                        speculative=args.speculative)
             reply, rate = _stream_reply(chat, args.prompt)
             n = len(reply.token_ids)
         elif tokenizer is not None:
@@ -389,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("chat", help="talk with a model: multi-turn, streamed, /reset to start over")
     _model_flags(sp)
     sp.add_argument("--system", default=None, help="system prompt")
+    _speculative_flag(sp)
     _runtime_flags(sp, n_default=512)
     _sampling_flags(sp)
     sp.set_defaults(func=cmd_chat)
@@ -400,9 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="prompt token ids, comma or space separated")
     sp.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
     sp.add_argument("--system", default=None, help="system prompt (implies --chat)")
-    sp.add_argument("--speculative", choices=["ngram"], default=None,
-                    help="greedy decoding with drafts verified several at a time: 'ngram' looks the "
-                         "last tokens up in the prompt and output (same tokens as without it)")
+    _speculative_flag(sp)
     _runtime_flags(sp)
     _sampling_flags(sp)
     sp.set_defaults(func=cmd_generate)

@@ -86,3 +86,18 @@ def test_reset_forgets_the_conversation(model):
         chat.reset()
         assert chat.messages == [] and chat.engine.position == 0
         assert chat.ask("What is the capital of France?").token_ids == first.token_ids
+
+
+def test_speculative_chat_answers_as_plain_chat(model):
+    """Chat(speculative="ngram") gives the plain greedy answers, turn after turn, with drafts
+    taken from the conversation (a paragraph to repeat: the drafts are accepted)."""
+    paragraph = ("The lighthouse on the northern cape was built in 1871 from granite quarried on the "
+                 "island itself. The light was automated in 1989.")
+    turns = [f"Repeat this paragraph word for word: {paragraph}", "Now repeat its first sentence."]
+    replies = {}
+    for mode in (None, "ngram"):
+        with new_chat(model, max_new_tokens=24, speculative=mode) as chat:
+            replies[mode] = [chat.ask(t).token_ids for t in turns]
+            stats = chat.engine.stats()
+    assert replies["ngram"] == replies[None]
+    assert stats["verify_steps"] > 0 and stats["accepted"] > 0

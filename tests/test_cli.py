@@ -138,7 +138,7 @@ def test_generate_streams_text_and_a_seed_reproduces_a_sampled_answer():
 
 def test_generate_speculative_prints_the_plain_tokens(tmp_path):
     """--speculative ngram on token ids: the same tokens as without it, a summary line, and a
-    one-line error for a sampled request or --chat."""
+    one-line error for a sampled request."""
     model = tmp_path / "m"
     assert main(["make-model", "--preset", "tiny-dense", "--out", str(model)]) == 0
     ids = "3,17,99,250,4,61,200,8,3,17,99,250,4,61,200,8"
