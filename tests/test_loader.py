@@ -494,7 +494,9 @@ def test_peak_rss_stays_below_one_and_a_half_times_the_file(tmp_path):
     synth.write_model(cfg, tmp_path)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path)], capture_output=True, text=True,
-                         cwd=repo, env=dict(os.environ, PYTHONPATH=repo), check=True)
+                         cwd=repo, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])),
+                         check=True)
     m = json.loads(out.stdout)
     assert m["file_bytes"] > 40e6
     # Mapping costs nothing until read; reading every tensor maps each page once (~1.0x).
