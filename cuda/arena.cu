@@ -235,11 +235,6 @@ og_status plan_kernels(og_engine *e) {
     }
     if (d.any_moe) OG_CUDA_TRY(gemv_plan(kGemvNorm, d.E, d.H, &e->plan_router));
     OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head, e->cfg.weights_lm_head));
-    int attn_variant = 0;
-    if (!attention_variant_from_env(&attn_variant))
-        return set_error(OG_E_INVALID_ARGUMENT,
-                         "ONEGRAPH_ATTN_VARIANT=%s: expected 0, 1 or 2 (the attention variant)",
-                         getenv("ONEGRAPH_ATTN_VARIANT"));
     const cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0,
                                            &e->plan_attention);
     if (err == cudaErrorInvalidValue) {

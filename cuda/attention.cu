@@ -35,10 +35,7 @@
 // instruction covers 32 / L consecutive rows and a tile is 2-4 such loads of K and of V in flight
 // per lane. A warp works as a pipeline: while it folds in tile i, the K/V loads of tile i+1, an
 // L2 prefetch of tile i+2 and the block-table reads of tile i+3 are in flight (a row's address
-// depends on its table entry, so a tile is located two steps before it is loaded); that is
-// variant 0 of AttnVariant (ONEGRAPH_ATTN_VARIANT, fixed by the plan): variants 1 and 2 copy
-// tiles i+1 .. i+D-1 into a per-warp ring in shared memory with cp.async instead (no registers
-// held for them; variant 2 with few enough registers for two blocks per SM). Each warp
+// depends on its table entry, so a tile is located two steps before it is loaded). Each warp
 // keeps an online softmax (running max m, sum l, accumulator o per head, rescaled when m grows);
 // the 8 warps combine through shared memory in warp order. A block that is alone for its head
 // group (len <= C) writes out directly; otherwise it writes (m, l, o) as a partial, and the last
@@ -49,7 +46,6 @@
 // the position, so all of them are issued before waiting on the previous kernel (PDL),
 // overlapping its tail.
 #include <math.h>
-#include <stdlib.h>
 
 #include <type_traits>
 
@@ -79,34 +75,8 @@ struct AttnLayout {
     static constexpr int kTileRows = kRowsPerLoad * kSlots;
     static constexpr int kLaneElems = kVecsPerLane * kVec;                  // dims a lane owns
     static constexpr int kMaxHeadGroup = cmin(8, 64 / kLaneElems);          // o registers <= 64
-    // A tile's K and V bytes of one lane in a ring stage ([K | V][slot][vec][lane] uint4), and
-    // the tile's row scales (int8: [K | V][row of the tile] fp32), in floats.
-    static constexpr int kStageKvFloats = kVector ? 2 * kSlots * kVecsPerLane * kWarpSize * 4 : 0;
-    static constexpr int kStageFloats = kStageKvFloats + (KV == OG_KV_INT8 ? 2 * kTileRows : 0);
     using Raw = typename std::conditional<kVector, uint4, uint32_t>::type;
 };
-
-// How a warp streams its K/V rows (ONEGRAPH_ATTN_VARIANT, read by attention_plan):
-//   0: registers: a warp loads tile i+1 into registers and pulls tile i+2 into L2 while it
-//      folds tile i; 8 warps per SM (the registers of one block).
-//   1: a cp.async ring in shared memory: a warp keeps kStages - 1 tiles in flight while it
-//      folds one, without the registers to hold them; one block per SM.
-//   2: the ring, 3 stages, and two blocks per SM (at most 128 registers a thread: head groups
-//      whose accumulators fit in 32 registers).
-// Vector layouts only (head dims 64 / 128 / 256); the others always take variant 0.
-template <int VAR>
-struct AttnVariant {
-    static constexpr int kStages = VAR == 0 ? 0 : VAR == 1 ? 4 : 3;
-    static constexpr int kMinBlocks = VAR == 2 ? 2 : 1;
-    static constexpr int kMaxORegs = VAR == 2 ? 32 : 64;
-};
-constexpr int kAttnVariants = 3;
-constexpr int kDefaultAttnVariant = 2;
-
-template <int KV, int HD, int VAR>
-constexpr int max_head_group() {
-    return cmin(8, AttnVariant<VAR>::kMaxORegs / AttnLayout<KV, HD>::kLaneElems);
-}
 
 struct AttnParams {
     AttentionArgs a;
@@ -118,18 +88,14 @@ struct AttnParams {
 
 // Shared-memory carve-up, in floats (every region a multiple of 4 floats: 16-byte aligned).
 struct AttnSmem {
-    int q, o, m, l, f, stats, factors, new_k, new_v, k_head, scales, ring, total;
+    int q, o, m, l, f, stats, factors, new_k, new_v, k_head, scales, total;
 };
 __host__ __device__ inline int round4(int n) { return (n + 3) & ~3; }
-// ring_floats: the variant's cp.async ring, all warps (0 for variant 0).
-__host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_blocks, int elem_bytes,
-                                              int ring_floats) {
+__host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_blocks, int elem_bytes) {
     AttnSmem s;
     int off = 0;
     s.q = off;        off += round4(head_group * hd);                    // [HG, hd]
-    // [warps, HG, hd]; with a ring, each warp's o sits at the start of its own ring instead
-    // (written once the warp's last tile has landed and been folded in)
-    s.o = off;        off += ring_floats > 0 ? 0 : round4(kAttnWarps * head_group * hd);
+    s.o = off;        off += round4(kAttnWarps * head_group * hd);       // [warps, HG, hd]
     s.m = off;        off += round4(kAttnWarps * head_group);            // [warps, HG]
     s.l = off;        off += round4(kAttnWarps * head_group);
     s.f = off;        off += round4(kAttnWarps * head_group);
@@ -139,7 +105,6 @@ __host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_bloc
     s.new_v = off;    off += round4((hd * elem_bytes + 3) / 4);
     s.k_head = off;   off += round4(hd);                                 // rotated k (fp32)
     s.scales = off;   off += 4;                                          // new row's k, v scale
-    s.ring = off;     off += round4(ring_floats);                        // [warps, stages, stage]
     s.total = off;
     return s;
 }
@@ -281,75 +246,6 @@ __device__ __forceinline__ void prefetch_tile(const TileLoc<KV, HD> &loc, const 
                     prefetch_line(src.v + row_off + byte);
                 }
             }
-        }
-    }
-}
-
-// ---- variants 1 and 2: a warp's ring of tiles in shared memory (vector layouts) ----------
-// 16 bytes of a K/V row into the ring (zeros when !valid: src is not read), with the 256-byte
-// L2 fetches of load_row_chunk.
-__device__ __forceinline__ void copy_row_chunk(uint32_t dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-// Copy a located tile into the ring stage at `stage` (a shared address): every lane its own
-// 16-byte vectors at [K | V][slot][vec][lane]; int8: the first lane of each row group also the
-// row's two scales at [K | V][row of the tile]. Rows without a block are zero-filled (scale 0),
-// as load_tile reads them.
-template <int KV, int HD>
-__device__ __forceinline__ void copy_tile(uint32_t stage, const TileLoc<KV, HD> &loc,
-                                          const RowSource &src, int lane) {
-    using L = AttnLayout<KV, HD>;
-    if (loc.row0 < 0) return;  // no tile (warp-uniform): the stage is never read
-    constexpr int kHalf = L::kStageKvFloats * 2;  // bytes of the K half
-#pragma unroll
-    for (int s = 0; s < L::kSlots; ++s) {
-        const bool ok = loc.block[s] >= 0;
-        const int64_t base = (int64_t)(ok ? loc.block[s] : 0) * src.block_stride;
-        const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[s];
-        const char *k_row = src.k + base + row_index * (HD * L::kElemBytes);
-        const char *v_row = src.v + base + row_index * (HD * L::kElemBytes);
-#pragma unroll
-        for (int v = 0; v < L::kVecsPerLane; ++v) {
-            const int vec = src.lane_in_row + v * L::kLanesPerRow;
-            const uint32_t dst = stage + ((s * L::kVecsPerLane + v) * kWarpSize + lane) * 16;
-            copy_row_chunk(dst, k_row + vec * 16, ok);
-            copy_row_chunk(dst + kHalf, v_row + vec * 16, ok);
-        }
-        if constexpr (KV == OG_KV_INT8) {
-            if (src.lane_in_row == 0) {
-                const uint32_t dst = stage + 2 * kHalf + (s * L::kRowsPerLoad + src.row_group) * 4;
-                cp_async_4(dst, reinterpret_cast<const float *>(src.k_scales + base) + row_index, ok ? 4 : 0);
-                cp_async_4(dst + L::kTileRows * 4, reinterpret_cast<const float *>(src.v_scales + base) + row_index,
-                           ok ? 4 : 0);
-            }
-        }
-    }
-}
-
-// A landed stage into the registers attend_tile folds (after cp.async.wait_group and a
-// __syncwarp: the scales were copied by another lane of the row).
-template <int KV, int HD>
-__device__ __forceinline__ void read_tile(Tile<KV, HD> &t, const float *stage, const RowSource &src,
-                                          int lane) {
-    using L = AttnLayout<KV, HD>;
-    const uint4 *k = reinterpret_cast<const uint4 *>(stage);
-    const uint4 *v = k + L::kStageKvFloats / 8;
-#pragma unroll
-    for (int s = 0; s < L::kSlots; ++s) {
-#pragma unroll
-        for (int i = 0; i < L::kVecsPerLane; ++i) {
-            t.k[s][i] = k[(s * L::kVecsPerLane + i) * kWarpSize + lane];
-            t.v[s][i] = v[(s * L::kVecsPerLane + i) * kWarpSize + lane];
-        }
-        if constexpr (KV == OG_KV_INT8) {
-            t.k_scale[s] = stage[L::kStageKvFloats + s * L::kRowsPerLoad + src.row_group];
-            t.v_scale[s] = stage[L::kStageKvFloats + L::kTileRows + s * L::kRowsPerLoad + src.row_group];
-        } else {
-            t.k_scale[s] = 1.f;
-            t.v_scale[s] = 1.f;
         }
     }
 }
@@ -594,13 +490,10 @@ __device__ unsigned g_attn_trace_count;
 #define ATTN_TRACE_END() (void)0
 #endif
 
-template <int KV, int HD, int HG, int VAR>
-__global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
-    attention_kernel(const AttnParams p) {
+template <int KV, int HD, int HG>
+__global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
-    constexpr int D = AttnVariant<VAR>::kStages;  // ring stages (variants 1, 2)
-    static_assert(VAR == 0 || L::kVector, "the ring takes vector layouts only");
     extern __shared__ float4 smem4[];
     float *smem = reinterpret_cast<float *>(smem4);
     __shared__ int is_last_block;
@@ -659,34 +552,11 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     int cursor = -1;
     int row0 = next_row(cursor);
     TileLoc<KV, HD> loc1, loc2;
+    locate_tile<KV, HD>(loc1, row0, src);
     Tile<KV, HD> cur;
-    // Variants 1, 2: rows[k] is the first row of tile i+k (-1: none), tiles i .. i+D-2 are in
-    // flight into ring stages stage, stage+1, ... (mod D), tile i+D-1 is located (loc1).
-    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes, kAttnWarps * D * L::kStageFloats);
-    float *ring = smem + lay.ring + warp * D * L::kStageFloats;  // [D, stage]
-    int rows[D > 0 ? D : 1];
-    int stage = 0;
-    if constexpr (VAR == 0) {
-        locate_tile<KV, HD>(loc1, row0, src);
-        load_tile<KV, HD>(cur, loc1, src, hd);
-        locate_tile<KV, HD>(loc1, next_row(cursor), src);
-        locate_tile<KV, HD>(loc2, next_row(cursor), src);
-    } else {
-        TileLoc<KV, HD> first[D - 1];  // all located before any is copied: one table round trip
-        rows[0] = row0;
-#pragma unroll
-        for (int k = 0; k < D - 1; ++k) {
-            if (k > 0) rows[k] = next_row(cursor);
-            locate_tile<KV, HD>(first[k], rows[k], src);
-        }
-#pragma unroll
-        for (int k = 0; k < D - 1; ++k) {
-            copy_tile<KV, HD>(smem_address(ring + k * L::kStageFloats), first[k], src, lane);
-            cp_async_commit();
-        }
-        rows[D - 1] = next_row(cursor);
-        locate_tile<KV, HD>(loc1, rows[D - 1], src);
-    }
+    load_tile<KV, HD>(cur, loc1, src, hd);
+    locate_tile<KV, HD>(loc1, next_row(cursor), src);
+    locate_tile<KV, HD>(loc2, next_row(cursor), src);
 
     // The prologue's inputs that do not depend on the previous kernel: norm weights and the
     // rotation angles at `position`.
@@ -702,6 +572,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     ATTN_TRACE(trace_wait);
     pdl_launch_dependents();
 
+    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes);
     float *q_s = smem + lay.q;
     float *new_scales = smem + lay.scales;
     void *new_k_s = smem + lay.new_k;
@@ -755,10 +626,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     __syncthreads();
     ATTN_TRACE(trace_prologue);
 
-    // Warp w's o [HG, hd] at o_s + w * o_stride: in its own ring for variants 1, 2.
-    float *o_s = VAR == 0 ? smem + lay.o : smem + lay.ring;
-    const int o_stride = VAR == 0 ? HG * hd : D * L::kStageFloats;
-    static_assert(VAR == 0 || HG * HD <= D * L::kStageFloats, "o fits in a warp's ring");
+    float *o_s = smem + lay.o;       // [warps, HG, hd]
     float *m_s = smem + lay.m;       // [warps, HG]
     float *l_s = smem + lay.l;
     float *f_s = smem + lay.f;
@@ -776,44 +644,20 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
 #pragma unroll
         for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
     }
-    if constexpr (VAR == 0) {
-        while (row0 >= 0) {
-            // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
-            // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
-            // tile i+3 are in flight.
-            Tile<KV, HD> nxt;
-            load_tile<KV, HD>(nxt, loc1, src, hd);
-            prefetch_tile<KV, HD>(loc2, src);
-            const int row1 = loc1.row0;
-            loc1 = loc2;
-            locate_tile<KV, HD>(loc2, next_row(cursor), src);
-            attend_tile<KV, HD, HG>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
-                                    hd, p.inv_sqrt_hd, lane, st);
-            cur = nxt;
-            row0 = row1;
-        }
-    } else {
-        while (rows[0] >= 0) {
-            // Tile i+D-1 into the stage tile i-1 left (every lane read it before the
-            // __syncwarp that ended the last step); one commit group per step, empty or not,
-            // so that wait_group<D-1> means: tile i has landed.
-            const int last = stage == 0 ? D - 1 : stage - 1;
-            copy_tile<KV, HD>(smem_address(ring + last * L::kStageFloats), loc1, src, lane);
-            cp_async_commit();
-            const int row_after = next_row(cursor);
-            locate_tile<KV, HD>(loc1, row_after, src);
-            cp_async_wait<D - 1>();
-            __syncwarp();
-            read_tile<KV, HD>(cur, ring + stage * L::kStageFloats, src, lane);
-            attend_tile<KV, HD, HG>(cur, rows[0], src, q_s, new_k_s, new_v_s, new_scales,
-                                    hd, p.inv_sqrt_hd, lane, st);
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < D - 1; ++k) rows[k] = rows[k + 1];
-            rows[D - 1] = row_after;
-            stage = stage == D - 1 ? 0 : stage + 1;
-        }
-        cp_async_wait<0>();  // only empty groups remain; nothing in flight at exit
+    while (row0 >= 0) {
+        // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
+        // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
+        // tile i+3 are in flight.
+        Tile<KV, HD> nxt;
+        load_tile<KV, HD>(nxt, loc1, src, hd);
+        prefetch_tile<KV, HD>(loc2, src);
+        const int row1 = loc1.row0;
+        loc1 = loc2;
+        locate_tile<KV, HD>(loc2, next_row(cursor), src);
+        attend_tile<KV, HD, HG>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+                                hd, p.inv_sqrt_hd, lane, st);
+        cur = nxt;
+        row0 = row1;
     }
 
     ATTN_TRACE(trace_rows);
@@ -831,7 +675,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
     if (lane < LPR) {
 #pragma unroll
         for (int j = 0; j < HG; ++j) {
-            float *o_w = o_s + warp * o_stride + j * hd;
+            float *o_w = o_s + (warp * HG + j) * hd;
 #pragma unroll
             for (int v = 0; v < L::kVecsPerLane; ++v) {
                 if constexpr (L::kVector) {
@@ -875,7 +719,7 @@ __global__ void __launch_bounds__(kAttnThreads, AttnVariant<VAR>::kMinBlocks)
         float o = 0.f;
 #pragma unroll
         for (int w = 0; w < kAttnWarps; ++w)
-            o = fmaf(f_s[w * HG + j], o_s[w * o_stride + j * hd + d], o);
+            o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
         const size_t head = (size_t)head0 + j;
         if (n_active == 1)
             a.out[head * hd + d] = o / stats[stats_stride + j];
@@ -942,76 +786,58 @@ using AttnKernel = void (*)(AttnParams);
 
 // Head-group sizes compiled: 1, 2, 4 and 8 for head_dim 128 (where the real models are), the
 // largest the registers allow for the other head dims.
-template <int KV, int HD, int VAR>
+template <int KV, int HD>
 AttnKernel kernel_for_group(int head_group) {
-    constexpr int kMax = max_head_group<KV, HD, VAR>();
+    constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
     if constexpr (HD == 128) {
-        if (head_group == 1) return attention_kernel<KV, HD, 1, VAR>;
-        if (head_group == 2) return attention_kernel<KV, HD, 2, VAR>;
-        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2), VAR>;
-        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2), VAR>;
+        if (head_group == 1) return attention_kernel<KV, HD, 1>;
+        if (head_group == 2) return attention_kernel<KV, HD, 2>;
+        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2)>;
+        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2)>;
         return nullptr;
     } else {
-        return head_group == kMax ? attention_kernel<KV, HD, kMax, VAR> : nullptr;
+        return head_group == kMax ? attention_kernel<KV, HD, kMax> : nullptr;
     }
-}
-
-template <int KV, int HD>
-AttnKernel kernel_for_variant(int variant, int head_group) {
-    if constexpr (AttnLayout<KV, HD>::kVector) {
-        if (variant == 1) return kernel_for_group<KV, HD, 1>(head_group);
-        if (variant == 2) return kernel_for_group<KV, HD, 2>(head_group);
-    }
-    return variant == 0 ? kernel_for_group<KV, HD, 0>(head_group) : nullptr;
 }
 
 template <int KV>
-AttnKernel kernel_for(int head_dim, int variant, int head_group) {
+AttnKernel kernel_for(int head_dim, int head_group) {
     switch (head_dim) {
-        case 64: return kernel_for_variant<KV, 64>(variant, head_group);
-        case 128: return kernel_for_variant<KV, 128>(variant, head_group);
-        case 256: return kernel_for_variant<KV, 256>(variant, head_group);
-        default: return kernel_for_variant<KV, 0>(variant, head_group);
+        case 64: return kernel_for_group<KV, 64>(head_group);
+        case 128: return kernel_for_group<KV, 128>(head_group);
+        case 256: return kernel_for_group<KV, 256>(head_group);
+        default: return kernel_for_group<KV, 0>(head_group);
     }
 }
 
-AttnKernel kernel_for(int kv_dtype, int head_dim, int variant, int head_group) {
+AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group) {
     switch (kv_dtype) {
-        case OG_KV_F32: return kernel_for<OG_KV_F32>(head_dim, variant, head_group);
-        case OG_KV_BF16: return kernel_for<OG_KV_BF16>(head_dim, variant, head_group);
-        case OG_KV_INT8: return kernel_for<OG_KV_INT8>(head_dim, variant, head_group);
+        case OG_KV_F32: return kernel_for<OG_KV_F32>(head_dim, head_group);
+        case OG_KV_BF16: return kernel_for<OG_KV_BF16>(head_dim, head_group);
+        case OG_KV_INT8: return kernel_for<OG_KV_INT8>(head_dim, head_group);
     }
     return nullptr;
 }
 
-// What the plan needs of a layout and variant: rows per tile, the widest head group, and the
-// ring's floats for the whole block.
-struct LayoutFacts {
-    int tile_rows, max_group, ring_floats;
-};
 template <int KV, int HD>
-LayoutFacts layout_facts(int variant) {
-    using L = AttnLayout<KV, HD>;
-    const int stages = variant == 1 ? AttnVariant<1>::kStages : variant == 2 ? AttnVariant<2>::kStages : 0;
-    const int max_group = variant == 1   ? max_head_group<KV, HD, 1>()
-                          : variant == 2 ? max_head_group<KV, HD, 2>()
-                                         : max_head_group<KV, HD, 0>();
-    return LayoutFacts{L::kTileRows, max_group, kAttnWarps * stages * L::kStageFloats};
+void layout_facts(int *tile_rows, int *max_group) {
+    *tile_rows = AttnLayout<KV, HD>::kTileRows;
+    *max_group = AttnLayout<KV, HD>::kMaxHeadGroup;
 }
 template <int KV>
-LayoutFacts layout_facts(int head_dim, int variant) {
+void layout_facts(int head_dim, int *tile_rows, int *max_group) {
     switch (head_dim) {
-        case 64: return layout_facts<KV, 64>(variant);
-        case 128: return layout_facts<KV, 128>(variant);
-        case 256: return layout_facts<KV, 256>(variant);
-        default: return layout_facts<KV, 0>(variant);
+        case 64: return layout_facts<KV, 64>(tile_rows, max_group);
+        case 128: return layout_facts<KV, 128>(tile_rows, max_group);
+        case 256: return layout_facts<KV, 256>(tile_rows, max_group);
+        default: return layout_facts<KV, 0>(tile_rows, max_group);
     }
 }
-bool layout_facts(int kv_dtype, int head_dim, int variant, LayoutFacts *facts) {
+bool layout_facts(int kv_dtype, int head_dim, int *tile_rows, int *max_group) {
     switch (kv_dtype) {
-        case OG_KV_F32: *facts = layout_facts<OG_KV_F32>(head_dim, variant); return true;
-        case OG_KV_BF16: *facts = layout_facts<OG_KV_BF16>(head_dim, variant); return true;
-        case OG_KV_INT8: *facts = layout_facts<OG_KV_INT8>(head_dim, variant); return true;
+        case OG_KV_F32: layout_facts<OG_KV_F32>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_BF16: layout_facts<OG_KV_BF16>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_INT8: layout_facts<OG_KV_INT8>(head_dim, tile_rows, max_group); return true;
     }
     return false;
 }
@@ -1020,27 +846,14 @@ int elem_bytes(int kv_dtype) { return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG
 
 }  // namespace
 
-bool attention_variant_from_env(int *variant) {
-    const char *env = getenv("ONEGRAPH_ATTN_VARIANT");
-    *variant = kDefaultAttnVariant;
-    if (env == nullptr || env[0] == '\0') return true;
-    if (env[1] != '\0' || env[0] < '0' || env[0] >= '0' + kAttnVariants) return false;
-    *variant = env[0] - '0';
-    return true;
-}
-
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
                            int kv_dtype, int split_len, AttentionPlan *plan) {
     if (plan == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
         head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 2 != 0 || max_seq_len <= 0 ||
         split_len < 0)
         return cudaErrorInvalidValue;
-    int variant = 0;
-    if (!attention_variant_from_env(&variant)) return cudaErrorInvalidValue;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) variant = 0;  // no vector layout
-    LayoutFacts facts;
-    if (!layout_facts(kv_dtype, head_dim, variant, &facts)) return cudaErrorInvalidValue;
-    const int tile_rows = facts.tile_rows, max_group = facts.max_group;
+    int tile_rows = 0, max_group = 0;
+    if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
     int head_group = max_group;
     if (head_dim == 128) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
@@ -1060,9 +873,9 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // Blocks per (KV head, head group) for head group hg: one wave of blocks over all of them
     // (before the cap at one per chunk: *wave).
     auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
-        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, variant, hg);
+        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg);
         if (kernel == nullptr) return cudaErrorInvalidValue;
-        const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb, facts.ring_floats).total * 4;
+        const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb).total * 4;
         if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
         OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
         int per_sm = 0;
@@ -1097,8 +910,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     plan->n_blocks = n_blocks;
     plan->head_group = head_group;
     plan->head_groups = head_groups;
-    plan->variant = variant;
-    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb, facts.ring_floats).total * 4;
+    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb).total * 4;
     return cudaSuccess;
 }
 
@@ -1115,7 +927,7 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     if (plan.split_len <= 0 || plan.n_blocks <= 0) return cudaErrorInvalidConfiguration;
     if (args.kv.page_size <= 0 || args.kv.block_tables == nullptr) return cudaErrorInvalidValue;
     if (args.qkv == nullptr && args.q == nullptr) return cudaErrorInvalidValue;
-    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.variant, plan.head_group);
+    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;

@@ -193,12 +193,8 @@ struct AttentionPlan {
                                   // b + n_blocks, ...
     int head_group = 0;           // query heads accumulated together in registers (HG)
     int head_groups = 0;          // ceil(n_heads / n_kv_heads / HG): blocks side by side per chunk
-    int variant = 0;              // how a warp streams its rows (attention.cu, AttnVariant)
     int smem_bytes = 0;
 };
-// The attention variant ONEGRAPH_ATTN_VARIANT names ("0", "1" or "2"; unset or empty: the
-// default); false when it names none. attention_plan reads it.
-bool attention_variant_from_env(int *variant);
 // split_len 0: the kernel's default chunk (one tile per warp); otherwise rounded up to a
 // multiple of 32. n_blocks: one wave of blocks over the KV heads, at most n_splits. Fails
 // with cudaErrorInvalidValue when the shape needs more shared memory than a block can have.

@@ -3,7 +3,6 @@
 //
 // Output arrays are copied to the device before the launch as well, so a caller that
 // fills them with NaN sees any element a kernel failed to write.
-#include <stdlib.h>
 #include <string.h>
 
 #include <new>
@@ -488,10 +487,6 @@ OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int
     if (head_group == nullptr || n_blocks == nullptr || split_len_out == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: NULL output");
     OG_TRY(require_device());
-    int variant = 0;
-    if (!attention_variant_from_env(&variant))
-        return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: ONEGRAPH_ATTN_VARIANT=%s: "
-                         "expected 0, 1 or 2", getenv("ONEGRAPH_ATTN_VARIANT"));
     AttentionPlan plan;
     const cudaError_t err = attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len, &plan);
     if (err == cudaErrorInvalidValue) {

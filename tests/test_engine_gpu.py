@@ -57,45 +57,6 @@ def test_graph_replay_is_bit_identical_to_nongraph():
         assert np.array_equal(g, p)
 
 
-# Each attention variant (ONEGRAPH_ATTN_VARIANT, read at og_init) in the decode body over a
-# cache of several chunks: head_dim 128 takes the vector layouts the variants differ in (the
-# tiny presets' 16 would always take variant 0); a prompt of 300 rows spreads each step over
-# several blocks and their combine. Greedy tokens and logits within LOGITS_BOUND of the
-# reference, and the graph replay bit-identical to the non-graph steps.
-@pytest.mark.parametrize("variant", [0, 1, 2])
-@pytest.mark.parametrize("kv", ["bf16", "int8"])
-def test_attention_variant_decode(variant, kv, monkeypatch):
-    from onegraph.synth import iter_tensors, preset_config
-    config = preset_config("tiny-dense", head_dim=128)
-    tensors = dict(iter_tensors(config, seed=0))
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config.vocab_size, 300)]
-    ref = ReferenceDecoder(config, tensors, kv_dtype=kv, max_seq_len=400)
-    ref_tokens, ref_logits = _decode(ref.step, prompt, 24)
-    monkeypatch.setenv("ONEGRAPH_ATTN_VARIANT", str(variant))
-    with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=400, device="gpu",
-                             prefill="token") as engine:
-        engine.set_graph(True)
-        graph_tokens, graph_logits = _decode(engine.step, prompt, 24)
-        engine.reset()
-        engine.set_graph(False)
-        plain_tokens, plain_logits = _decode(engine.step, prompt, 24)
-    assert graph_tokens == ref_tokens
-    worst = max(rel_l2(g, r) for g, r in zip(graph_logits, ref_logits))
-    assert worst < LOGITS_BOUND[kv], f"variant {variant}: worst logits rel L2 {worst:.3g}"
-    assert plain_tokens == graph_tokens
-    for g, p in zip(graph_logits, plain_logits):
-        assert np.array_equal(g, p), f"variant {variant}: graph and non-graph logits differ"
-
-
-def test_unknown_attention_variant_is_refused(monkeypatch):
-    config, tensors = synthetic("tiny-dense")
-    monkeypatch.setenv("ONEGRAPH_ATTN_VARIANT", "fast")
-    with pytest.raises(capi.LibraryError) as err:
-        Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="gpu")
-    assert err.value.status == capi.OG_E_INVALID_ARGUMENT
-    assert "ONEGRAPH_ATTN_VARIANT=fast" in str(err.value) and "\n" not in str(err.value)
-
-
 def test_one_copy_each_way_per_token():
     config, tensors = synthetic("tiny-dense")
     # prefill="token": the prompt goes through the decode body too (one copy each way per token)

@@ -446,39 +446,6 @@ def test_attention_short_cache_head_group_one(n_heads, n_kv, kv_dtype):
         assert same_bits(again, out), f"len={visible_len}: not bit-identical run to run"
 
 
-# Every way the kernel can stream its rows (ONEGRAPH_ATTN_VARIANT, attention.cu's
-# AttnVariant; read when the plan is made) over a cache of many chunks per block: within the
-# reference's bounds, and bit-identical run to run. Vector head dims only (the others always
-# take variant 0); the 0.6b, 8B and 30B-A3B attention shapes and GQA 1.
-ATTN_VARIANTS = [0, 1, 2]
-VARIANT_SHAPES = [(16, 8, 128), (32, 8, 128), (32, 4, 128), (4, 4, 64), (8, 1, 64), (4, 2, 256)]
-
-
-@pytest.mark.parametrize("variant", ATTN_VARIANTS)
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda k: KV_NAMES[k])
-@pytest.mark.parametrize("shape", VARIANT_SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
-def test_attention_variants_long_cache(shape, kv_dtype, variant, monkeypatch):
-    monkeypatch.setenv("ONEGRAPH_ATTN_VARIANT", str(variant))
-    n_heads, n_kv, hd = shape
-    max_seq = 6000
-    rng = rng_for("attn_variant", shape, kv_dtype)
-    for visible_len in (1, 130, 1000, 4099, max_seq):
-        k, v, ks, vs, kv, vv = random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len)
-        q = rng.standard_normal(n_heads * hd).astype(np.float32)
-        out, split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype)
-        ref, tol = ref_attention(q, kv, vv, n_heads, visible_len, split)
-        assert_within(out, ref, tol, f"variant {variant} len={visible_len} split={split}")
-        again, _, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype)
-        assert same_bits(again, out), f"variant {variant} len={visible_len}: not bit-identical run to run"
-
-
-def test_attention_plan_rejects_an_unknown_variant(monkeypatch):
-    monkeypatch.setenv("ONEGRAPH_ATTN_VARIANT", "3")
-    with pytest.raises(capi.LibraryError) as err:
-        ct.attention_plan(16, 8, 128, 4096, ct.OG_KV_INT8)
-    assert err.value.status == capi.OG_E_INVALID_ARGUMENT
-
-
 def test_attention_rejects_bad_arguments():
     q = np.ones(8, np.float32)
     k = np.ones((1, 4, 8), np.float32)

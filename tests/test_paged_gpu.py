@@ -225,21 +225,6 @@ def test_fused_attention_is_rope_then_attention(case, kv, split):
     # The body's kernel (QK-norm + RoPE + the new row's write + attention, the new row taken
     # from shared memory) gives bit for bit what the attention-only kernel gives over the q and
     # the pool it leaves behind; and it stores what the KV-write entry point stores.
-    check_fused_attention(case, kv, split)
-
-
-# The same for each attention variant (ONEGRAPH_ATTN_VARIANT: how a warp streams its rows),
-# on the vector head dims where they differ.
-@pytest.mark.parametrize("variant", [0, 1, 2])
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("case", [c for c in FUSED_CASES if c[2] in (64, 128, 256)],
-                         ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}")
-def test_fused_attention_variants(case, kv, variant, monkeypatch):
-    monkeypatch.setenv("ONEGRAPH_ATTN_VARIANT", str(variant))
-    check_fused_attention(case, kv, 0)
-
-
-def check_fused_attention(case, kv, split):
     n_heads, n_kv, hd, page, positions = case
     max_seq = 1024 + 8
     rng = np.random.default_rng(hd * 7 + page + n_heads)
