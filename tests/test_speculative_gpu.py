@@ -15,7 +15,7 @@ from onegraph.engine import Engine
 pytestmark = pytest.mark.gpu
 
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8, 45, 123, 7, 300, 11, 90, 150, 33]
-FEED = [5, 77, 410, 12, 9, 300, 41, 2, 150]   # the last accepted token and up to 8 drafts
+FEED = [5, 77, 310, 12, 9, 300, 41, 2, 150]   # the last accepted token and up to 8 drafts
 
 
 @pytest.fixture(scope="module", autouse=True)
