@@ -75,7 +75,6 @@ def measure_steps(args) -> dict:
 
 def measure_stage_alone(vocab: int, draws: int) -> dict:
     """Median µs per og_test_sample draw over `draws` rows, per variant (greedy included)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import capi_testing as ct
     logits = np.random.default_rng(0).normal(0.0, 3.0, vocab).astype(np.float32)
     out = {}
@@ -102,6 +101,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.context < 2 or args.steps < 1 or args.repeats < 1 or args.draws < 1:
         p.error("--context must be >= 2, --steps, --repeats and --draws >= 1")
+    if args.stage_alone:
+        # og_test_sample's library must be the one the engine loads: the testing library,
+        # chosen by importing capi_testing before any engine exists.
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        import capi_testing  # noqa: F401
     ms, vocab = measure_steps(args)
     greedy = ms["greedy (argmax)"]
     print(f"{args.preset} {args.weights} KV {args.kv}, context {args.context}, vocab {vocab}: graph step, "
