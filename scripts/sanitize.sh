@@ -16,6 +16,10 @@
 #            batched prefill's GEMM, chunked passes over 16-row KV pages, a second turn
 #            and a fork (copy-on-write) with decode after it, refusals, and int8 / q4 weights
 #            (dequantized per layer for the GEMM)
+#   sample   pytest tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow":
+#            the sampling stage (both launches, the last-block merge, the error path)
+#   verify   pytest tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors": the verify
+#            body (multi-vector GEMV, attention per position, rollback), graph and non-graph
 #   guards   pytest tests/test_reliability_gpu.py -k "guards_intact or two_handles": decodes to a
 #            full context (dense, MoE, Llama, tied; fp32 / bf16 / int8 KV; both paths), guard
 #            bands checked, and two engines decoding in two threads at once
@@ -61,7 +65,7 @@ for tool in "${TOOLS[@]}"; do
     *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
   esac
 done
-read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill guards}"
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill sample verify guards}"
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
@@ -88,6 +92,8 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
                printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "greedy_matches_reference and not fp32"
              fi ;;
     prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized" ;;
+    sample)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow" ;;
+    verify)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
   esac
