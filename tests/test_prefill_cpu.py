@@ -25,8 +25,12 @@ def test_abi_6_in_header_binding_and_rust():
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
     assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 6
     assert re.search(r"pub const OG_ABI_VERSION: i32 = 6;", rust)
-    # 6.3: og_sampling_params, whose fields agree in all three; og_step_record is unchanged
-    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h"))[1] >= capi.ABI_MINOR_REQUIRED == 3
+    # 6.3: og_sampling_params, whose fields agree in all three; og_step_record is unchanged;
+    # 6.4: the verify step (a minor addition: the Rust binding of 6.3 keeps working without it)
+    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h"))[1] >= capi.ABI_MINOR_REQUIRED == 4
+    for name in ("og_begin_verify_seq", "og_enqueue_verify", "og_run_verify", "og_verify_results",
+                 "og_verify_logits", "og_end_verify"):
+        assert f"OG_API og_status {name}(og_engine *e" in header
     params_c = header[header.index("typedef struct og_sampling_params {"):header.index("} og_sampling_params;")]
     params_rs = rust[rust.index("pub struct og_sampling_params {"):]
     params_rs = params_rs[:params_rs.index("}")]
