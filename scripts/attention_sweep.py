@@ -46,7 +46,7 @@ def median_step_ms(gpu, steps: int) -> float:
 def measure_engine(config, tensors, kv: str, variant: int, contexts: list[int], steps: int) -> list[dict]:
     """[{context, step_ms, no_attention_ms}] for one engine built with `variant`."""
     import capi_testing
-    from bench import benchmark as bench
+    from bench import timing
     from onegraph.engine import Engine
     os.environ[VARIANT_ENV] = str(variant)
     try:
@@ -58,7 +58,7 @@ def measure_engine(config, tensors, kv: str, variant: int, contexts: list[int], 
     with engine:
         gpu = engine.session
         for context in contexts:
-            with bench.pinned_position(engine, context - 1):
+            with timing.pinned_position(engine, context - 1):
                 capi_testing.set_omit(gpu.handle, ())
                 gpu.drop_graph()
                 whole = median_step_ms(gpu, steps)
@@ -72,9 +72,9 @@ def measure_engine(config, tensors, kv: str, variant: int, contexts: list[int], 
 
 
 def sweep(args) -> dict:
-    from bench import benchmark as bench
+    from bench import floor, timing
     from onegraph.synth import iter_tensors, preset_config
-    bandwidth = bench.measure_copy_bandwidth()
+    bandwidth = timing.measure_copy_bandwidth()
     records = []
     for preset in args.presets:
         config = preset_config(preset, num_hidden_layers=args.layers)
@@ -85,7 +85,7 @@ def sweep(args) -> dict:
                 t0 = time.perf_counter()
                 for r in measure_engine(config, tensors, kv, variant, args.contexts, args.steps):
                     c = r["context"]
-                    b = bench.bytes_per_token(config, kv, c)
+                    b = floor.bytes_per_token(config, kv, c)
                     kv_layer = b["kv_read"] / layers
                     attn_us = (r["step_ms"] - r["no_attention_ms"]) * 1e3 / layers
                     floor_ms = b["total"] / bandwidth * 1e3
