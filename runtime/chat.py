@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .engine import Engine, EngineError
+from .pretrained import open_pretrained
 from .sampling import SamplingParams
 from .text import Tokenizer
 
@@ -60,8 +61,8 @@ class Chat:
                         **engine_kwargs) -> "Chat":
         """A Chat on the model at `path` (a folder or a GGUF file), its tokenizer read from
         `tokenizer` (default: the same path). engine_kwargs go to Engine.from_pretrained."""
-        tok = Tokenizer.from_model(tokenizer or path)
-        engine = Engine.from_pretrained(path, **engine_kwargs)
+        model, tok = open_pretrained(path, tokenizer, progress=engine_kwargs.pop("progress", False))
+        engine = Engine.from_model(model, **engine_kwargs)
         return cls(engine, tok, system=system, sampling=sampling or SamplingParams(),
                    max_new_tokens=max_new_tokens)
 

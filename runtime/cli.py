@@ -50,11 +50,6 @@ def _sampling(args):
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
-def _tokenizer(args):
-    from .text import Tokenizer
-    return Tokenizer.from_model(args.tokenizer or args.model)
-
-
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -123,8 +118,8 @@ def cmd_demo(args) -> int:
 def _chat_demo(args, path: str) -> int:
     from .chat import Chat
     from .engine import Engine, library_status
-    from .text import Tokenizer
-    tokenizer = Tokenizer.from_model(path)
+    from .pretrained import open_pretrained
+    model, tokenizer = open_pretrained(path)
     usable, why = library_status()
     backends = ([("gpu", True), ("gpu", False)] if usable and args.device != "cpu" else []) + \
                ([("cpu", None)] if args.device != "gpu" else [])
@@ -136,7 +131,7 @@ def _chat_demo(args, path: str) -> int:
     for device, graph in backends:
         label = {True: "gpu graph", False: "gpu non-graph", None: "cpu"}[graph]
         engine_args = dict(_engine_kwargs(args), device=device, graph=bool(graph))
-        with Engine.from_pretrained(path, **engine_args) as engine:
+        with Engine.from_model(model, **engine_args) as engine:
             chat = Chat(engine, tokenizer, max_new_tokens=args.n)
             if device == "gpu":   # warm-up: captures the graph, touches every weight
                 chat.ask(args.question)
@@ -174,12 +169,13 @@ def _synthetic_demo(args) -> int:
 
 def cmd_chat(args) -> int:
     from .chat import Chat
-    tokenizer = _tokenizer(args)
+    from .engine import Engine
+    from .pretrained import open_pretrained
+    model, tokenizer = open_pretrained(args.model, args.tokenizer)
     if not tokenizer.has_chat_template:
         raise ValueError(f"{args.tokenizer or args.model}: the tokenizer has no chat template; "
                          f"use 'onegraph generate --prompt' for plain text")
-    from .engine import Engine
-    with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
+    with Engine.from_model(model, **_engine_kwargs(args)) as engine:
         chat = Chat(engine, tokenizer, system=args.system, sampling=_sampling(args), max_new_tokens=args.n,
                     speculative=args.speculative)
         _stderr(f"onegraph chat ({engine.backend}); /reset starts over, Ctrl-C stops an answer, "
@@ -212,16 +208,20 @@ def cmd_chat(args) -> int:
 
 def cmd_generate(args) -> int:
     from .engine import Engine
+    from .loader import load_model
+    from .pretrained import open_pretrained
+    from .text import TextError
     sampling = _sampling(args)
-    tokenizer = None
+    if args.prompt is None and (args.chat or args.system):
+        raise UsageError("--chat and --system need --prompt TEXT")
     if args.prompt is not None:
         try:
-            tokenizer = _tokenizer(args)
-        except ValueError as e:
+            model, tokenizer = open_pretrained(args.model, args.tokenizer)
+        except TextError as e:
             raise ValueError(f"--prompt needs the model's tokenizer: {e}; pass --prompt-ids instead") from None
-    elif args.chat or args.system:
-        raise UsageError("--chat and --system need --prompt TEXT")
-    with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
+    else:
+        model, tokenizer = load_model(args.model), None
+    with Engine.from_model(model, **_engine_kwargs(args)) as engine:
         if tokenizer is not None and (args.chat or args.system):
             from .chat import Chat
             chat = Chat(engine, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.n,
@@ -262,7 +262,8 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .eval import perplexity
     from .engine import Engine
-    tokenizer = _tokenizer(args)
+    from .pretrained import open_pretrained
+    model, tokenizer = open_pretrained(args.model, args.tokenizer)
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -271,7 +272,7 @@ def cmd_eval(args) -> int:
     ids = tokenizer.encode(text, add_special_tokens=True)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
-    with Engine.from_pretrained(args.model, **_engine_kwargs(args)) as engine:
+    with Engine.from_model(model, **_engine_kwargs(args)) as engine:
         result = perplexity(engine, ids)
         record = {"model": args.model, "text": args.text, "backend": engine.backend, "kv": args.kv,
                   "weights": args.weights, "quantize": args.quantize, "quantize_lm_head": args.quantize_lm_head,

@@ -73,6 +73,7 @@ import numpy as np
 from . import capi
 from .config import ModelConfig
 from .graph import GraphError
+from .loader import LoadedModel, load_model
 from .quant import WeightScheme, quantize_stream
 from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
@@ -215,14 +216,17 @@ class Engine:
 
     # ---- construction ----------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str, *, kv: str = "int8", max_seq_len: int = 4096, graph: bool = True,
-                        device: str = "auto", progress: bool = False, **kwargs) -> "Engine":
-        from .loader import load_model
-        model = load_model(path, progress=progress)
+    def from_pretrained(cls, path: str, *, progress: bool = False, **kwargs) -> "Engine":
+        """The model at `path` (a Hugging Face folder or a GGUF file); kwargs as for Engine()."""
+        return cls.from_model(load_model(path, progress=progress), **kwargs)
+
+    @classmethod
+    def from_model(cls, model: LoadedModel, *, max_seq_len: int = 4096, **kwargs) -> "Engine":
+        """A model already opened (loader.load_model, pretrained.open_pretrained); its tensors are
+        read as they are uploaded. max_seq_len is capped at the model's context length."""
         names = list(model.config.tensor_shapes())
-        return cls(model.config, lambda: ((n, model.tensors[n]) for n in names), kv=kv,
-                   max_seq_len=min(max_seq_len, model.config.max_position_embeddings), graph=graph,
-                   device=device, **kwargs)
+        return cls(model.config, lambda: ((n, model.tensors[n]) for n in names),
+                   max_seq_len=min(max_seq_len, model.config.max_position_embeddings), **kwargs)
 
     @classmethod
     def from_tensors(cls, config: ModelConfig, tensors: Mapping[str, np.ndarray] | Callable, **kwargs) -> "Engine":

@@ -245,8 +245,9 @@ def _gguf_shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Open a GGUF file and check it (see the module docstring); values are read on access."""
+def open_gguf(path: str | os.PathLike):
+    """Parse a GGUF file's header (metadata and tensor index; tensor data stays mapped, unread):
+    the gguf.GGUFReader that load_gguf and the tokenizer (text.Tokenizer.from_model) both read."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise LoaderError(f"{path}: GGUF file not found")
@@ -254,15 +255,23 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         from gguf import GGUFReader
     except ImportError:
         raise LoaderError(f"{path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
-    file_bytes = os.path.getsize(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise LoaderError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, ... on a damaged file
         raise LoaderError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}): truncated or corrupt") from None
+
+
+def load_gguf(path: str | os.PathLike, reader=None) -> LoadedModel:
+    """Open a GGUF file and check it (see the module docstring); values are read on access.
+    `reader`: the file's open_gguf(path), when the caller has parsed it already."""
+    path = os.fspath(path)
+    if reader is None:
+        reader = open_gguf(path)
+    file_bytes = os.path.getsize(path)
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > file_bytes or t.data.nbytes != t.n_bytes:

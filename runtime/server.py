@@ -855,16 +855,16 @@ class ServerThread:
         self.stop()
 
 
-def engine_for_serving(model: str, *, max_active: int, prefix_cache_size: int, max_seq_len: int = 4096,
+def engine_for_serving(model, *, max_active: int, prefix_cache_size: int, max_seq_len: int = 4096,
                        kv: str = "int8", device: str = "auto", **kwargs):
-    """Engine.from_pretrained with a KV pool sized for the server: room for every active and
-    cached sequence at full context."""
+    """Engine.from_model (`model`: a loader.LoadedModel) with a KV pool sized for the server:
+    room for every active and cached sequence at full context."""
     from .engine import Engine
     from .kvpool import DEFAULT_PAGE_SIZE
     sequences = max_active + prefix_cache_size + 1
     blocks = sequences * -(-max_seq_len // DEFAULT_PAGE_SIZE)
-    return Engine.from_pretrained(model, kv=kv, max_seq_len=max_seq_len, device=device,
-                                  kv_max_sequences=sequences, kv_pool_blocks=blocks, **kwargs)
+    return Engine.from_model(model, kv=kv, max_seq_len=max_seq_len, device=device,
+                             kv_max_sequences=sequences, kv_pool_blocks=blocks, **kwargs)
 
 
 def make_app(engine, tokenizer, model_name: str, **kwargs) -> App:
@@ -880,9 +880,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
           device: str = "auto", max_body: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
     """Load `model` and serve it until interrupted (Ctrl-C)."""
     import uvicorn
-    from .text import Tokenizer
-    tok = Tokenizer.from_model(tokenizer or model)
-    engine = engine_for_serving(model, max_active=max_active, prefix_cache_size=prefix_cache_size,
+    from .pretrained import open_pretrained
+    loaded, tok = open_pretrained(model, tokenizer)
+    engine = engine_for_serving(loaded, max_active=max_active, prefix_cache_size=prefix_cache_size,
                                 max_seq_len=max_seq_len, kv=kv, device=device)
     try:
         if tok.vocab_size > engine.config.vocab_size:

@@ -96,14 +96,16 @@ class Tokenizer:
         self._template = None  # compiled on first use: a broken template still lets encode() work
 
     @classmethod
-    def from_model(cls, path) -> "Tokenizer":
+    def from_model(cls, path, gguf_reader=None) -> "Tokenizer":
+        """The tokenizer of a model folder or GGUF file. gguf_reader: the GGUF file's parsed
+        header (a gguf.GGUFReader) when the caller has one, so the file is not parsed again."""
         path = os.fspath(path)
         if os.path.isdir(path):
             return _from_folder(path)
         if os.path.isfile(path):
-            if not path.endswith(".gguf"):
+            if not path.endswith(".gguf") and gguf_reader is None:
                 raise TextError(f"{path}: no tokenizer: expected a model folder (tokenizer.json) or a .gguf file")
-            return _from_gguf(path)
+            return _from_gguf(path, gguf_reader)
         raise TextError(f"{path}: no tokenizer: no such file or folder")
 
     def _token_id(self, text: str | None) -> int | None:
@@ -314,19 +316,20 @@ def _from_folder(folder: str) -> Tokenizer:
 
 # --- a GGUF file ------------------------------------------------------------------------------
 
-def _gguf_fields(path: str) -> dict:
-    """The tokenizer.* metadata of a GGUF file as plain Python values."""
-    import gguf  # only needed for .gguf files
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError / struct.error / OSError on a bad file
-        raise TextError(f"{path}: not a readable GGUF file: {_one_line(e)}") from None
+def _gguf_fields(path: str, reader) -> dict:
+    """The tokenizer.* metadata of a GGUF file (parsed by `reader` when given) as plain Python values."""
+    if reader is None:
+        import gguf  # only needed for .gguf files
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as e:  # GGUFReader raises ValueError / struct.error / OSError on a bad file
+            raise TextError(f"{path}: not a readable GGUF file: {_one_line(e)}") from None
     return {name: field.contents() for name, field in reader.fields.items()
             if name.startswith("tokenizer.")}
 
 
-def _from_gguf(path: str) -> Tokenizer:
-    meta = _gguf_fields(path)
+def _from_gguf(path: str, reader) -> Tokenizer:
+    meta = _gguf_fields(path, reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise TextError(f"{path}: no tokenizer: the GGUF has no tokenizer.ggml.model / tokenizer.ggml.tokens metadata")

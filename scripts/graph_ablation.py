@@ -63,9 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser, preset: str) -> None:
 
 def open_engine(args, max_seq_len: int):
     """(bench target, graph Engine on the GPU) for add_engine_args' flags."""
-    from bench import benchmark as bench
+    from bench import targets
     from onegraph.engine import Engine
-    target = bench.preset_target(args.preset, None, 0)
+    target = targets.preset_target(args.preset, None, 0)
     quant = {} if args.weights == "bf16" else {"weights": args.weights, "quantize": args.quantize,
                                                 "quantize_lm_head": args.quantize_lm_head}
     return target, Engine(target.config, target.source, kv=args.kv, max_seq_len=max_seq_len,
@@ -74,19 +74,19 @@ def open_engine(args, max_seq_len: int):
 
 def measure(args) -> dict:
     import capi_testing
-    from bench import benchmark as bench
+    from bench import targets, timing
     target, engine = open_engine(args, args.context + 8)
     with engine:
         gpu = engine.session
         capi_testing.reliability()
-        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
+        engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
         keep_only = getattr(args, "keep_only", False)
         if keep_only:  # everything, nothing, then each kind alone
             variants = [(), KINDS] + [tuple(k for k in KINDS if k != kind) for kind in KINDS]
         else:
             variants = [()] + [(kind,) for kind in KINDS]
         ms = {v: [] for v in variants}
-        with bench.pinned_position(engine, args.context - 1):
+        with timing.pinned_position(engine, args.context - 1):
             for _ in range(args.repeats):
                 for v in variants:
                     capi_testing.set_omit(gpu.handle, v)

@@ -50,9 +50,9 @@ def kind(launch: dict, vocab: int, hidden: int) -> str:
 
 
 def trace(args) -> tuple[np.ndarray, object]:
-    from bench import benchmark as bench
+    from bench import targets, timing
     from onegraph.engine import Engine
-    target = bench.preset_target(args.preset, None, 0)
+    target = targets.preset_target(args.preset, None, 0)
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
                     device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
     with engine:
@@ -64,8 +64,8 @@ def trace(args) -> tuple[np.ndarray, object]:
         gpu.lib.og_q4_trace_reset.restype = ctypes.c_int
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int
         gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
-        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
-        with bench.pinned_position(engine, args.context - 1):
+        engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
+        with timing.pinned_position(engine, args.context - 1):
             for _ in range(5):
                 gpu.begin(0)
                 gpu.capture().replay()

@@ -54,13 +54,13 @@ def timed_steps(gpu, steps: int) -> float:
 
 
 def measure_steps(args) -> dict:
-    from bench import benchmark as bench
+    from bench import targets, timing
     target, engine = open_engine(args, args.context + 16)
     ms = {name: [] for name in VARIANTS}
     with engine:
         gpu = engine.session
-        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
-        with bench.pinned_position(engine, args.context - 1):
+        engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
+        with timing.pinned_position(engine, args.context - 1):
             for _ in range(args.repeats):
                 for name, params in VARIANTS.items():
                     gpu.drop_graph()

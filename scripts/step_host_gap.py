@@ -17,7 +17,7 @@ from step_timing import warm_up  # noqa: E402
 
 def main(argv=None) -> int:
     from cuda.bindings import runtime as rt
-    from bench import benchmark as bench
+    from bench import targets, timing
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p, "qwen3-8b")
     p.add_argument("--context", type=int, default=64, help="KV rows a step attends over")
@@ -26,10 +26,10 @@ def main(argv=None) -> int:
     target, engine = open_engine(args, args.context + 16)
     with engine:
         gpu = engine.session
-        engine.prefill(bench.make_prompt(target.config, args.context - 1, 0))
+        engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
         for output in ("next_token", "logits"):
             gpu.set_output(output)
-            with bench.pinned_position(engine, args.context - 1):
+            with timing.pinned_position(engine, args.context - 1):
                 warm_up(gpu)
                 graph = gpu.capture()
                 start, stop = rt.cudaEventCreate()[1], rt.cudaEventCreate()[1]

@@ -6,7 +6,7 @@
 
 A step is a greedy step as the bench takes it (begin, graph replay, end with the logits copy,
 np.argmax; or with the variant item OUTPUT=next_token the device argmax and its 8-byte copy)
-on the session directly, at a pinned position (bench.pinned_position: the KV rows
+on the session directly, at a pinned position (timing.pinned_position: the KV rows
 below it are allocated, their content unspecified), so a long context costs no prefill. Per
 context, each variant's graph is captured anew (settings an experimental build reads from the
 environment at launch take effect there) and timed over --steps replays (median), the variants
@@ -69,15 +69,15 @@ def set_variant(variant: str, variants: list) -> None:
 
 
 def measure(args) -> dict:
-    from bench import benchmark as bench
+    from bench import targets, timing
     target, engine = open_engine(args, max(args.contexts) + 16)
     ms = {(c, v): [] for c in args.contexts for v in args.variants}
     diffs, reference = {}, None
     with engine:
         gpu = engine.session
-        engine.prefill(bench.make_prompt(target.config, min(args.contexts) - 1, 0))
+        engine.prefill(targets.make_prompt(target.config, min(args.contexts) - 1, 0))
         for context in args.contexts:
-            with bench.pinned_position(engine, context - 1):
+            with timing.pinned_position(engine, context - 1):
                 for _ in range(args.repeats):
                     for v in args.variants:
                         set_variant(v, args.variants)

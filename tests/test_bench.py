@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import benchmark as bench
+from bench import benchmark, floor, measure, report, targets, timing
 from onegraph.engine import Engine as CpuEngine
 from onegraph.synth import iter_tensors, preset_config
 
@@ -32,7 +32,7 @@ def test_qwen3_0_6b_hand_count():
     norms = L * (2 * H + 2 * 128) + H                          # input/post norms, q/k norms, final
     expected = 2 * weights + NORM * norms
     assert expected == 1_192_232_960
-    got = bench.weight_bytes_per_token(preset_config("qwen3-0.6b"))
+    got = floor.weight_bytes_per_token(preset_config("qwen3-0.6b"))
     assert got["total"] == expected
     assert got["lm_head"] == 2 * V * H and got["embedding_row"] == 2 * H
     assert round(got["total"] / 1e9, 2) == 1.19                # DESIGN.md anchor
@@ -46,11 +46,11 @@ def test_qwen3_8b_hand_count_and_embedding_table():
     expected = 2 * weights + NORM * norms
     assert expected == 15_137_435_648
     config = preset_config("qwen3-8b")
-    assert bench.weight_bytes_per_token(config)["total"] == expected
+    assert floor.weight_bytes_per_token(config)["total"] == expected
     assert round(expected / 1e9, 1) == 15.1
     full_table = expected + 2 * (V - 1) * H                    # the other V - 1 rows
     assert round(full_table / 1e9, 1) == 16.4
-    bpt = bench.bytes_per_token(config, "int8", 100)
+    bpt = floor.bytes_per_token(config, "int8", 100)
     assert bpt["embedding_table_not_read"] == 2 * (V - 1) * H
 
 
@@ -61,7 +61,7 @@ def test_qwen3_30b_a3b_active_hand_count():
     norms = L * (2 * H + 2 * 128) + H
     expected = 2 * weights + NORM * norms
     assert expected == 6_084_161_536
-    got = bench.weight_bytes_per_token(preset_config("qwen3-30b-a3b"))
+    got = floor.weight_bytes_per_token(preset_config("qwen3-30b-a3b"))
     assert got["total"] == expected and got["router"] == 2 * L * E * H
     assert round(expected / 1e9, 1) == 6.1
 
@@ -69,41 +69,41 @@ def test_qwen3_30b_a3b_active_hand_count():
 def test_every_preset_sums_its_parts():
     from onegraph.synth import PRESETS
     for name in PRESETS:
-        parts = bench.weight_bytes_per_token(preset_config(name))
+        parts = floor.weight_bytes_per_token(preset_config(name))
         assert parts["total"] == sum(v for k, v in parts.items() if k != "total"), name
 
 
 def test_kv_bytes():
     c = preset_config("qwen3-8b")                              # 36 layers, 8 KV heads × 128
-    assert bench.kv_bytes_per_token(c, "int8", 1000) == 2 * 36 * 1000 * 8 * (128 + 4)
-    assert bench.kv_bytes_per_token(c, "bf16", 1000) == 2 * 36 * 1000 * 8 * 128 * 2
-    assert bench.kv_bytes_per_token(c, "fp32", 1000) == 2 * 36 * 1000 * 8 * 128 * 4
-    assert bench.mean_decode_context(32, 64) == 64.5           # rows 33 .. 96 visible, mean 64.5
+    assert floor.kv_bytes_per_token(c, "int8", 1000) == 2 * 36 * 1000 * 8 * (128 + 4)
+    assert floor.kv_bytes_per_token(c, "bf16", 1000) == 2 * 36 * 1000 * 8 * 128 * 2
+    assert floor.kv_bytes_per_token(c, "fp32", 1000) == 2 * 36 * 1000 * 8 * 128 * 4
+    assert floor.mean_decode_context(32, 64) == 64.5           # rows 33 .. 96 visible, mean 64.5
 
 
 def test_weight_formats():
-    assert bench.matrix_bytes(4096, 4096, "bf16") == 2 * 4096 * 4096
-    assert bench.matrix_bytes(4096, 4096, "int8") == 4096 * 4096 + 4 * 4096
-    assert bench.matrix_bytes(4096, 4096, "q4") == 4096 * 128 * (16 + 4)
-    assert bench.matrix_bytes(4096, 4096, "q4", q4_scale_bytes=2) == 4096 * 128 * (16 + 2)
-    assert bench.Q4_SCALE_BYTES == 1  # what the library stores: one e5m3 byte a group
-    assert bench.matrix_bytes(1, 33, "q4") == 2 * (16 + 4)     # a partial last group is padded
+    assert floor.matrix_bytes(4096, 4096, "bf16") == 2 * 4096 * 4096
+    assert floor.matrix_bytes(4096, 4096, "int8") == 4096 * 4096 + 4 * 4096
+    assert floor.matrix_bytes(4096, 4096, "q4") == 4096 * 128 * (16 + 4)
+    assert floor.matrix_bytes(4096, 4096, "q4", q4_scale_bytes=2) == 4096 * 128 * (16 + 2)
+    assert floor.Q4_SCALE_BYTES == 1  # what the library stores: one e5m3 byte a group
+    assert floor.matrix_bytes(1, 33, "q4") == 2 * (16 + 4)     # a partial last group is padded
     with pytest.raises(ValueError, match="q8"):
-        bench.matrix_bytes(2, 2, "q8")
+        floor.matrix_bytes(2, 2, "q8")
     c = preset_config("qwen3-8b")
-    bf16 = bench.weight_bytes_per_token(c)
-    int8 = bench.weight_bytes_per_token(c, "int8", lm_head_fmt="bf16")
+    bf16 = floor.weight_bytes_per_token(c)
+    int8 = floor.weight_bytes_per_token(c, "int8", lm_head_fmt="bf16")
     assert int8["lm_head"] == bf16["lm_head"] and int8["router"] == bf16["router"] == 0
     assert int8["ffn"] == 36 * (3 * 12288 * 4096 + 4 * (2 * 12288 + 4096))
 
 
 def test_floor():
     c = preset_config("qwen3-0.6b")
-    total = bench.bytes_per_token(c, "int8", 64.5)["total"]
-    f = bench.floor_fields(total, 4.27e12, ms_per_token=1.0)
+    total = floor.bytes_per_token(c, "int8", 64.5)["total"]
+    f = floor.floor_fields(total, 4.27e12, ms_per_token=1.0)
     assert f["floor_ms"] == pytest.approx(0.28, abs=0.005)     # DESIGN.md: 0.28 ms on an H200
     assert f["fraction_of_floor"] == pytest.approx(f["floor_ms"])
-    assert bench.floor_fields(total, None, 1.0) == {"floor_ms": None, "floor_tokens_per_s": None,
+    assert floor.floor_fields(total, None, 1.0) == {"floor_ms": None, "floor_tokens_per_s": None,
                                                     "fraction_of_floor": None}
 
 
@@ -113,7 +113,7 @@ def test_summarize():
     runs = [{"ttft_ms": 10.0, "step_ms": [1.0, 2.0, 3.0, 4.0], "tokens": [1, 2, 3, 4, 5]},
             {"ttft_ms": 30.0, "step_ms": [2.0, 2.0, 2.0, 2.0], "tokens": [1, 2, 3, 4, 6]},
             {"ttft_ms": 20.0, "step_ms": [1.0, 1.0, 1.0, 1.0], "tokens": [1, 2, 3, 4, 7]}]
-    s = bench.summarize(runs)
+    s = timing.summarize(runs)
     assert s["tokens_per_s_runs"] == pytest.approx([400.0, 500.0, 1000.0])
     assert s["tokens_per_s"] == pytest.approx(500.0) and s["ms_per_token"] == pytest.approx(2.0)
     assert s["tbt_median_ms"] == 2.0
@@ -151,7 +151,7 @@ def test_pinned_position_overrides_the_step_record_and_restores():
     engine = CpuEngine.__new__(CpuEngine)
     engine._gpu = session
     session.begin(6)
-    with bench.pinned_position(engine, 4095):
+    with timing.pinned_position(engine, 4095):
         session.begin(7)
         session.begin(8)
     session.begin(9)
@@ -163,40 +163,40 @@ def test_pinned_position_overrides_the_step_record_and_restores():
 
 def synthetic_doc() -> dict:
     """A document as a GPU run would write it, with made-up timings."""
-    s = bench.Settings(kv=["int8"], peers=["hf-eager", "hf-compile"], contexts=[128, 4096])
-    target = bench.Target("qwen3-0.6b", preset_config("qwen3-0.6b"), None, "preset qwen3-0.6b")
+    s = targets.Settings(kv=["int8"], peers=["hf-eager", "hf-compile"], contexts=[128, 4096])
+    target = targets.Target("qwen3-0.6b", preset_config("qwen3-0.6b"), None, "preset qwen3-0.6b")
     results, sweep = [], []
     for runtime, kv, ms in (("onegraph-graph", "int8", 1.0), ("onegraph-nongraph", "int8", 1.5),
                             ("onegraph-graph-pipelined", "int8", 0.8), ("hf-eager", "bf16", 22.0)):
-        r = bench.empty_result(target, runtime, kv, s)
+        r = measure.empty_result(target, runtime, kv, s)
         runs = [{"ttft_ms": 30.0, "step_ms": [ms] * 4, "tokens": [5, 6, 7, 8, 9]}]
-        bpt = bench.bytes_per_token(target.config, kv, bench.mean_decode_context(32, 4))
-        r.update(bench.summarize(runs), bytes_per_token=bpt, device_bytes=2_000_000_000)
-        r.update(bench.floor_fields(bpt["total"], 4.27e12, r["ms_per_token"]))
+        bpt = floor.bytes_per_token(target.config, kv, floor.mean_decode_context(32, 4))
+        r.update(timing.summarize(runs), bytes_per_token=bpt, device_bytes=2_000_000_000)
+        r.update(floor.floor_fields(bpt["total"], 4.27e12, r["ms_per_token"]))
         if runtime.startswith("onegraph"):
             r.update(h2d_per_token=1.0, d2h_per_token=1.0)
         results.append(r)
-    skipped = bench.empty_result(target, "hf-compile", "bf16", s)
+    skipped = measure.empty_result(target, "hf-compile", "bf16", s)
     skipped.update(status="skipped", reason="torch sees no CUDA device")
     results.append(skipped)
     for context in s.contexts:
         for mode in ("graph", "nongraph"):
-            sweep.append(bench.context_record(target, "int8", mode, context, [1.0, 1.1, 1.2],
+            sweep.append(measure.context_record(target, "int8", mode, context, [1.0, 1.1, 1.2],
                                               "position", 0.0, 4.27e12))
-    bench.compare_tokens(results)
-    return bench.make_doc(["--preset", "qwen3-0.6b"], s, 4.27e12, results, sweep, ["a note"])
+    measure.compare_tokens(results)
+    return report.make_doc(["--preset", "qwen3-0.6b"], s, 4.27e12, results, sweep, ["a note"])
 
 
 def test_json_document_round_trip(tmp_path):
     doc = synthetic_doc()
     doc["context_sweep"][0]["floor_ms"] = float("nan")
     path = tmp_path / "bench.json"
-    bench.write_json(doc, str(path))
+    report.write_json(doc, str(path))
     text = path.read_text()
     assert "NaN" not in text                                   # NaN became null
     back = json.loads(text)
-    bench.check_schema(back)
-    assert back["schema_version"] == bench.SCHEMA_VERSION
+    report.check_schema(back)
+    assert back["schema_version"] == report.SCHEMA_VERSION
     graph, nongraph, piped, eager, compiled = back["results"]
     assert graph["speedup_over_nongraph"] == pytest.approx(1.5)      # both one step at a time
     assert graph["same_tokens_as_nongraph"] is True and graph["speedup_of_pipelining"] is None
@@ -213,19 +213,19 @@ def test_schema_rejects_missing_extra_and_version():
     doc = synthetic_doc()
     del doc["results"][0]["ttft_ms"]
     with pytest.raises(ValueError, match=r"results\[0\].*missing \['ttft_ms'\]"):
-        bench.check_schema(doc)
+        report.check_schema(doc)
     doc = synthetic_doc()
     doc["context_sweep"][1]["extra"] = 1
     with pytest.raises(ValueError, match=r"context_sweep\[1\].*unexpected \['extra'\]"):
-        bench.check_schema(doc)
+        report.check_schema(doc)
     doc = synthetic_doc()
     doc["schema_version"] = 0
     with pytest.raises(ValueError, match="schema_version"):
-        bench.check_schema(doc)
+        report.check_schema(doc)
 
 
 def test_summary_table():
-    table = bench.format_table(synthetic_doc())
+    table = report.format_table(synthetic_doc())
     lines = table.splitlines()
     assert "copy bandwidth 4.27 TB/s" in lines[0]
     graph_row = next(line for line in lines if "onegraph-graph" in line)
@@ -235,13 +235,13 @@ def test_summary_table():
     assert any("graph pipelined / graph step by step 1.25x, same tokens as non-graph: True" in line
                for line in lines)
     assert any("reads 1.196 GB/token" in line for line in lines)
-    assert "4096" in bench.format_sweep(synthetic_doc()["context_sweep"])
+    assert "4096" in report.format_sweep(synthetic_doc()["context_sweep"])
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
-    assert bench.write_plot(synthetic_doc(), str(path)) is None
+    assert report.write_plot(synthetic_doc(), str(path)) is None
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
@@ -274,7 +274,7 @@ def test_plot_draws_every_result_with_its_own_floor():
 
 def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    note = bench.write_plot(synthetic_doc(), str(tmp_path / "x.png"))
+    note = report.write_plot(synthetic_doc(), str(tmp_path / "x.png"))
     assert note.startswith("no chart:") and not (tmp_path / "x.png").exists()
 
 
@@ -282,11 +282,11 @@ def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
 
 def test_cpu_run_end_to_end(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    rc = bench.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "5",
+    rc = benchmark.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "5",
                      "--repeats", "2", "--contexts", "8,64,999999", "--context-steps", "2", "--json", str(path)])
     assert rc == 0
     doc = json.loads(path.read_text())
-    bench.check_schema(doc)
+    report.check_schema(doc)
     (r,) = doc["results"]
     assert r["runtime"] == "onegraph-cpu" and len(r["tokens"]) == 6 and len(r["step_ms_runs"]) == 2
     assert all(len(run) == 5 and min(run) > 0 for run in r["step_ms_runs"])
@@ -366,11 +366,11 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
         return engines[-1]
 
     monkeypatch.setattr("onegraph.engine.Engine", make_engine)
-    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2,
+    s = targets.Settings(prompt=3, n=4, repeats=2, kv=["int8"], contexts=[40, 100], context_steps=2,
                        step_output=step_output, pipeline=pipeline)
-    target = bench.preset_target("tiny-dense", None, seed=0)
-    results, sweep = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
-    bench.compare_tokens(results)
+    target = targets.preset_target("tiny-dense", None, seed=0)
+    results, sweep = measure.bench_onegraph(target, "int8", s, bandwidth=1e12)
+    measure.compare_tokens(results)
     piped = step_output == "next_token" and pipeline  # a third mode: the graph's steps pipelined
     modes = ["graph", "nongraph"] + (["graph-pipelined"] if piped else [])
     assert [r["runtime"] for r in results] == [f"onegraph-{m}" for m in modes]
@@ -410,8 +410,8 @@ def test_gpu_flow_alternates_modes_and_pins_the_context(monkeypatch, step_output
 
 
 def test_kv_page_option():
-    assert bench.settings_from(bench.parse_args([])).kv_pages == [0]
-    assert bench.settings_from(bench.parse_args(["--kv-page", "16,contiguous"])).kv_pages == [16, bench.CONTIGUOUS]
+    assert benchmark.settings_from(benchmark.parse_args([])).kv_pages == [0]
+    assert benchmark.settings_from(benchmark.parse_args(["--kv-page", "16,contiguous"])).kv_pages == [16, targets.CONTIGUOUS]
 
 
 def test_runtime_bench_never_imports_torch():
@@ -426,10 +426,10 @@ def test_peers_skip_cleanly(monkeypatch):
     assert peers.unavailable("vllm").startswith("unknown peer")
     monkeypatch.setitem(sys.modules, "torch", None)
     assert peers.unavailable("hf-eager") == "torch is not installed"
-    target = bench.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
-    r = bench.bench_peer("hf-compile", target, bench.Settings(), bandwidth=None)
+    target = targets.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
+    r = measure.bench_peer("hf-compile", target, targets.Settings(), bandwidth=None)
     assert r["status"] == "skipped" and r["reason"] == "torch is not installed"
-    assert set(r) == set(bench.RESULT_FIELDS)
+    assert set(r) == set(report.RESULT_FIELDS)
 
 
 def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
@@ -441,8 +441,8 @@ def test_peer_ttft_is_a_median_of_at_least_three_prefills(monkeypatch):
         return {"status": "ok", "runs": [{"ttft_ms": ms} for ms in (5.0, 90.0, 6.0)[:repeats]]}
 
     monkeypatch.setattr(peers, "run_peer", fake_run_peer)
-    target = bench.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
-    r = bench.ttft_peer("hf-eager", target, bench.Settings(repeats=1), 7)
+    target = targets.Target("tiny-dense", preset_config("tiny-dense"), None, "preset tiny-dense")
+    r = measure.ttft_peer("hf-eager", target, targets.Settings(repeats=1), 7)
     assert asked == [(7, 1, 3)]
     assert r["ttft_ms"] == 6.0 and r["ttft_ms_runs"] == [5.0, 90.0, 6.0]  # one slow run is ignored
 
@@ -476,7 +476,7 @@ def test_hf_eager_peer_on_cpu(preset):
     pytest.importorskip("transformers")
     from bench import peers
     config = preset_config(preset)
-    prompt, n = bench.make_prompt(config, 8, seed=0), 8
+    prompt, n = targets.make_prompt(config, 8, seed=0), 8
     out = peers.run_peer("hf-eager", config, lambda: iter_tensors(config), prompt=prompt, n=n, repeats=2,
                          device="cpu", dtype="float32")
     assert out["status"] == "ok", out
@@ -485,7 +485,7 @@ def test_hf_eager_peer_on_cpu(preset):
         assert len(run["step_ms"]) == n and all(0 < ms < 5_000 for ms in run["step_ms"])
         assert 0 < run["ttft_ms"] < 10_000
         assert run["tokens"] == _reference_greedy(config, prompt, n)
-    s = bench.summarize(out["runs"])
+    s = timing.summarize(out["runs"])
     assert math.isfinite(s["tokens_per_s"]) and s["tokens_per_s"] > 0
 
 
@@ -503,11 +503,11 @@ def test_merge_runs(tmp_path, capsys):
     paths = []
     for i in range(2):
         paths.append(str(tmp_path / f"run{i}.json"))
-        bench.write_json(synthetic_doc(), paths[-1])
+        report.write_json(synthetic_doc(), paths[-1])
     out = str(tmp_path / "all.json")
-    assert bench.main(["--merge", *paths, "--json", out]) == 0
+    assert benchmark.main(["--merge", *paths, "--json", out]) == 0
     doc = json.loads(open(out).read())
-    bench.check_schema(doc)
+    report.check_schema(doc)
     assert len(doc["results"]) == 2 * 5 and len(doc["context_sweep"]) == 8
     assert sum(note.startswith("merged: ") for note in doc["notes"]) == 2
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("qwen3-0.6b")
@@ -528,10 +528,10 @@ def test_suite_script_invocations_parse():
     assert len(calls) >= 3
     models = set()
     for name, *argv in calls:
-        args = bench.parse_args(argv + ["--json", f"/tmp/{name}.json"])
-        s = bench.settings_from(args)
+        args = benchmark.parse_args(argv + ["--json", f"/tmp/{name}.json"])
+        s = benchmark.settings_from(args)
         assert set(s.peers) <= set(peer_module.PEERS), f"{name}: unknown peer in {s.peers}"
-        for target in bench.targets_from(args):
+        for target in benchmark.targets_from(args):
             models.add(target.label.split("/")[0])
             too_long = [c for c in s.contexts + s.ttft if c >= target.config.max_position_embeddings]
             assert not too_long, f"{name}: {too_long} exceed {target.label}'s positions"
@@ -550,16 +550,16 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
         built.append((fmt, with_sweep))
         records = []
         for mode, factor in (("graph", 1.0), ("nongraph", 0.9)):
-            r = bench.empty_result(target, f"onegraph-{mode}", kv, s, fmt)
+            r = measure.empty_result(target, f"onegraph-{mode}", kv, s, fmt)
             r.update(tokens_per_s=speeds[fmt][e] * factor, tokens=[e, 1, 2], kv_page_size=64,
                      engine_index=e)
             records.append(r)
         return records, ([{"context": 8, "engine": e}] if with_sweep else [])
 
-    monkeypatch.setattr(bench, "bench_onegraph", fake_bench_onegraph)
-    s = bench.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8])
-    target = bench.preset_target("tiny-dense", None, 0)
-    results, sweep, _ = bench.run([target], s, None)
+    monkeypatch.setattr(measure, "bench_onegraph", fake_bench_onegraph)
+    s = targets.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8])
+    target = targets.preset_target("tiny-dense", None, 0)
+    results, sweep, _ = measure.run([target], s, None)
     assert built == [("bf16", True), ("q4", True), ("bf16", False), ("q4", False), ("bf16", False), ("q4", False)]
     assert sweep == [{"context": 8, "engine": 0}, {"context": 8, "engine": 0}]
     graph = {r["weights"]: r for r in results if r["runtime"] == "onegraph-graph"}
@@ -570,8 +570,8 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
     assert all(r["engine_index"] == 0 for r in nongraph)  # the graph record's engine, both modes
     assert graph["q4"]["speedup_over_nongraph"] == pytest.approx(1 / 0.9)
     # the lower middle of an even count
-    assert bench.median_engine([[{"tokens_per_s": 5.0}], [{"tokens_per_s": 3.0}]])[0]["tokens_per_s"] == 3.0
-    lines = bench._footnotes(results)
+    assert measure.median_engine([[{"tokens_per_s": 5.0}], [{"tokens_per_s": 3.0}]])[0]["tokens_per_s"] == 3.0
+    lines = report.footnotes(results)
     assert any("graph tok/s of its 3 engines 300.0, 330.0, 270.0" in line for line in lines)
     assert any("3.00x the bf16 weights' tok/s (graph; round by round 3.00x, 3.67x, 2.45x)" in line
                for line in lines)
@@ -579,16 +579,16 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
 
 def test_engines_must_be_positive(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--engines", "0"])
+        benchmark.parse_args(["--engines", "0"])
     assert "--engines must be at least 1" in capsys.readouterr().err
 
 
 def test_cpu_run_with_two_engines(tmp_path):
     path = tmp_path / "bench.json"
-    assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "3",
+    assert benchmark.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "3",
                        "--repeats", "1", "--engines", "2", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
-    bench.check_schema(doc)
+    report.check_schema(doc)
     (r,) = doc["results"]
     assert r["engines"] == 2 and len(r["tokens_per_s_engines"]) == 2
     assert r["tokens_per_s"] == min(r["tokens_per_s_engines"])  # the lower middle of two
@@ -598,17 +598,17 @@ def test_cpu_run_with_two_engines(tmp_path):
 # ---- --sampling: sampled decoding next to greedy -------------------------------------------------
 def test_sampling_option_parses_into_params(capsys):
     from onegraph.sampling import SamplingParams
-    args = bench.parse_args(["--sampling", "temperature=0.7,top_p=0.9,top_k=50"])
+    args = benchmark.parse_args(["--sampling", "temperature=0.7,top_p=0.9,top_k=50"])
     assert args.sampling == SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=0)
-    args = bench.parse_args(["--sampling", " min_p=0.05, repetition_penalty=1.1 ,seed=7,temperature=1"])
+    args = benchmark.parse_args(["--sampling", " min_p=0.05, repetition_penalty=1.1 ,seed=7,temperature=1"])
     assert args.sampling == SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.1, seed=7)
-    assert bench.parse_args([]).sampling is None
+    assert benchmark.parse_args([]).sampling is None
     for bad, says in (("temperature=hot", "is not a number"), ("tempo=1", "KEY=VALUE with KEY one of"),
                       ("top_p=1.5", "top_p=1.5 must be in (0, 1]"), ("", "is empty"),
                       ("top_k=5,top_k=6", "top_k given twice"), ("temperature", "KEY=VALUE"),
                       ("top_k=2.5", "is not a number")):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--sampling", bad])
+            benchmark.parse_args(["--sampling", bad])
         err = capsys.readouterr().err.strip().splitlines()
         assert says in err[-1] and "Traceback" not in "".join(err)
 
@@ -635,11 +635,11 @@ def test_sampled_modes_time_generate_next_to_greedy(monkeypatch, tmp_path):
         return engines[-1]
 
     monkeypatch.setattr("onegraph.engine.Engine", make_engine)
-    params = bench.sampling_spec("temperature=0.7,top_p=0.9,top_k=50")
-    s = bench.Settings(prompt=3, n=4, repeats=2, kv=["int8"], sampling=params)
-    target = bench.preset_target("tiny-dense", None, seed=0)
-    results, _ = bench.bench_onegraph(target, "int8", s, bandwidth=1e12)
-    bench.compare_tokens(results)
+    params = benchmark.sampling_spec("temperature=0.7,top_p=0.9,top_k=50")
+    s = targets.Settings(prompt=3, n=4, repeats=2, kv=["int8"], sampling=params)
+    target = targets.preset_target("tiny-dense", None, seed=0)
+    results, _ = measure.bench_onegraph(target, "int8", s, bandwidth=1e12)
+    measure.compare_tokens(results)
     modes = ["graph", "nongraph", "graph-pipelined", "graph-sampled", "nongraph-sampled"]
     assert [r["runtime"] for r in results] == [f"onegraph-{m}" for m in modes]
     by = {r["runtime"].removeprefix("onegraph-"): r for r in results}
@@ -658,18 +658,18 @@ def test_sampled_modes_time_generate_next_to_greedy(monkeypatch, tmp_path):
         assert by[m]["pipelined"] == (m in ("graph-pipelined", "graph-sampled"))
     # the sampled tokens are the engine's generate with the parsed params (prompt, then 5 tokens)
     with CpuEngine(target.config, target.source, kv="int8", max_seq_len=64, device="cpu") as ref:
-        tokens = ref.generate(bench.make_prompt(target.config, 3, 0), 5, params, stop_token_ids=())
+        tokens = ref.generate(targets.make_prompt(target.config, 3, 0), 5, params, stop_token_ids=())
     assert by["graph-sampled"]["tokens"] == by["nongraph-sampled"]["tokens"] == tokens
     assert by["graph-sampled"]["common_prefix_with_onegraph"] is None
     # warm-up + 2 repeats of each sampled mode, each on its own path, with the parsed params
     runs = engines[0].sampled_runs
     assert sorted(path for path, _ in runs) == ["graph"] * 3 + ["nongraph"] * 3
     assert all(p == params for _, p in runs)
-    doc = bench.make_doc([], s, 1e12, results, [], [])
-    bench.check_schema(doc)
-    bench.write_json(doc, str(tmp_path / "bench.json"))
+    doc = report.make_doc([], s, 1e12, results, [], [])
+    report.check_schema(doc)
+    report.write_json(doc, str(tmp_path / "bench.json"))
     read = json.loads((tmp_path / "bench.json").read_text())
     assert read["settings"]["sampling"] == want and read["results"][3]["sampling"] == want
-    table = bench.format_table(doc)
+    table = report.format_table(doc)
     assert "graph-sampled / graph-pipelined" in table and "nongraph-sampled / nongraph" in table
     assert f"{by['graph-sampled']['sampled_over_greedy']:.2f}x" in table

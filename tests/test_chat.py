@@ -101,3 +101,40 @@ def test_speculative_chat_answers_as_plain_chat(model):
             stats = chat.engine.stats()
     assert replies["ngram"] == replies[None]
     assert stats["verify_steps"] > 0 and stats["accepted"] > 0
+
+
+def test_opening_a_gguf_parses_it_once(model, monkeypatch, capsys):
+    """Chat.from_pretrained and `onegraph generate --prompt` read the model and its tokenizer
+    from one parse of the GGUF header (one GGUFReader), and get what opening each on its own
+    gets: the same tokenizer, config and answer."""
+    import gguf
+    from onegraph.chat import Chat, stop_tokens
+    from onegraph.cli import main
+    from onegraph.engine import Engine
+    from onegraph.loader import load_model
+    path, tokenizer = model
+    made = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            made.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    text = "Hello, world! <|im_start|>user 12345 ünïcödé"
+    with Chat.from_pretrained(path, device="cpu", kv="fp32", max_seq_len=64) as chat:
+        assert len(made) == 1
+        assert chat.tokenizer.encode(text) == tokenizer.encode(text)
+        assert chat.tokenizer.stop_token_ids == tokenizer.stop_token_ids
+        assert chat.tokenizer.chat_template == tokenizer.chat_template
+        assert chat.engine.config == load_model(path).config
+
+    prompt = "What is the capital of France?"
+    made.clear()
+    assert main(["generate", "--model", path, "--prompt", prompt, "-n", "3", "--device", "cpu",
+                 "--kv", "fp32", "--max-seq-len", "64"]) == 0
+    assert len(made) == 1
+    monkeypatch.undo()
+    with Engine.from_pretrained(path, device="cpu", kv="fp32", max_seq_len=64) as engine:
+        ids = list(engine.stream(tokenizer.encode(prompt), 3, stop_token_ids=stop_tokens(engine, tokenizer)))
+    assert capsys.readouterr().out == tokenizer.decode(ids, skip_special_tokens=True) + "\n"

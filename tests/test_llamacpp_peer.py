@@ -69,7 +69,7 @@ def test_llama_cpp_decodes_the_reference_tokens():
 
 def test_bench_record_of_a_gguf_counts_the_files_bytes(monkeypatch, tmp_path):
     """bench: llama.cpp on a GGUF model decodes that file; its floor counts the file's bytes."""
-    from bench import benchmark as bench
+    from bench import measure, targets
     model = tmp_path / "m.gguf"
     model.write_bytes(b"\0" * 1000)
     seen = {}
@@ -81,8 +81,8 @@ def test_bench_record_of_a_gguf_counts_the_files_bytes(monkeypatch, tmp_path):
 
     monkeypatch.setattr(peers, "run_peer", fake_run_peer)
     config = preset_config("tiny-dense")
-    target = bench.Target("m", config, None, str(model))
-    r = bench.bench_peer("llama.cpp", target, bench.Settings(n=4, repeats=1), bandwidth=1e12)
+    target = targets.Target("m", config, None, str(model))
+    r = measure.bench_peer("llama.cpp", target, targets.Settings(n=4, repeats=1), bandwidth=1e12)
     assert seen["model_path"] == str(model)
     assert r["weights"] == "gguf" and r["kv"] == "f16"
     assert r["bytes_per_token"]["weights"]["total"] == 1000

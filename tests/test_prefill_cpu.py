@@ -207,18 +207,18 @@ def test_library_refusals_are_engine_errors_and_change_nothing(tiny, status):  #
 
 
 def test_bench_ttft_records_on_the_cpu(tmp_path, capsys):
-    from bench import benchmark as bench
+    from bench import benchmark, measure, report
     out = tmp_path / "b.json"
-    assert bench.main(["--device", "cpu", "--preset", "tiny-dense", "--prompt", "3", "--n", "2",
+    assert benchmark.main(["--device", "cpu", "--preset", "tiny-dense", "--prompt", "3", "--n", "2",
                        "--repeats", "1", "--ttft", "5,9", "--json", str(out)]) == 0
     import json
     doc = json.loads(out.read_text())
-    bench.check_schema(doc)
+    report.check_schema(doc)
     got = {(r["runtime"], r["prompt"]) for r in doc["ttft"]}
     assert got == {(f"onegraph-cpu-{m}", p) for m in ("batched", "token") for p in (5, 9)}
     assert all(r["ttft_ms"] > 0 for r in doc["ttft"])
     # A batched TTFT is a median of at least 3 runs even with --repeats 1; token by token keeps
     # --repeats (its runs are long).
     runs = {r["runtime"].rsplit("-", 1)[1]: len(r["ttft_ms_runs"]) for r in doc["ttft"]}
-    assert runs == {"batched": bench.TTFT_MIN_REPEATS, "token": 1}
+    assert runs == {"batched": measure.TTFT_MIN_REPEATS, "token": 1}
     assert "time to first token" in capsys.readouterr().out

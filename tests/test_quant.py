@@ -373,10 +373,10 @@ def test_config_default_and_validation_of_weight_formats():
 
 
 def test_benchmark_counts_quantized_bytes():
-    from bench import benchmark as bench
+    from bench import floor
     c = preset_config("qwen3-8b")
-    bf16 = bench.weight_bytes_per_token(c)
-    q4 = bench.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")
+    bf16 = floor.weight_bytes_per_token(c)
+    q4 = floor.weight_bytes_per_token(c, "q4", lm_head_fmt="q4")
     H, I = 4096, 12288
     assert q4["ffn"] == 36 * (2 * I * (H // 32) * 17 + H * (I // 32) * 17)   # e5m3 scales: 17 B per group
     assert q4["embedding_row"] == bf16["embedding_row"] == 2 * H             # the gather stays bf16
@@ -384,7 +384,7 @@ def test_benchmark_counts_quantized_bytes():
           f"({bf16['total'] / q4['total']:.2f}x fewer)")
     assert 3.6 < bf16["total"] / q4["total"] < 3.8
     moe = preset_config("qwen3-30b-a3b")
-    experts_only = bench.weight_bytes_per_token(moe, "q4", lm_head_fmt="bf16", quantize="experts")
-    base = bench.weight_bytes_per_token(moe)
+    experts_only = floor.weight_bytes_per_token(moe, "q4", lm_head_fmt="bf16", quantize="experts")
+    base = floor.weight_bytes_per_token(moe)
     assert experts_only["attention"] == base["attention"] and experts_only["lm_head"] == base["lm_head"]
     assert experts_only["ffn"] * 2 * 32 == base["ffn"] * 17                 # 17 of 64 bytes per 32 weights
