@@ -130,7 +130,7 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->sampled = a.take<SampledResult>(1);
     e->next_token = &e->sampled->next;
     e->sample_state = a.take<SampleState>(1);
-    e->sample_z = a.take<float>(sample_scratch_floats(d.V));
+    e->sample_z = a.take<float>(d.V);
     e->sample_counts = a.take<int32_t>((size_t)e->kv.layout.max_sequences * d.V);
     e->sample_params = a.take<og_sampling_params>((size_t)e->kv.layout.max_sequences);
     e->argmax_partials = a.take<NextToken>(argmax_partials(d.V));

@@ -132,7 +132,7 @@ struct og_engine {
     // ---- the sampling stage (OG_OUTPUT_SAMPLED, sample.cuh) ----
     og::SampledResult *sampled = nullptr;
     og::SampleState *sample_state = nullptr;
-    float *sample_z = nullptr;           // (sample_scratch_floats(V)) scratch
+    float *sample_z = nullptr;           // (V) scratch
     int32_t *sample_counts = nullptr;    // (max_sequences, V) tokens generated per sequence slot
     // Per sequence slot (og_seq_set_sampling): a host copy and the device array the stage reads
     // through the step record's seq_slot, so a captured graph serves any parameters.

@@ -1,22 +1,17 @@
 // sample.cuh — the sampling stage of the decode body (OG_OUTPUT_SAMPLED), cuda/sample.cu.
 //
 // The algorithm is runtime/sampling.py's sample_step, step for step (its docstring numbers the
-// steps; the comments in sample.cu use the same numbers). Two launches after the lm_head, no
+// steps; the comments in sample.cu use the same numbers). Three launches after the lm_head, no
 // grid-wide sync: cross-block results meet through integer atomics (order-free, so the result
-// is deterministic) and the last block of a launch (a ticket, reset by that block) finishes:
-//   1 prepare  z = penalties(logits) / T into scratch; max z (with its id) by atomicMax. With
-//              temperature 0 or 0 < top_k <= kSampleFastK (< V) this launch finishes the step:
-//              every block keeps its own top_k ids by z (a radix select over its slice) and the
-//              largest z it left out; the last block selects the top_k by d = z - max z among
-//              those, checks that no left-out id can reach them (else it selects over all V),
-//              cuts, races, writes the result and counts the step's input token.
-//   2 select   (the other filters) d, w, W = floor(w 2^40): per-bucket count and mass over 256
-//              buckets of d (8 per nat), each block's ids sorted by bucket into scratch; with no
-//              filter, the race key of every id (atomicMax). The last block finds the last
-//              bucket the kept set can reach (top-k by count, top-p by mass, min-p by d),
-//              gathers the ids of buckets up to it from every block's sorted slice (at most
-//              kSampleCandidates), sorts them (d descending, lower id first), cuts them exactly,
-//              races the kept ones and finishes. After a finished launch 1 it returns at once.
+// is deterministic) and the last block of the third launch (a ticket) finishes the step:
+//   1 prepare    z = penalties(logits) / T into scratch; max z (with its id) by atomicMax
+//   2 histogram  d = z - max, w, W = floor(w 2^40): per-bucket count and mass over 256 buckets
+//                of d (8 per nat); with no filter, the race key of every id (atomicMax)
+//   3 select     every block finds the last bucket the kept set can reach from the histogram
+//                (top-k by count, top-p by mass, min-p by d) and gathers the ids of buckets up
+//                to it (at most kSampleCandidates); the last block sorts them (d descending,
+//                lower id first), cuts them exactly, races the kept ones, writes the result,
+//                counts the step's input token and zeroes the state for the next step.
 #pragma once
 
 #include <cstdint>
@@ -27,10 +22,8 @@
 namespace og {
 
 constexpr int kSampleBuckets = 256;        // histogram of d = z - max z, 8 buckets per nat
-constexpr int kSampleCandidates = 4096;    // ids the last block of launch 2 sorts, at most
+constexpr int kSampleCandidates = 4096;    // ids the last block sorts, at most
 constexpr int kSampleMaxLogprobs = 20;     // OG_MAX_LOGPROBS
-constexpr int kSampleMaxBlocks = 128;      // blocks of either launch
-constexpr int kSampleFastK = 128;          // top_k that launch 1 finishes, at most
 
 // What the stage leaves on the device and the body copies out: `next` first (the 8 bytes of
 // OG_OUTPUT_SAMPLED, the token a chained step's embedding reads), the top log-probabilities
@@ -41,29 +34,19 @@ struct SampledResult {
     og_top_logprob top[kSampleMaxLogprobs];
 };
 
-// Device scratch. The scalars and the histogram are zeros between steps (the finishing block
-// zeroes what it used); the per-block arrays are written before they are read in every step.
+// Device scratch, all zeros between steps (the last block of step 3 zeroes what it used).
 struct SampleState {
     unsigned long long best_z;             // max over ids of (ordered z, ~id)
     unsigned long long best_race;          // max over ids of (ordered race key, ~id)
     unsigned bad;                          // a NaN / +inf logit or z
-    unsigned prepare_ticket;               // launch 1's last block
-    unsigned ticket;                       // launch 2's last block
+    unsigned n_candidates;
+    unsigned ticket;
     int32_t input;                         // the step's input token (counted at the end)
     unsigned hist_count[kSampleBuckets];
     unsigned long long hist_mass[kSampleBuckets];
-    // launch 1, per block: its top_k (z, id) in any order, and the largest (ordered z, ~id) it
-    // left out (0: none)
-    float top_z[kSampleMaxBlocks * kSampleFastK];
-    int32_t top_id[kSampleMaxBlocks * kSampleFastK];
-    unsigned long long top_excluded[kSampleMaxBlocks];
-    // launch 2, per block: ids of its slice in buckets <= b, for every bucket b
-    unsigned block_cum[kSampleMaxBlocks][kSampleBuckets];
+    float candidate_d[kSampleCandidates];
+    int32_t candidate_id[kSampleCandidates];
 };
-
-// Floats of the stage's scratch for a vocabulary of V: z [V], then launch 2's bucket-sorted
-// d [V] and ids [V] (int32).
-inline size_t sample_scratch_floats(int V) { return 3 * (size_t)V; }
 
 struct SampleArgs {
     const float *logits;                   // [V], the lm_head's output
@@ -72,7 +55,7 @@ struct SampleArgs {
     const og_sampling_params *params;      // [max_sequences] per sequence slot (og_seq_set_sampling)
     const NextToken *previous;             // the previous step's token (a chained step)
     int32_t *counts;                       // [max_sequences, V] tokens generated per sequence
-    float *z;                              // [sample_scratch_floats(V)] scratch
+    float *z;                              // [V] scratch
     SampleState *state;
     SampledResult *out;
 };

@@ -814,7 +814,7 @@ OG_API og_status og_test_sample(const float *logits, int32_t vocab, const int32_
         OG_CUDA_TRY(cudaMemcpy(d_counts.ptr, counts, (size_t)vocab * 4, cudaMemcpyHostToDevice));
     OG_TRY(alloc_copy(d_params, params, sizeof *params));
     OG_TRY(alloc_copy(d_step, &record, sizeof record));
-    OG_TRY(alloc(d_z, sample_scratch_floats(vocab) * 4));
+    OG_TRY(alloc(d_z, (size_t)vocab * 4));
     OG_TRY(alloc(d_state, sizeof(SampleState)));
     OG_CUDA_TRY(cudaMemset(d_state.ptr, 0, sizeof(SampleState)));   // zero between steps
     OG_TRY(alloc(d_out, sizeof(SampledResult)));
