@@ -76,7 +76,8 @@ from .graph import GraphError
 from .quant import WeightScheme, quantize_stream
 from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
-from .speculative import SPECULATIVE_MODES, AdaptiveK, Drafter, accepted_drafts, make_drafter
+from .speculative import (SPECULATIVE_MODES, AdaptiveK, DraftModelDrafter, Drafter, accepted_drafts,
+                          make_drafter)
 
 log = logging.getLogger("onegraph")
 
@@ -754,23 +755,35 @@ class Engine:
         return logits
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-               stop_token_ids: Iterable[int] | None = None, speculative: str | None = None) -> Iterator[int]:
+               stop_token_ids: Iterable[int] | None = None,
+               speculative: "str | Engine | None" = None) -> Iterator[int]:
         """Feed the prompt, then yield each new token (greedy by default) as it reaches the host:
         up to max_new_tokens of them, the last one a stop token when one comes (stop_token_ids,
         default: the model's end-of-sequence ids). The last token yielded is not fed. The
         request is checked now (EngineError, ValueError; nothing changed); the prompt is fed at
         the first next(). Stopping early (break, close(), an exception) leaves the sequence
         holding exactly the tokens fed; the module docstring says when an open stream ends.
-        speculative: None, or "ngram" (greedy only): the same tokens, decoded with drafts
-        verified several at a time (the module docstring)."""
+        speculative: None, "ngram" (prompt lookup) or another Engine (a draft model over the same
+        vocabulary, whose selected sequence the drafting takes over), greedy only: the same
+        tokens, decoded with drafts verified several at a time (runtime/speculative.py)."""
         self._end_open_stream()
+        drafter: Drafter | None = None
         if speculative is not None:
-            if speculative not in SPECULATIVE_MODES:
-                raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES} (or None)")
+            if isinstance(speculative, Engine):
+                if speculative is self:
+                    raise ValueError("speculative=: the draft model needs an engine of its own, not the target")
+                name = "a draft model"
+            elif speculative in SPECULATIVE_MODES:
+                name = repr(speculative)
+            else:
+                raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES}, "
+                                 "a draft model's Engine, or None")
             params = sampling or SamplingParams()
             if not params.greedy or params.penalized:
-                raise ValueError(f"speculative={speculative!r} decodes greedily: it takes no sampling "
+                raise ValueError(f"speculative decoding with {name} decodes greedily: it takes no sampling "
                                  "temperature or penalties")
+            drafter = (DraftModelDrafter(speculative, self.config.vocab_size) if isinstance(speculative, Engine)
+                       else make_drafter(speculative))
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -786,12 +799,12 @@ class Engine:
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         key = object()
         tokens = self._stream_tokens(key, prompt_ids, int(max_new_tokens), sampling or SamplingParams(),
-                                     {int(t) for t in stops}, speculative)
+                                     {int(t) for t in stops}, drafter)
         self._open_stream = (key, weakref.ref(tokens))
         return tokens
 
     def _stream_tokens(self, key, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                       stop: set, speculative: str | None = None) -> Iterator[int]:
+                       stop: set, drafter: Drafter | None = None) -> Iterator[int]:
         """stream()'s generator; `key` marks it as the engine's open stream until it ends."""
         try:
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
@@ -803,8 +816,8 @@ class Engine:
             yield token
             if token in stop or max_new_tokens == 1:
                 return
-            if speculative is not None:  # drafts verified several at a time (greedy)
-                yield from self._speculative_tokens(token, max_new_tokens - 1, stop, make_drafter(speculative))
+            if drafter is not None:  # drafts verified several at a time (greedy)
+                yield from self._speculative_tokens(token, max_new_tokens - 1, stop, drafter)
             elif params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
                 yield from self._greedy_tokens(token, max_new_tokens - 1, stop)
             else:  # the sampling stage on the device (pipelined on the graph path), or on the host
@@ -826,7 +839,8 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_token_ids: Iterable[int] | None = None,
-                 on_token: Callable[[int], None] | None = None, speculative: str | None = None) -> list[int]:
+                 on_token: Callable[[int], None] | None = None,
+                 speculative: "str | Engine | None" = None) -> list[int]:
         """list(stream(...)): the new tokens; on_token(token) is called as each one arrives."""
         out: list[int] = []
         with contextlib.closing(self.stream(prompt_ids, max_new_tokens, sampling, stop_token_ids,
@@ -856,6 +870,19 @@ class Engine:
         if self._cpu is not None:
             self._cpu.reset()
         self._history.clear()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens of the selected sequence (0 <= length <= position); the
+        rows after them are released (GPU) or left unread until overwritten (CPU)."""
+        self._end_open_stream()
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) \
+                or not 0 <= length <= len(self._history):
+            raise EngineError(f"truncate: length {length!r} is outside 0..{len(self._history)} (tokens held)")
+        if self._gpu is not None:
+            self._gpu.seek(int(length))
+        else:
+            self._cpu.truncate(int(length))
+        del self._history[int(length):]
 
     def set_graph(self, enabled: bool) -> None:
         self.use_graph = bool(enabled)
