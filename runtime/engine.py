@@ -66,7 +66,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -556,25 +556,47 @@ class Engine:
                 if token in stop:
                     return
                 continue
-            feed = [int(token)] + [int(d) for d in drafts]
-            verified = self._verify(feed)
-            accepted = accepted_drafts(drafts, verified)
-            adaptive.update(len(drafts), accepted)
-            # New tokens: verified[0 .. accepted], cut at the first stop token and at max_steps;
-            # the rows kept are those of the inputs before each new token (the last new token
-            # is not fed).
-            new = [int(t) for t in verified[:accepted + 1]][:remaining]
-            for i, t in enumerate(new):
-                if t in stop:
-                    new = new[:i + 1]
-                    break
-            self._end_verify(feed, len(new))
+            new = self.step_speculative(token, drafts, stop, remaining)
+            # A cut (a stop token, max_steps) ends the generation: what it hides from the
+            # acceptance count no longer matters.
+            adaptive.update(len(drafts), accepted_drafts(drafts, new))
             for t in new:
                 out.append(t)
                 yield t
             token = new[-1]
             if token in stop:
                 return
+
+    def step_speculative(self, token: int, drafts: Sequence[int], stop_token_ids: Iterable[int] = (),
+                         max_tokens: int | None = None) -> list[int]:
+        """One verify step: feed `token` and the drafts (1..capi.MAX_VERIFY - 1 of them) at the
+        selected sequence's next rows, accept the drafts while they equal the greedy tokens.
+        Returns the new tokens, the greedy token after `token` and after each accepted draft,
+        cut after the first of stop_token_ids and at max_tokens: the tokens (and rows kept:
+        those of the inputs before each new token, the last new token not fed) that as many
+        step_greedy calls would give. EngineError (nothing changed) for a bad token or draft
+        count, or drafts that do not fit the context."""
+        self._end_open_stream()
+        drafts = list(drafts)
+        if not 1 <= len(drafts) <= capi.MAX_VERIFY - 1:
+            raise EngineError(f"step_speculative: {len(drafts)} drafts; a verify step takes 1.."
+                              f"{capi.MAX_VERIFY - 1}")
+        if max_tokens is not None and max_tokens < 1:
+            raise EngineError(f"step_speculative: max_tokens={max_tokens} must be >= 1")
+        for t in [token] + drafts:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
+                raise EngineError(f"token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        feed = [int(token)] + [int(d) for d in drafts]
+        verified = self._verify(feed)
+        accepted = accepted_drafts(drafts, verified)
+        new = [int(t) for t in verified[:accepted + 1]][:max_tokens]
+        stop = {int(t) for t in stop_token_ids}
+        for i, t in enumerate(new):
+            if t in stop:
+                new = new[:i + 1]
+                break
+        self._end_verify(feed, len(new))
+        return new
 
     def _verify(self, feed: list[int]) -> np.ndarray:
         """One verify step over feed (2..capi.MAX_VERIFY tokens) at the selected sequence's next

@@ -312,3 +312,29 @@ def test_engine_truncate():
         with pytest.raises(EngineError, match="outside 0..3"):
             engine.truncate(4)
         assert engine.history == (3, 17, 61)
+
+
+def test_step_speculative_gives_step_greedy_tokens_and_refuses_bad_drafts():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="cpu") as spec:
+        plain.prefill(PROMPT)
+        spec.prefill(PROMPT)
+        greedy = plain.decode_greedy(9, 4)
+        plain.reset()
+        plain.prefill(PROMPT)
+        # Drafts equal to the first three greedy tokens, then a wrong one: four tokens come.
+        wrong = (greedy[3] + 1) % config.vocab_size
+        assert spec.step_speculative(9, greedy[:3] + [wrong]) == greedy
+        assert plain.decode_greedy(9, 4) == greedy and spec.history == plain.history
+        held = spec.history
+        with pytest.raises(EngineError, match="0 drafts; a verify step takes 1..8"):
+            spec.step_speculative(5, [])
+        with pytest.raises(EngineError, match="outside the vocabulary"):
+            spec.step_speculative(5, [1, config.vocab_size])
+        with pytest.raises(EngineError, match="max_tokens=0"):
+            spec.step_speculative(5, [1], max_tokens=0)
+        assert spec.history == held
+        # max_tokens cuts the run (the stop-token cut: the generate tests above).
+        assert spec.step_speculative(greedy[-1], [3], max_tokens=1) == plain.decode_greedy(greedy[-1], 1)
+        assert spec.history == plain.history
