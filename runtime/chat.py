@@ -49,7 +49,8 @@ class Chat:
     system: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    speculative: str | None = None   # None, or "ngram": greedy answers drafted and verified (Engine.stream)
+    # None, "ngram" or a draft model's Engine: greedy answers drafted and verified (Engine.stream)
+    speculative: "str | Engine | None" = None
     messages: list[dict] = field(default_factory=list)
     last_reply: ChatReply | None = None
     reused_tokens: int = 0       # prompt tokens of the last turn found in the cache

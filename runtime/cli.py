@@ -14,6 +14,7 @@ M is a Hugging Face model folder or a GGUF file. User errors print one line and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -93,9 +94,33 @@ def _stream_reply(chat, text: str, out=sys.stdout) -> tuple[str, Rate]:
 
 
 def _speculative_flag(sp) -> None:
-    sp.add_argument("--speculative", choices=["ngram"], default=None,
-                    help="greedy decoding with drafts verified several at a time: 'ngram' looks the "
-                         "last tokens up in the prompt and output (same tokens as without it)")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="greedy decoding with drafts verified several at a time: 'ngram' looks the "
+                        "last tokens up in the prompt and output (same tokens as without it)")
+    g.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="greedy decoding with drafts from this smaller model (folder or GGUF, the same "
+                        "vocabulary; loaded with the same device and kv flags), verified several at a "
+                        "time (same tokens as without it)")
+
+
+@contextlib.contextmanager
+def _speculative(args, engine):
+    """What Engine.stream's speculative= takes for the flags: None, "ngram", or the draft model's
+    engine (closed on exit)."""
+    if args.draft_model is None:
+        yield args.speculative
+        return
+    params = _sampling(args)
+    if not params.greedy or params.penalized:
+        raise ValueError("--draft-model decodes greedily: it takes no --temperature or penalties")
+    from .engine import Engine
+    with Engine.from_pretrained(args.draft_model, **_engine_kwargs(args)) as draft:
+        if draft.config.vocab_size != engine.config.vocab_size:
+            raise ValueError(f"--draft-model {args.draft_model}: vocabulary {draft.config.vocab_size} != "
+                             f"{engine.config.vocab_size} of --model {args.model}; a draft model must share "
+                             f"the model's tokenizer")
+        yield draft
 
 
 # ---- commands ---------------------------------------------------------------------------
@@ -175,9 +200,10 @@ def cmd_chat(args) -> int:
     if not tokenizer.has_chat_template:
         raise ValueError(f"{args.tokenizer or args.model}: the tokenizer has no chat template; "
                          f"use 'onegraph generate --prompt' for plain text")
-    with Engine.from_model(model, **_engine_kwargs(args)) as engine:
+    with Engine.from_model(model, **_engine_kwargs(args)) as engine, \
+            _speculative(args, engine) as speculative:
         chat = Chat(engine, tokenizer, system=args.system, sampling=_sampling(args), max_new_tokens=args.n,
-                    speculative=args.speculative)
+                    speculative=speculative)
         _stderr(f"onegraph chat ({engine.backend}); /reset starts over, Ctrl-C stops an answer, "
                 f"Ctrl-D (EOF) exits")
         while True:
@@ -221,11 +247,12 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--prompt needs the model's tokenizer: {e}; pass --prompt-ids instead") from None
     else:
         model, tokenizer = load_model(args.model), None
-    with Engine.from_model(model, **_engine_kwargs(args)) as engine:
+    with Engine.from_model(model, **_engine_kwargs(args)) as engine, \
+            _speculative(args, engine) as speculative:
         if tokenizer is not None and (args.chat or args.system):
             from .chat import Chat
             chat = Chat(engine, tokenizer, system=args.system, sampling=sampling, max_new_tokens=args.n,
-                        speculative=args.speculative)
+                        speculative=speculative)
             reply, rate = _stream_reply(chat, args.prompt)
             n = len(reply.token_ids)
         elif tokenizer is not None:
@@ -235,7 +262,7 @@ def cmd_generate(args) -> int:
             from .chat import stop_tokens
             stops = stop_tokens(engine, tokenizer)
             for token in engine.stream(prompt, args.n, sampling, stop_token_ids=stops,
-                                       speculative=args.speculative):
+                                       speculative=speculative):
                 rate.tick()
                 sys.stdout.write(decoder.push(token))
                 sys.stdout.flush()
@@ -245,14 +272,14 @@ def cmd_generate(args) -> int:
             rate = Rate()
             tokens = []
             for token in engine.stream(_parse_ids(args.prompt_ids), args.n, sampling,
-                                       speculative=args.speculative):
+                                       speculative=speculative):
                 rate.tick()
                 tokens.append(token)
             print(" ".join(map(str, tokens)))
             n = len(tokens)
         line = f"backend {engine.backend}: {n} tokens, {rate.tokens_per_s:.1f} tok/s"
         stats = engine.stats()
-        if args.speculative and stats["verify_steps"]:
+        if speculative is not None and stats["verify_steps"]:
             line += (f"; speculative: {stats['verify_steps']} verify steps, "
                      f"{stats['accepted']}/{stats['drafted']} drafts accepted")
         _stderr(line)

@@ -66,7 +66,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -77,7 +77,8 @@ from .loader import LoadedModel, load_model
 from .quant import WeightScheme, quantize_stream
 from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
-from .speculative import SPECULATIVE_MODES, AdaptiveK, Drafter, accepted_drafts, make_drafter
+from .speculative import (SPECULATIVE_MODES, AdaptiveK, DraftModelDrafter, Drafter, accepted_drafts,
+                          make_drafter)
 
 log = logging.getLogger("onegraph")
 
@@ -559,25 +560,47 @@ class Engine:
                 if token in stop:
                     return
                 continue
-            feed = [int(token)] + [int(d) for d in drafts]
-            verified = self._verify(feed)
-            accepted = accepted_drafts(drafts, verified)
-            adaptive.update(len(drafts), accepted)
-            # New tokens: verified[0 .. accepted], cut at the first stop token and at max_steps;
-            # the rows kept are those of the inputs before each new token (the last new token
-            # is not fed).
-            new = [int(t) for t in verified[:accepted + 1]][:remaining]
-            for i, t in enumerate(new):
-                if t in stop:
-                    new = new[:i + 1]
-                    break
-            self._end_verify(feed, len(new))
+            new = self.step_speculative(token, drafts, stop, remaining)
+            # A cut (a stop token, max_steps) ends the generation: what it hides from the
+            # acceptance count no longer matters.
+            adaptive.update(len(drafts), accepted_drafts(drafts, new))
             for t in new:
                 out.append(t)
                 yield t
             token = new[-1]
             if token in stop:
                 return
+
+    def step_speculative(self, token: int, drafts: Sequence[int], stop_token_ids: Iterable[int] = (),
+                         max_tokens: int | None = None) -> list[int]:
+        """One verify step: feed `token` and the drafts (1..capi.MAX_VERIFY - 1 of them) at the
+        selected sequence's next rows, accept the drafts while they equal the greedy tokens.
+        Returns the new tokens, the greedy token after `token` and after each accepted draft,
+        cut after the first of stop_token_ids and at max_tokens: the tokens (and rows kept:
+        those of the inputs before each new token, the last new token not fed) that as many
+        step_greedy calls would give. EngineError (nothing changed) for a bad token or draft
+        count, or drafts that do not fit the context."""
+        self._end_open_stream()
+        drafts = list(drafts)
+        if not 1 <= len(drafts) <= capi.MAX_VERIFY - 1:
+            raise EngineError(f"step_speculative: {len(drafts)} drafts; a verify step takes 1.."
+                              f"{capi.MAX_VERIFY - 1}")
+        if max_tokens is not None and max_tokens < 1:
+            raise EngineError(f"step_speculative: max_tokens={max_tokens} must be >= 1")
+        for t in [token] + drafts:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
+                raise EngineError(f"token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        feed = [int(token)] + [int(d) for d in drafts]
+        verified = self._verify(feed)
+        accepted = accepted_drafts(drafts, verified)
+        new = [int(t) for t in verified[:accepted + 1]][:max_tokens]
+        stop = {int(t) for t in stop_token_ids}
+        for i, t in enumerate(new):
+            if t in stop:
+                new = new[:i + 1]
+                break
+        self._end_verify(feed, len(new))
+        return new
 
     def _verify(self, feed: list[int]) -> np.ndarray:
         """One verify step over feed (2..capi.MAX_VERIFY tokens) at the selected sequence's next
@@ -758,23 +781,35 @@ class Engine:
         return logits
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-               stop_token_ids: Iterable[int] | None = None, speculative: str | None = None) -> Iterator[int]:
+               stop_token_ids: Iterable[int] | None = None,
+               speculative: "str | Engine | None" = None) -> Iterator[int]:
         """Feed the prompt, then yield each new token (greedy by default) as it reaches the host:
         up to max_new_tokens of them, the last one a stop token when one comes (stop_token_ids,
         default: the model's end-of-sequence ids). The last token yielded is not fed. The
         request is checked now (EngineError, ValueError; nothing changed); the prompt is fed at
         the first next(). Stopping early (break, close(), an exception) leaves the sequence
         holding exactly the tokens fed; the module docstring says when an open stream ends.
-        speculative: None, or "ngram" (greedy only): the same tokens, decoded with drafts
-        verified several at a time (the module docstring)."""
+        speculative: None, "ngram" (prompt lookup) or another Engine (a draft model over the same
+        vocabulary, whose selected sequence the drafting takes over), greedy only: the same
+        tokens, decoded with drafts verified several at a time (runtime/speculative.py)."""
         self._end_open_stream()
+        drafter: Drafter | None = None
         if speculative is not None:
-            if speculative not in SPECULATIVE_MODES:
-                raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES} (or None)")
+            if isinstance(speculative, Engine):
+                if speculative is self:
+                    raise ValueError("speculative=: the draft model needs an engine of its own, not the target")
+                name = "a draft model"
+            elif speculative in SPECULATIVE_MODES:
+                name = repr(speculative)
+            else:
+                raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES}, "
+                                 "a draft model's Engine, or None")
             params = sampling or SamplingParams()
             if not params.greedy or params.penalized:
-                raise ValueError(f"speculative={speculative!r} decodes greedily: it takes no sampling "
+                raise ValueError(f"speculative decoding with {name} decodes greedily: it takes no sampling "
                                  "temperature or penalties")
+            drafter = (DraftModelDrafter(speculative, self.config.vocab_size) if isinstance(speculative, Engine)
+                       else make_drafter(speculative))
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -790,12 +825,12 @@ class Engine:
         stops = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
         key = object()
         tokens = self._stream_tokens(key, prompt_ids, int(max_new_tokens), sampling or SamplingParams(),
-                                     {int(t) for t in stops}, speculative)
+                                     {int(t) for t in stops}, drafter)
         self._open_stream = (key, weakref.ref(tokens))
         return tokens
 
     def _stream_tokens(self, key, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                       stop: set, speculative: str | None = None) -> Iterator[int]:
+                       stop: set, drafter: Drafter | None = None) -> Iterator[int]:
         """stream()'s generator; `key` marks it as the engine's open stream until it ends."""
         try:
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
@@ -807,8 +842,8 @@ class Engine:
             yield token
             if token in stop or max_new_tokens == 1:
                 return
-            if speculative is not None:  # drafts verified several at a time (greedy)
-                yield from self._speculative_tokens(token, max_new_tokens - 1, stop, make_drafter(speculative))
+            if drafter is not None:  # drafts verified several at a time (greedy)
+                yield from self._speculative_tokens(token, max_new_tokens - 1, stop, drafter)
             elif params.greedy and not params.penalized:  # the argmax on the device; pipelined on the graph path
                 yield from self._greedy_tokens(token, max_new_tokens - 1, stop)
             else:  # the sampling stage on the device (pipelined on the graph path), or on the host
@@ -830,7 +865,8 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                  stop_token_ids: Iterable[int] | None = None,
-                 on_token: Callable[[int], None] | None = None, speculative: str | None = None) -> list[int]:
+                 on_token: Callable[[int], None] | None = None,
+                 speculative: "str | Engine | None" = None) -> list[int]:
         """list(stream(...)): the new tokens; on_token(token) is called as each one arrives."""
         out: list[int] = []
         with contextlib.closing(self.stream(prompt_ids, max_new_tokens, sampling, stop_token_ids,
@@ -860,6 +896,19 @@ class Engine:
         if self._cpu is not None:
             self._cpu.reset()
         self._history.clear()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens of the selected sequence (0 <= length <= position); the
+        rows after them are released (GPU) or left unread until overwritten (CPU)."""
+        self._end_open_stream()
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) \
+                or not 0 <= length <= len(self._history):
+            raise EngineError(f"truncate: length {length!r} is outside 0..{len(self._history)} (tokens held)")
+        if self._gpu is not None:
+            self._gpu.seek(int(length))
+        else:
+            self._cpu.truncate(int(length))
+        del self._history[int(length):]
 
     def set_graph(self, enabled: bool) -> None:
         self.use_graph = bool(enabled)

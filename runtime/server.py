@@ -20,6 +20,14 @@ in a small LRU keyed by its token ids instead of being freed. A new prompt that 
 prefix of at least `prefix_min_tokens` with a cached sequence forks it (copy-on-write, only
 its first `lcp` rows) and prefills only the rest: a second turn of a conversation reuses the
 first turn's KV.
+
+Speculative decoding (speculative="ngram", `--speculative ngram`): a greedy request without
+logprobs decodes with drafts from its own prompt and output (speculative.NgramDrafter, sized
+by its own AdaptiveK): its turn is then one verify step (Engine.step_speculative), which gives
+1..k + 1 tokens, exactly the ones its plain greedy steps would. One engine pass per turn either
+way, so the round-robin stays fair. A turn without drafts (nothing to look up, a cool-down, the
+context or max_tokens too close) or whose verify step the engine refuses for want of room is a
+plain step. /metrics counts verify_steps, drafted_tokens and accepted_tokens.
 """
 from __future__ import annotations
 
@@ -39,9 +47,11 @@ from typing import Any
 
 import numpy as np
 
+from . import capi
 from .engine import EngineError
 from .eval import log_softmax
 from .sampling import SamplingParams, sample_step
+from .speculative import SPECULATIVE_MODES, AdaptiveK, accepted_drafts, make_drafter
 
 log = logging.getLogger("onegraph.server")
 
@@ -49,7 +59,8 @@ DEFAULT_MAX_BODY = 1 << 20        # bytes of a request body
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 COUNTERS = ("requests", "requests_completed", "requests_failed", "requests_cancelled", "requests_rejected",
-            "prompt_tokens", "completion_tokens", "prefix_cache_hits", "prefix_cache_tokens")
+            "prompt_tokens", "completion_tokens", "prefix_cache_hits", "prefix_cache_tokens",
+            "verify_steps", "drafted_tokens", "accepted_tokens")
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -318,6 +329,8 @@ class Job:
         self.text_len = 0                  # characters of decoded text so far
         self.emitted_len = 0               # characters handed out so far
         self.prefix_hit = 0                # prompt tokens reused from the prefix cache
+        self.drafter = None                # speculative decoding: its drafter and draft length
+        self.adaptive: AdaptiveK | None = None
 
     def emit(self, *event) -> None:
         if self.loop is None:
@@ -335,13 +348,17 @@ class Scheduler:
     """The worker thread that owns the engine (module docstring).
 
     max_active: sequences decoding at once; max_queue: requests waiting beyond those (more get
-    QueueFull, HTTP 429); prefix_cache_size: finished sequences kept for prefix reuse."""
+    QueueFull, HTTP 429); prefix_cache_size: finished sequences kept for prefix reuse;
+    speculative: None or a drafter mode (speculative.SPECULATIVE_MODES) for greedy requests."""
 
     def __init__(self, engine, tokenizer, *, max_active: int = 4, max_queue: int = 64,
-                 prefix_cache_size: int = 4, prefix_min_tokens: int = 8):
+                 prefix_cache_size: int = 4, prefix_min_tokens: int = 8, speculative: str | None = None):
         if max_active < 1 or max_queue < 0 or prefix_cache_size < 0:
             raise ValueError(f"max_active={max_active} must be >= 1, max_queue={max_queue} and "
                              f"prefix_cache_size={prefix_cache_size} >= 0")
+        if speculative is not None and speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative={speculative!r} is not one of {SPECULATIVE_MODES} (or None)")
+        self.speculative = speculative
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_active, self.max_queue = max_active, max_queue
@@ -449,7 +466,14 @@ class Scheduler:
         job.seed = req.sampling.seed if req.sampling.seed is not None else \
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         job.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        if self.speculative is not None and self._plain_greedy(req):
+            job.drafter, job.adaptive = make_drafter(self.speculative), AdaptiveK()
         self._choose(job, job.logits)
+
+    @staticmethod
+    def _plain_greedy(req: GenerationRequest) -> bool:
+        """Each token the argmax, nothing else read from the logits."""
+        return not req.logprobs and req.sampling.greedy and not req.sampling.penalized
 
     def _sequence_for(self, prompt: list[int]) -> tuple[int, int]:
         """(a new sequence, how many of the prompt's first tokens it already holds)."""
@@ -481,14 +505,47 @@ class Scheduler:
     def _advance(self, job: Job) -> None:
         token = job.next_token
         self.engine.use(job.seq)
-        if job.request.logprobs or not job.request.sampling.greedy or job.request.sampling.penalized:
+        if not self._plain_greedy(job.request):
             logits = self._with_room(lambda: self.engine.step(token))
             job.fed.append(token)
             self._choose(job, logits)
-        else:
+        elif job.drafter is None or not self._speculative_step(job, token):
             nxt = self._with_room(lambda: self.engine.step_greedy(token))
             job.fed.append(token)
             self._take(job, int(nxt), None)
+
+    def _speculative_step(self, job: Job, token: int) -> bool:
+        """One verify step for the job's next token and its drafts; False (nothing changed) when
+        it takes a plain step instead: no drafts, or no room for the verify step's rows."""
+        engine, adaptive = self.engine, job.adaptive
+        remaining = job.request.max_tokens - len(job.generated)
+        room = engine.max_seq_len - len(job.fed) - 1      # rows past the one `token` takes
+        k = min(adaptive.next_k(), remaining - 1, room, capi.MAX_VERIFY - 1)
+        drafts = job.drafter.propose(job.fed + [token], k) if k > 0 else []
+        if not drafts:
+            adaptive.plain_steps(1)
+            return False
+        try:
+            new = self._with_room(lambda: engine.step_speculative(token, drafts, self.stop_token_ids, remaining))
+        except EngineError as e:
+            log.info("onegraph: request %s takes a plain step: %s", job.id, e)
+            return False
+        accepted = accepted_drafts(drafts, new)
+        adaptive.update(len(drafts), accepted)
+        self.counters["verify_steps"] += 1
+        self.counters["drafted_tokens"] += len(drafts)
+        self.counters["accepted_tokens"] += accepted
+        seq, feed = job.seq, [token] + drafts
+        for i, t in enumerate(new):
+            job.fed.append(feed[i])
+            self._take(job, t, None)
+            if job.finished:
+                break
+        if seq in self.cache and len(job.fed) < engine.position:
+            # A stop string ended the job inside the run: the cached sequence keeps only the
+            # rows of the tokens it is cached under.
+            engine.truncate(len(job.fed))
+        return True
 
     def _choose(self, job: Job, logits: np.ndarray) -> None:
         req = job.request
@@ -877,7 +934,8 @@ def make_app(engine, tokenizer, model_name: str, **kwargs) -> App:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           tokenizer: str | None = None, model_name: str | None = None, max_active: int = 4,
           max_queue: int = 64, prefix_cache_size: int = 4, max_seq_len: int = 4096, kv: str = "int8",
-          device: str = "auto", max_body: int = DEFAULT_MAX_BODY, log_level: str = "info") -> None:
+          device: str = "auto", max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
+          speculative: str | None = None) -> None:
     """Load `model` and serve it until interrupted (Ctrl-C)."""
     import uvicorn
     from .pretrained import open_pretrained
@@ -890,7 +948,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                              f"more than the model's vocabulary of {engine.config.vocab_size}")
         name = model_name or os.path.basename(os.path.normpath(model))
         app = make_app(engine, tok, name, api_key=api_key, max_body=max_body, max_active=max_active,
-                       max_queue=max_queue, prefix_cache_size=prefix_cache_size)
+                       max_queue=max_queue, prefix_cache_size=prefix_cache_size, speculative=speculative)
         log.info("onegraph: serving %s on http://%s:%d (backend %s, context %d)", name, host, port,
                  engine.backend, engine.max_seq_len)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
@@ -914,6 +972,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", default="int8", choices=["int8", "bf16", "fp32"])
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu"])
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest request body in bytes")
+    p.add_argument("--speculative", choices=list(SPECULATIVE_MODES), default=None,
+                   help="greedy requests (temperature 0, no logprobs) decode with drafts verified several at "
+                        "a time: 'ngram' looks the last tokens up in the prompt and output (same text)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -931,7 +992,7 @@ def main(argv=None) -> int:
         serve(args.model, args.host, args.port, args.api_key, tokenizer=args.tokenizer, model_name=args.model_name,
               max_active=args.max_active, max_queue=args.max_queue, prefix_cache_size=args.prefix_cache,
               max_seq_len=args.max_seq_len, kv=args.kv, device=args.device, max_body=args.max_body,
-              log_level=args.log_level)
+              log_level=args.log_level, speculative=args.speculative)
     except (OSError, ValueError) as e:  # a missing file, a bad model or tokenizer: one line
         print(f"onegraph serve: {e}")
         return 1

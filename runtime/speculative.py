@@ -14,7 +14,9 @@ Drafters (one interface, Drafter.propose(context, k)):
                 sequence's own earlier tokens (prompt and output); proposes what followed the
                 latest match. Free to run; pays on prompts whose answer repeats the input
                 (summarise, quote, fix typos in, repeat a paragraph).
-A draft model (another engine with the same tokenizer) can implement the same interface.
+  DraftModelDrafter  a smaller model (another Engine over the same vocabulary) decodes k tokens
+                greedily ahead on its own sequence; that sequence follows the target's accepted
+                tokens, truncated back to the common prefix when drafts were rejected.
 
 AdaptiveK picks k for each step from recent acceptance: it grows while whole drafts are
 accepted, shrinks to what was accepted when they are not, and after `patience` verify steps in
@@ -25,6 +27,8 @@ path.
 from __future__ import annotations
 
 from typing import Protocol, Sequence
+
+import numpy as np
 
 SPECULATIVE_MODES = ("ngram",)
 
@@ -75,6 +79,40 @@ class NgramDrafter:
             if i is not None:
                 return tokens[i + n:i + n + k]
         return []
+
+
+class DraftModelDrafter:
+    """Drafts from another engine (the draft model) decoding greedily on its selected sequence.
+
+    propose(context, k) truncates that sequence to the longest prefix it shares with context
+    (rows of rejected drafts, or of another conversation, go; nothing is re-prefilled), keeping
+    at least the last token to feed, feeds the rest of context (its logits give the first
+    draft) and decodes k - 1 more greedy steps. The sequence then holds context and all drafts
+    but the last, which is what the next call's context starts with when they are accepted.
+    The draft engine is the drafter's: whatever its selected sequence holds is replaced."""
+
+    def __init__(self, engine, vocab_size: int):
+        """engine: the draft model's Engine; vocab_size: the target model's vocabulary."""
+        if engine.config.vocab_size != vocab_size:
+            raise ValueError(f"draft model vocabulary {engine.config.vocab_size} != the target model's "
+                             f"{vocab_size}: a draft model must share the target's tokenizer")
+        self.engine = engine
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        engine = self.engine
+        k = min(k, engine.max_seq_len - len(context))   # the draft rows must fit its context
+        if k <= 0 or not context:
+            return []
+        held = engine.history
+        common = 0
+        limit = min(len(held), len(context) - 1)       # the last token is fed again: its logits
+        while common < limit and held[common] == context[common]:
+            common += 1
+        engine.truncate(common)
+        rest = [int(t) for t in context[common:]]
+        logits = engine.step(rest[0]) if len(rest) == 1 else engine.prefill(rest)
+        first = int(np.argmax(logits))
+        return [first] + engine.decode_greedy(first, k - 1)
 
 
 def accepted_drafts(drafts: Sequence[int], verified: Sequence[int]) -> int:

@@ -138,3 +138,20 @@ def test_opening_a_gguf_parses_it_once(model, monkeypatch, capsys):
     with Engine.from_pretrained(path, device="cpu", kv="fp32", max_seq_len=64) as engine:
         ids = list(engine.stream(tokenizer.encode(prompt), 3, stop_token_ids=stop_tokens(engine, tokenizer)))
     assert capsys.readouterr().out == tokenizer.decode(ids, skip_special_tokens=True) + "\n"
+
+
+def test_chat_with_a_draft_model_answers_as_plain_chat(model):
+    """Chat(speculative=draft_engine), the draft being the same model: the plain greedy answers
+    turn after turn (the draft engine follows the conversation), every draft accepted (answers
+    cut by max_new_tokens: a stop token would end a run of accepted drafts early)."""
+    from onegraph.engine import Engine
+    turns = ["Tell me a long story about a dragon.", "Continue the story."]
+    with new_chat(model, max_new_tokens=12) as chat:
+        expected = [chat.ask(t) for t in turns]
+    assert [r.finish_reason for r in expected] == ["length", "length"]
+    with Engine.from_pretrained(model[0], device="cpu", kv="fp32", max_seq_len=512) as draft, \
+            new_chat(model, max_new_tokens=12, speculative=draft) as chat:
+        got = [chat.ask(t).token_ids for t in turns]
+        stats = chat.engine.stats()
+    assert got == [r.token_ids for r in expected]
+    assert stats["verify_steps"] > 0 and stats["accepted"] == stats["drafted"]

@@ -149,3 +149,28 @@ def test_generate_speculative_prints_the_plain_tokens(tmp_path):
     sampled = run_cli(*base, "--speculative", "ngram", "--temperature", "0.7")
     assert sampled.returncode != 0 and "Traceback" not in sampled.stderr
     assert len(sampled.stderr.strip().splitlines()) == 1 and "greedily" in sampled.stderr
+
+
+def test_generate_with_a_draft_model_prints_the_plain_tokens(tmp_path):
+    """--draft-model (another seed of the same preset): the same tokens as without it, and the
+    summary line counts verify steps; a draft model of another vocabulary, a sampled request and
+    --draft-model with --speculative are one-line errors."""
+    model, draft, other = tmp_path / "m", tmp_path / "d", tmp_path / "o"
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(model)]) == 0
+    assert main(["make-model", "--preset", "tiny-dense", "--seed", "1", "--out", str(draft)]) == 0
+    assert main(["make-model", "--preset", "tiny-llama", "--out", str(other)]) == 0
+    base = ["generate", "--model", str(model), "--prompt-ids", "3,17,99,250,4,61", "-n", "20",
+            "--device", "cpu"]
+    plain, spec = run_cli(*base), run_cli(*base, "--draft-model", str(draft))
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout.split()) >= 1
+    assert "verify steps" in spec.stderr
+    mismatch = run_cli(*base, "--draft-model", str(other))
+    assert mismatch.returncode == 1 and "Traceback" not in mismatch.stderr
+    lines = mismatch.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocabulary 448 != 512" in lines[0] and str(other) in lines[0]
+    sampled = run_cli(*base, "--draft-model", str(draft), "--temperature", "0.7")
+    assert sampled.returncode == 1 and "greedily" in sampled.stderr
+    assert len(sampled.stderr.strip().splitlines()) == 1
+    both = run_cli(*base, "--draft-model", str(draft), "--speculative", "ngram")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -493,6 +493,163 @@ def test_load_concurrent_streams(server, tokenizer, reference):
     assert max(peak) <= MAX_ACTIVE
 
 
+# ---- speculative decoding ------------------------------------------------------------------
+
+PARAGRAPH = ("The lighthouse on the northern cape was built in 1871 from granite quarried on the island "
+             "itself. The light was automated in 1989.")
+REPEAT = chat([("user", f"Repeat this paragraph twice: {PARAGRAPH} {PARAGRAPH}")])
+
+
+@pytest.fixture(scope="module")
+def spec_server(tokenizer):
+    """The server of the same weights with speculative="ngram"."""
+    config = tiny_config()
+    engine = CountingEngine.from_tensors(config, lambda: iter_tensors(config), device="cpu", max_seq_len=CONTEXT)
+    app = make_app(engine, tokenizer, MODEL, api_key=KEY, max_active=MAX_ACTIVE, max_queue=16,
+                   prefix_cache_size=CACHE, max_body=64 * 1024, speculative="ngram")
+    with ServerThread(app) as running:
+        running.engine, running.app = engine, app
+        yield running
+
+
+def spec_client(running):
+    return openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def cached_rows_match_keys(running):
+    """Every cached sequence holds exactly the rows of the tokens it is cached under."""
+    scheduler, engine = running.app.scheduler, running.engine
+    with scheduler.lock:
+        cache = dict(scheduler.cache)
+    for seq, tokens in cache.items():
+        assert engine._seqs[seq].history == list(tokens)
+
+
+def test_speculative_server_answers_as_plain_greedy(server, client, spec_server, tokenizer, reference):
+    """A prompt that repeats a paragraph, greedy: the same completion text with and without
+    --speculative ngram, the reference's; /metrics counts the verify steps."""
+    prompt = tokenizer.encode_chat(REPEAT)
+    tokens = decode_alone(reference, prompt, 40, stop_ids=tokenizer.stop_token_ids)
+    before = wait_idle(spec_server)
+    plain = client.chat.completions.create(model=MODEL, messages=REPEAT, max_tokens=40, temperature=0)
+    spec = spec_client(spec_server).chat.completions.create(model=MODEL, messages=REPEAT, max_tokens=40,
+                                                            temperature=0)
+    assert spec.choices[0].message.content == plain.choices[0].message.content == expected_text(tokenizer, tokens)
+    assert spec.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens == len(tokens)
+    after = assert_nothing_leaked(spec_server)
+    assert after["verify_steps"] > before["verify_steps"]
+    assert after["drafted_tokens"] - before["drafted_tokens"] >= after["verify_steps"] - before["verify_steps"]
+    assert after["accepted_tokens"] <= after["drafted_tokens"]
+    assert after["completion_tokens"] - before["completion_tokens"] == len(tokens)
+    cached_rows_match_keys(spec_server)
+
+
+def test_speculative_server_completions_stream_and_stop_strings(spec_server, tokenizer, reference):
+    """Streamed completions text, and a stop string that ends the answer inside a run of
+    accepted drafts: the reference's text, the cached rows those of the tokens fed."""
+    c = spec_client(spec_server)
+    text = f"{PARAGRAPH} {PARAGRAPH} {PARAGRAPH}"
+    ids = tokenizer.encode(text)
+    tokens = decode_alone(reference, ids, 30, stop_ids=tokenizer.stop_token_ids)
+    full = expected_text(tokenizer, tokens)
+    stream = c.completions.create(model=MODEL, prompt=text, max_tokens=30, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == full
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+    pieces = [decoder.push(t) for t in tokens]
+    i = next(i for i in range(len(pieces) // 2, len(pieces) - 1) if len(pieces[i]) >= 2)
+    stop = pieces[i][-2:]
+    want = full[:full.find(stop)]
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert_nothing_leaked(spec_server)
+    cached_rows_match_keys(spec_server)
+
+
+class OracleDrafter:
+    """Drafts the continuation decode_alone gave for a known prompt: every draft is accepted, so
+    stop tokens, stop strings and max_tokens fall inside accepted runs."""
+
+    def __init__(self, sequences):
+        self.sequences = sequences      # prompt + expected tokens, per known prompt
+
+    def propose(self, context, k):
+        for full in self.sequences:
+            if list(context) == full[:len(context)]:
+                return full[len(context):len(context) + k]
+        return []
+
+
+def test_speculative_server_accepted_runs_cut_by_stops(spec_server, tokenizer, reference, monkeypatch):
+    """Drafts that are all accepted (an oracle drafter): max_tokens and a stop string inside a
+    run of accepted drafts end the answer where the reference's does; the cached sequence then
+    holds only the rows of the tokens fed."""
+    import onegraph.server
+    prompt = tokenizer.encode_chat(HELLO)
+    tokens = decode_alone(reference, prompt, 24, stop_ids=tokenizer.stop_token_ids)
+    monkeypatch.setattr(onegraph.server, "make_drafter", lambda mode: OracleDrafter([prompt + tokens]))
+    c = spec_client(spec_server)
+    before = wait_idle(spec_server)
+    r = c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=len(tokens) - 3, temperature=0)
+    assert r.choices[0].message.content == expected_text(tokenizer, tokens[:-3])
+    assert r.usage.completion_tokens == len(tokens) - 3
+    m = wait_idle(spec_server)
+    assert m["accepted_tokens"] - before["accepted_tokens"] == m["drafted_tokens"] - before["drafted_tokens"] > 0
+    cached_rows_match_keys(spec_server)
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+    pieces = [decoder.push(t) for t in tokens]
+    full = "".join(pieces)
+    i = next(i for i in range(len(pieces) // 2, len(pieces) - 1) if len(pieces[i]) >= 3 and
+             full.find(pieces[i][-3:]) >= len("".join(pieces[:i])))
+    stop = pieces[i][-3:]
+    r = c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == full[:full.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert_nothing_leaked(spec_server)
+    cached_rows_match_keys(spec_server)
+
+
+def test_speculative_server_sampled_and_logprob_requests_decode_as_before(server, client, spec_server):
+    """A sampled request (seeded) and a greedy one with logprobs take plain steps: the plain
+    server's answers, no verify step."""
+    c = spec_client(spec_server)
+    before = wait_idle(spec_server)
+    args = dict(model=MODEL, messages=REPEAT, max_tokens=12, temperature=0.8, seed=7)
+    assert c.chat.completions.create(**args).choices[0].message.content == \
+        client.chat.completions.create(**args).choices[0].message.content
+    args = dict(model=MODEL, messages=REPEAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    spec, plain = c.chat.completions.create(**args), client.chat.completions.create(**args)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert [t.logprob for t in spec.choices[0].logprobs.content] == \
+        [t.logprob for t in plain.choices[0].logprobs.content]
+    after = assert_nothing_leaked(spec_server)
+    assert after["verify_steps"] == before["verify_steps"]
+
+
+def test_speculative_server_concurrent_greedy_streams(spec_server, tokenizer, reference):
+    """Four clients at once, greedy, round-robin with verify steps: each answer is the request
+    decoded alone; a second turn forks the prefix cache."""
+    questions = [chat([("user", f"Say {w} {w} {w} {w} {w} {w} again and again")]) for w in
+                 ("apple", "river", "stone", "cloud")]
+    want = [expected_text(tokenizer, decode_alone(reference, tokenizer.encode_chat(q), 16,
+                                                  stop_ids=tokenizer.stop_token_ids)) for q in questions]
+    c = spec_client(spec_server)
+    before = wait_idle(spec_server)
+
+    def ask(q):
+        stream = c.chat.completions.create(model=MODEL, messages=questions[q], max_tokens=16, temperature=0,
+                                           stream=True)
+        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, [0, 1, 2, 3, 3, 2, 1, 0], timeout=120))
+    assert got == want + want[::-1]
+    after = assert_nothing_leaked(spec_server)
+    assert after["verify_steps"] > before["verify_steps"]
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+    cached_rows_match_keys(spec_server)
+
+
 # ---- the command line ----------------------------------------------------------------------
 
 def free_port():

@@ -206,3 +206,135 @@ def test_speculative_generate_real_model_equals_plain():
         assert got == expected
         assert engine.history == plain_history
         assert engine.stats()["accepted"] > 0
+
+
+# ---- Engine.generate(speculative=draft_engine) == plain greedy ----------------------------
+def draft_and_plain(config, tensors, draft_tensors, prompt, n, draft_config=None, **kwargs):
+    """(plain greedy tokens, speculative tokens with a draft engine, plain history, speculative
+    history, the target's stats)."""
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as target, \
+            Engine.from_tensors(draft_config or config, draft_tensors, kv="int8", max_seq_len=128,
+                                device="cpu") as draft:
+        expected = plain.generate(prompt, n, **kwargs)
+        got = target.generate(prompt, n, speculative=draft, **kwargs)
+        return expected, got, plain.history, target.history, target.stats()
+
+
+PROMPT = [3, 17, 99, 250, 4, 61]
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-llama"])
+def test_draft_model_equal_to_target_accepts_every_draft(preset):
+    config, tensors = synthetic(preset)
+    expected, got, plain_history, spec_history, stats = draft_and_plain(
+        config, tensors, tensors, PROMPT, 30, stop_token_ids=())
+    assert got == expected and len(got) == 30
+    assert spec_history == plain_history
+    assert stats["verify_steps"] > 0 and stats["drafted"] > 0
+    assert stats["accepted"] == stats["drafted"]
+
+
+def test_draft_model_of_another_seed_gives_plain_greedy_tokens():
+    config, tensors = synthetic("tiny-dense")
+    _, other = synthetic("tiny-dense", seed=1)
+    expected, got, plain_history, spec_history, stats = draft_and_plain(
+        config, tensors, other, PROMPT, 30, stop_token_ids=())
+    assert got == expected and len(got) == 30
+    assert spec_history == plain_history
+    assert stats["verify_steps"] > 0 and stats["accepted"] < stats["drafted"]
+
+
+@pytest.mark.parametrize("cut", [1, 4, 11])
+def test_draft_model_stops_where_plain_stops(cut):
+    """A stop token inside an accepted run (every draft is accepted with the target as its own
+    draft model), and max_new_tokens inside one."""
+    config, tensors = synthetic("tiny-dense")
+    full, _, _, _, _ = draft_and_plain(config, tensors, tensors, PROMPT, 24, stop_token_ids=())
+    stop = full[cut]
+    first = full.index(stop)
+    expected, got, plain_history, spec_history, _ = draft_and_plain(
+        config, tensors, tensors, PROMPT, 24, stop_token_ids=[stop])
+    assert got == expected == full[:first + 1]
+    assert spec_history == plain_history
+    expected, got, plain_history, spec_history, _ = draft_and_plain(
+        config, tensors, tensors, PROMPT, cut + 1, stop_token_ids=())
+    assert got == expected == full[:cut + 1]
+    assert spec_history == plain_history
+
+
+def test_draft_model_follows_the_target_across_generations():
+    """A second generation on the same target (a chat's next turn) reuses the draft engine's
+    rows of the common prefix and still gives plain greedy tokens."""
+    config, tensors = synthetic("tiny-dense")
+    _, other = synthetic("tiny-dense", seed=1)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as target, \
+            Engine.from_tensors(config, other, kv="int8", max_seq_len=128, device="cpu") as draft:
+        for turn in ([5, 9, 2], [7, 7, 1, 30]):
+            expected = plain.generate(turn, 12, stop_token_ids=())
+            got = target.generate(turn, 12, speculative=draft, stop_token_ids=())
+            assert got == expected
+            assert target.history == plain.history
+            # The draft's sequence holds a prefix of the target's context plus some drafts.
+            context = list(target.history) + [got[-1]]
+            common = next((i for i, (a, b) in enumerate(zip(draft.history, context)) if a != b),
+                          min(len(draft.history), len(context)))
+            assert common >= len(target.history) - 12
+
+
+def test_draft_model_refusals():
+    config, tensors = synthetic("tiny-dense")
+    small_config, small_tensors = synthetic("tiny-llama")
+    assert small_config.vocab_size != config.vocab_size
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as target, \
+            Engine.from_tensors(small_config, small_tensors, kv="int8", max_seq_len=64,
+                                device="cpu") as other:
+        with pytest.raises(ValueError, match=f"draft model vocabulary {small_config.vocab_size} != "
+                                             f"the target model's {config.vocab_size}"):
+            target.generate([1, 2, 3], 4, speculative=other)
+        with pytest.raises(ValueError, match="an engine of its own"):
+            target.generate([1, 2, 3], 4, speculative=target)
+        with pytest.raises(ValueError, match="decodes greedily"):
+            target.generate([1, 2, 3], 4, SamplingParams(temperature=0.7), speculative=other)
+        assert target.position == 0 and other.position == 0
+
+
+def test_engine_truncate():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as engine, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as fresh:
+        engine.prefill([3, 17, 99, 250, 4])
+        engine.truncate(2)
+        assert engine.history == (3, 17)
+        fresh.prefill([3, 17])
+        assert np.array_equal(engine.step(61), fresh.step(61))
+        with pytest.raises(EngineError, match="outside 0..3"):
+            engine.truncate(4)
+        assert engine.history == (3, 17, 61)
+
+
+def test_step_speculative_gives_step_greedy_tokens_and_refuses_bad_drafts():
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=32, device="cpu") as spec:
+        plain.prefill(PROMPT)
+        spec.prefill(PROMPT)
+        greedy = plain.decode_greedy(9, 4)
+        plain.reset()
+        plain.prefill(PROMPT)
+        # Drafts equal to the first three greedy tokens, then a wrong one: four tokens come.
+        wrong = (greedy[3] + 1) % config.vocab_size
+        assert spec.step_speculative(9, greedy[:3] + [wrong]) == greedy
+        assert plain.decode_greedy(9, 4) == greedy and spec.history == plain.history
+        held = spec.history
+        with pytest.raises(EngineError, match="0 drafts; a verify step takes 1..8"):
+            spec.step_speculative(5, [])
+        with pytest.raises(EngineError, match="outside the vocabulary"):
+            spec.step_speculative(5, [1, config.vocab_size])
+        with pytest.raises(EngineError, match="max_tokens=0"):
+            spec.step_speculative(5, [1], max_tokens=0)
+        assert spec.history == held
+        # max_tokens cuts the run (the stop-token cut: the generate tests above).
+        assert spec.step_speculative(greedy[-1], [3], max_tokens=1) == plain.decode_greedy(greedy[-1], 1)
+        assert spec.history == plain.history

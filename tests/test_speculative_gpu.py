@@ -147,3 +147,23 @@ def test_speculative_generate_equals_plain_on_the_gpu(preset, weights, graph):
         assert got == expected
         assert spec.history == plain.history
         assert spec.stats()["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
+@pytest.mark.parametrize("seed", [0, 1], ids=["same-model", "other-seed"])
+def test_draft_model_generate_equals_plain_on_the_gpu(seed, graph):
+    """A draft engine (the same weights, or another seed's) on the GPU: plain greedy's tokens and
+    rows; its own sequence is truncated back after rejections (og_seq_set_length)."""
+    config, tensors = synthetic("tiny-dense", seed=seed)
+    with engine_for("tiny-dense", "int8", "bf16", graph) as plain, \
+            engine_for("tiny-dense", "int8", "bf16", graph) as target, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, graph=graph, device="gpu",
+                                kv_page_size=8, kv_pool_blocks=64) as draft:
+        expected = plain.generate(PROMPT, 40, stop_token_ids=())
+        got = target.generate(PROMPT, 40, stop_token_ids=(), speculative=draft)
+        assert got == expected
+        assert target.history == plain.history
+        stats = target.stats()
+        assert stats["verify_steps"] > 0
+        if seed == 0:   # the same model drafts what the target decodes (its prefill rows aside)
+            assert stats["accepted"] > 0
