@@ -459,8 +459,7 @@ OG_API og_status og_get_position(og_engine *e, int32_t *position);
 /* The pinned step record of slot 0, the one og_begin_step fills and the body copies from
  * (owned by the engine; the same address until og_free); a chained step's record follows it
  * (slot 1). The caller may read it, and may overwrite the position of a begun step before
- * launching it (a benchmark pins a context length this way: runtime/bench.py); anything else
- * written there is the caller's responsibility. */
+ * launching it; anything else written there is the caller's responsibility. */
 OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
 
 /* The pinned logits [vocab_size] fp32 the body copies into (owned by the engine; the same
