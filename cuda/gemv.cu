@@ -99,6 +99,28 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
 }
 
 
+// The bf16 kernel's parameters for n vectors x_j = args.x + j * x_stride -> y_j (n = 1: the
+// decode body's GEMV).
+static GemvParams bf16_params(GemvMode mode, const GemvArgs &args, int rows, int cols, int n,
+                              int64_t x_stride, int64_t y_stride) {
+    GemvParams p;
+    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
+    p.x = args.x;
+    p.norm_weight = args.norm_weight;
+    p.y = args.y;
+    p.normed_out = args.normed_out;
+    p.rows = rows;
+    p.cols = cols;
+    p.ld = padded_cols(cols);
+    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
+    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
+    p.eps = args.eps;
+    p.nv = n;
+    p.x_stride = x_stride;
+    p.y_stride = y_stride;
+    return p;
+}
+
 cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &args,
                         cudaStream_t stream, bool pdl) {
     if (plan.grid <= 0) return cudaErrorInvalidConfiguration;
@@ -126,21 +148,7 @@ cudaError_t launch_gemv(GemvMode mode, const GemvPlan &plan, const GemvArgs &arg
         q.tasks_per_expert = 0;
         return launch_int8(mode, plan, stream, pdl, q);
     }
-    GemvParams p;
-    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
-    p.x = args.x;
-    p.norm_weight = args.norm_weight;
-    p.y = args.y;
-    p.normed_out = args.normed_out;
-    p.rows = rows;
-    p.cols = cols;
-    p.ld = padded_cols(cols);
-    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
-    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
-    p.eps = args.eps;
-    p.nv = 1;
-    p.x_stride = 0;
-    p.y_stride = 0;
+    const GemvParams p = bf16_params(mode, args, rows, cols, 1, 0, 0);
     return launch_bf16(mode, plan.warps, plan.unroll, dim3(plan.grid), plan.smem_bytes, stream, pdl, p);
 }
 
@@ -194,21 +202,7 @@ cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const Ge
     if (args.w.format != OG_WEIGHTS_BF16) return cudaErrorInvalidValue;
     if (args.w.rows < 1 || args.w.rows > INT32_MAX || args.w.cols < 1) return cudaErrorInvalidValue;
     const int rows = (int)args.w.rows, cols = args.w.cols;
-    GemvParams p;
-    p.weight = static_cast<const __nv_bfloat16 *>(args.w.data);
-    p.x = args.x;
-    p.norm_weight = args.norm_weight;
-    p.y = args.y;
-    p.normed_out = args.normed_out;
-    p.rows = rows;
-    p.cols = cols;
-    p.ld = padded_cols(cols);
-    p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
-    p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
-    p.eps = args.eps;
-    p.nv = n;
-    p.x_stride = x_stride;
-    p.y_stride = y_stride;
+    const GemvParams p = bf16_params(mode, args, rows, cols, n, x_stride, y_stride);
     return launch_bf16(mode, plan.single.warps, plan.single.unroll, dim3(plan.grid),
                        (int)gemv_multi_smem_bytes(mode, cols, n), stream, pdl, p);
 }
