@@ -34,6 +34,32 @@ constexpr bool whole_body(const og_engine *) { return true; }
 
 }  // namespace
 
+// Layer l's attention of one row: its QK-norm, RoPE and K/V write, then attention over the
+// rows the step record makes visible (shared by the decode and verify bodies).
+AttentionArgs layer_attention(const og_engine *e, int l, const float *qkv, const og_step_record *step,
+                              float *out) {
+    const Dims &d = e->d;
+    const LayerWeights &w = e->layers[l];
+    AttentionArgs attn = {};
+    attn.qkv = qkv;
+    attn.q_norm = w.q_norm;
+    attn.k_norm = w.k_norm;
+    attn.eps = e->cfg.rms_norm_eps;
+    attn.inv_freq = e->inv_freq;
+    attn.table_update = l == 0 ? e->kv.tables : nullptr;
+    attn.kv = e->kv.pages(l);
+    attn.step = step;
+    attn.n_heads = d.n_heads;
+    attn.n_kv_heads = d.n_kv;
+    attn.head_dim = d.hd;
+    attn.max_seq_len = d.max_seq;
+    attn.kv_dtype = d.kv_dtype;
+    attn.partials = e->attn_partials;
+    attn.counters = e->attn_counters;
+    attn.out = out;
+    return attn;
+}
+
 // THE BODY: one decode step, enqueued on `stream`.
 og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const Dims &d = e->d;
@@ -55,23 +81,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
 
         // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
         // stores the row's block into the block table; later layers read it there.
-        AttentionArgs attn = {};
-        attn.qkv = e->qkv;
-        attn.q_norm = w.q_norm;
-        attn.k_norm = w.k_norm;
-        attn.eps = c.rms_norm_eps;
-        attn.inv_freq = e->inv_freq;
-        attn.table_update = l == 0 ? e->kv.tables : nullptr;
-        attn.kv = e->kv.pages(l);
-        attn.step = e->step;
-        attn.n_heads = d.n_heads;
-        attn.n_kv_heads = d.n_kv;
-        attn.head_dim = d.hd;
-        attn.max_seq_len = d.max_seq;
-        attn.kv_dtype = d.kv_dtype;
-        attn.partials = e->attn_partials;
-        attn.counters = e->attn_counters;
-        attn.out = e->attn_out;
+        const AttentionArgs attn = layer_attention(e, l, e->qkv, e->step, e->attn_out);
         if (keep(e, kPartAttention)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
         GemvArgs o_proj = {w.o_proj, e->attn_out, nullptr, 0.f, e->x, nullptr};

@@ -229,6 +229,9 @@ og_status upload(og_engine *e, const WeightSlot &s, int32_t dtype, const void *d
 // body.cu: one decode step enqueued on stream; og_prefill's chunks for sequence seq
 // (synchronous; the sequence grows only when all of it completed).
 og_status enqueue_body(og_engine *e, cudaStream_t stream);
+// Layer l's attention arguments for the row of `step` (body.cu; the verify body's too).
+AttentionArgs layer_attention(const og_engine *e, int l, const float *qkv, const og_step_record *step,
+                              float *out);
 // verify.cu: the begun verify step's n positions enqueued on stream (the verify body).
 og_status enqueue_verify(og_engine *e, cudaStream_t stream);
 og_status run_prefill(og_engine *e, KvSequence &seq, const int32_t *tokens, int32_t n_tokens);

@@ -39,23 +39,8 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
         OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_qkv, qkv_proj, n, d.ldH, ld_qkv, stream, pdl));
 
         for (int j = 0; j < n; ++j) {
-            AttentionArgs attn = {};
-            attn.qkv = e->verify_qkv + (size_t)j * ld_qkv;
-            attn.q_norm = w.q_norm;
-            attn.k_norm = w.k_norm;
-            attn.eps = c.rms_norm_eps;
-            attn.inv_freq = e->inv_freq;
-            attn.table_update = l == 0 ? e->kv.tables : nullptr;
-            attn.kv = e->kv.pages(l);
-            attn.step = e->verify_steps + j;
-            attn.n_heads = d.n_heads;
-            attn.n_kv_heads = d.n_kv;
-            attn.head_dim = d.hd;
-            attn.max_seq_len = d.max_seq;
-            attn.kv_dtype = d.kv_dtype;
-            attn.partials = e->attn_partials;
-            attn.counters = e->attn_counters;
-            attn.out = e->verify_attn + (size_t)j * d.ldQ;
+            const AttentionArgs attn = layer_attention(e, l, e->verify_qkv + (size_t)j * ld_qkv,
+                                                       e->verify_steps + j, e->verify_attn + (size_t)j * d.ldQ);
             OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, false));
         }
 
