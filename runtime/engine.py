@@ -636,22 +636,7 @@ class Engine:
         gpu = self._gpu
         gpu.set_output("next_token")
         gpu.begin_verify(feed)  # validates and prechecks; on error nothing has changed
-        if self.use_graph and self._graph_retry_in <= 0:
-            try:
-                gpu.capture_verify(len(feed)).replay()
-                self._timing["graph_steps"] += 1
-                return gpu.verify_results(len(feed))
-            except (GraphError, capi.LibraryError) as e:
-                log.warning("onegraph: verify graph failed (%s); running it on the non-graph path, "
-                            "capturing again in %d steps", e, self.recapture_after)
-                self.last_graph_error = str(e)
-                self._timing["graph_failures"] += 1
-                self._graph_retry_in = self.recapture_after
-                gpu.drop_graph()
-        elif self.use_graph:
-            self._graph_retry_in -= 1
-        gpu.run_verify_nongraph()
-        self._timing["nongraph_steps"] += 1
+        self._run_begun(lambda: gpu.capture_verify(len(feed)), gpu.run_verify_nongraph, "verify")
         return gpu.verify_results(len(feed))
 
     def _end_verify(self, feed: list[int], keep: int) -> None:
@@ -711,27 +696,30 @@ class Engine:
         gpu = self._gpu
         gpu.set_output(output)
         gpu.begin(token)  # validates and prechecks; on error nothing has changed
+        self._run_begun(gpu.capture, gpu.run_nongraph, "step")
+        return gpu.end()
+
+    def _run_begun(self, capture, run_nongraph, what: str) -> None:
+        """Run the begun step or verify step: replay its graph (capture() captures it once) while
+        the graph path is on, else run_nongraph(). A failed capture ran nothing; a failed replay
+        is waited for before the non-graph run repeats the work (it rewrites the same KV rows with
+        the same values). Capture is tried again after recapture_after steps."""
         if self.use_graph and self._graph_retry_in <= 0:
             try:
-                graph = gpu.capture()
-                graph.replay()
+                capture().replay()
                 self._timing["graph_steps"] += 1
-                return gpu.end()
+                return
             except (GraphError, capi.LibraryError) as e:
-                # A failed capture ran nothing; a failed replay is waited for before the
-                # non-graph run repeats the step (it rewrites the same KV row with the same
-                # values). Capture is tried again after recapture_after steps.
-                log.warning("onegraph: graph path failed (%s); running this step on the non-graph "
-                            "path, capturing again in %d steps", e, self.recapture_after)
+                log.warning("onegraph: %s graph failed (%s); running it on the non-graph path, "
+                            "capturing again in %d steps", what, e, self.recapture_after)
                 self.last_graph_error = str(e)
                 self._timing["graph_failures"] += 1
                 self._graph_retry_in = self.recapture_after
-                gpu.drop_graph()
+                self._gpu.drop_graph()
         elif self.use_graph:
             self._graph_retry_in -= 1
-        gpu.run_nongraph()
+        run_nongraph()
         self._timing["nongraph_steps"] += 1
-        return gpu.end()
 
     def prefill(self, tokens: list[int], mode: str | None = None) -> np.ndarray:
         """Feed a prompt to the selected sequence; returns the logits [vocab] after its last token.
