@@ -548,14 +548,6 @@ OG_API og_status og_get_position(og_engine *e, int32_t *position) {
     return OG_OK;
 }
 
-OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record) {
-    OG_CHECK_HANDLE(e);
-    if (record == nullptr)
-        return set_error(OG_E_INVALID_ARGUMENT, "og_step_record_ptr: record is NULL");
-    *record = e->step_host;
-    return OG_OK;
-}
-
 OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size) {
     OG_CHECK_HANDLE(e);
     if (logits == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_logits: logits is NULL");
@@ -647,25 +639,6 @@ OG_API og_status og_get_stats(og_engine *e, og_stats *stats) {
     OG_CHECK_HANDLE(e);
     if (stats == nullptr) return set_error(OG_E_INVALID_ARGUMENT, "og_get_stats: stats is NULL");
     *stats = e->stats;
-    return OG_OK;
-}
-
-OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes) {
-    OG_CHECK_HANDLE(e);
-    if (host_dst == nullptr)
-        return set_error(OG_E_INVALID_ARGUMENT, "og_copy_kv_cache: host_dst is NULL");
-    const uint64_t needed = (uint64_t)e->kv.layout.pool_bytes();
-    if (capacity_bytes < needed)
-        return set_error(OG_E_INVALID_ARGUMENT,
-                         "og_copy_kv_cache: capacity_bytes=%llu < kv_cache_bytes=%llu",
-                         (unsigned long long)capacity_bytes, (unsigned long long)needed);
-    const og_status status = use_device(e);
-    if (status != OG_OK) return status;
-    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
-    char *dst = static_cast<char *>(host_dst);
-    OG_CUDA_TRY(cudaMemcpyAsync(dst, e->kv.pool, (size_t)needed, cudaMemcpyDeviceToHost,
-                                e->stream));
-    OG_CUDA_TRY(cudaStreamSynchronize(e->stream));
     return OG_OK;
 }
 
@@ -855,13 +828,6 @@ OG_API og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *coun
                          block, e->kv.layout.n_blocks);
     *count = refs;
     return OG_OK;
-}
-
-OG_API og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count) {
-    OG_CHECK_HANDLE(e);
-    const og_status status = use_device(e);
-    if (status != OG_OK) return status;
-    return e->kv.zero_blocks(blocks, count, e->stream);
 }
 
 }  // extern "C"

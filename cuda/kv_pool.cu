@@ -330,14 +330,14 @@ og_status KvPool::reserve(int32_t id, int32_t n_tokens, cudaStream_t stream) {
 
 og_status KvPool::zero_blocks(const int32_t *ids, int count, cudaStream_t stream) {
     if (count < 0 || (count > 0 && ids == nullptr))
-        return set_error(OG_E_INVALID_ARGUMENT, "og_zero_blocks: ids is NULL or count=%d < 0", count);
+        return set_error(OG_E_INVALID_ARGUMENT, "zeroing KV blocks: ids is NULL or count=%d < 0", count);
     if (count > layout.n_blocks)
-        return set_error(OG_E_INVALID_ARGUMENT, "og_zero_blocks: %d ids but the pool has %d blocks",
+        return set_error(OG_E_INVALID_ARGUMENT, "zeroing KV blocks: %d ids but the pool has %d blocks",
                          count, layout.n_blocks);
     for (int i = 0; i < count; ++i)
         if (ids[i] < 0 || ids[i] >= layout.n_blocks)
             return set_error(OG_E_INVALID_ARGUMENT,
-                             "og_zero_blocks: ids[%d]=%d is outside the pool [0, %d)", i, ids[i],
+                             "zeroing KV blocks: ids[%d]=%d is outside the pool [0, %d)", i, ids[i],
                              layout.n_blocks);
     if (count == 0) return OG_OK;
     OG_CUDA_TRY(cudaMemcpyAsync(ids_dev, ids, (size_t)count * sizeof(int32_t),

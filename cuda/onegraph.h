@@ -26,11 +26,15 @@
  *     copies what it keeps (og_init copies the config and its layer_is_moe array; og_set_weight
  *     and og_prefill read their arrays before returning) and writes outputs before returning.
  *     Pointers the library hands out are owned by the library and never freed by the caller:
- *     the engine (og_init) until og_free; og_logits(), og_step_record_ptr() and og_step()'s
- *     *logits point into the engine's pinned buffers, valid until og_free (their contents
- *     change with every step); og_stream()'s stream until og_free; og_last_error()'s string
- *     until the calling thread's next library call; og_status_string()'s for the process.
- *     The packed-file calls borrow the path string for the call only.
+ *     the engine (og_init, og_open_packed) until og_free; og_logits(), og_step()'s *logits
+ *     and og_verify_logits()'s *logits point into the engine's pinned buffers, valid until
+ *     og_free (their contents change with every step, or every verify step);
+ *     og_stream()'s stream until og_free (never destroyed by the caller);
+ *     og_last_error()'s string until the calling thread's next library call;
+ *     og_status_string()'s for the process. A stream passed to og_enqueue or
+ *     og_enqueue_verify stays the caller's; it must outlive the work enqueued on it.
+ *     og_open_packed borrows the path string for the call only and unmaps the file
+ *     before it returns (the weights are on the device).
  *
  * Typical use (non-graph path, from C):
  *   og_config cfg; og_config_default(&cfg); ... fill from config.json ...
@@ -76,24 +80,10 @@ extern "C" {
  * (a new function or constant), reset to 0 with each major bump. A caller written for
  * major.minor works with a library of the same major number and a minor number at least its
  * own (og_abi_version_numbers); the Python binding checks exactly that. */
-#define OG_ABI_VERSION_MAJOR 6
-#define OG_ABI_VERSION_MINOR 4  /* 1: og_abi_version_numbers, og_status_string;
-                                   2: og_begin_step_seq, og_prefill_seq;
-                                   3: OG_OUTPUT_SAMPLED(_LOGPROBS), og_sampling_params,
-                                      og_seq_set_sampling, og_top_logprobs,
-                                      OG_E_NONFINITE_LOGITS;
-                                   4: the verify step (OG_MAX_VERIFY, og_begin_verify_seq,
-                                      og_enqueue_verify, og_run_verify, og_verify_results,
-                                      og_verify_logits, og_end_verify) */
+#define OG_ABI_VERSION_MAJOR 7
+#define OG_ABI_VERSION_MINOR 0
 /* The major number alone (og_config.abi_version, og_abi_version()). */
 #define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
-                           /* major 2: og_config.weights_dense / _experts / _lm_head appended;
-                              3: og_config.kv_page_size / _pool_blocks / _max_sequences
-                                 appended, og_step_record.seq_slot / row_block, sequences;
-                              4: og_config.prefill_chunk appended, og_prefill;
-                              5: og_set_output, og_next_token;
-                              6: og_begin_chained_step, og_cancel_step, og_step_slot,
-                                 og_step_record.token OG_TOKEN_PREVIOUS_ARGMAX */
 
 /* ---- status codes ------------------------------------------------------------------ */
 typedef int32_t og_status;
@@ -113,7 +103,7 @@ typedef int32_t og_status;
 #define OG_E_BAD_FILE         -13  /* a packed model file is malformed or unreadable; the message
                                        names the file and the byte offset or tensor             */
 #define OG_E_CORRUPTED        -14  /* a guard band around the KV cache was overwritten (found by
-                                       og_check_guards, onegraph_testing.h)                     */
+                                       the test library's og_check_guards)                      */
 #define OG_E_POOL_EXHAUSTED   -15  /* the KV block pool has too few free blocks, or every
                                        sequence slot is in use; nothing was changed            */
 #define OG_E_NONFINITE_LOGITS -16  /* a sampled step's logits held a NaN or +inf (or overflowed
@@ -196,36 +186,29 @@ typedef struct og_config {
     int32_t max_seq_len;            /* the most rows (tokens) one sequence can hold        */
     int32_t kv_dtype;               /* OG_KV_*                                            */
     int32_t device_ordinal;
-    /* weight formats (OG_WEIGHTS_*; og_config_default: OG_WEIGHTS_BF16), ABI 2 */
+    /* weight formats (OG_WEIGHTS_*; og_config_default: OG_WEIGHTS_BF16) */
     int32_t weights_dense;          /* attention q/k/v/o, dense FFN gate/up/down           */
     int32_t weights_experts;        /* MoE experts' gate/up/down                           */
     int32_t weights_lm_head;        /* lm_head (a tied model then needs lm_head.weight)    */
-    /* paged KV cache (see "sequences and the KV block pool" below), ABI 3 */
+    /* paged KV cache (see "sequences and the KV block pool" below) */
     int32_t kv_page_size;           /* rows per KV block; 0 = 64. A page size >= max_seq_len
                                        gives one block per sequence (a contiguous cache)   */
     int32_t kv_pool_blocks;         /* blocks in the pool; 0 = ceil(max_seq_len / page), room
                                        for one full-length sequence                       */
     int32_t kv_max_sequences;       /* sequences alive at once; 0 = 16                    */
-    /* batched prefill (og_prefill), ABI 4 */
+    /* batched prefill (og_prefill) */
     int32_t prefill_chunk;          /* prompt rows per pass of og_prefill; 0 = 1024 (capped at
                                        max_seq_len). Sizes its scratch, allocated at init   */
 } og_config;
 
-/* The pinned host record copied to the device at the start of every step (og_begin_step
- * fills it). The body reads everything per-token from its device copy, so a captured graph
- * replays unchanged for every token, every sequence and every block assignment. */
-/* og_step_record.token of a chained step: the token is the previous step's argmax, read on
- * the device (og_begin_chained_step). */
-#define OG_TOKEN_PREVIOUS_ARGMAX (-1)
-
-/* ---- sampling on the device (OG_OUTPUT_SAMPLED; ABI 6.3) ------------------------------
+/* ---- sampling on the device (OG_OUTPUT_SAMPLED) ---------------------------------------
  * The stage after the lm_head (cuda/sample.cu) is runtime/sampling.py's sample_step: penalties
  * over the tokens the sequence generated (counts kept on the device), temperature, top-k, top-p,
  * min-p, then an exponential race keyed by Philox4x32-10 (seed, the step's position, token id).
  * A step with output OG_OUTPUT_SAMPLED counts its input token as generated (prompt tokens go in
  * with another output or og_prefill). The parameters are per sequence (og_seq_set_sampling), kept
  * on the device per sequence slot and read through the step record's seq_slot, so a captured
- * graph serves any parameters, and the step record's layout is unchanged. */
+ * graph serves any parameters. */
 #define OG_MAX_LOGPROBS 20
 
 typedef struct og_sampling_params {
@@ -248,6 +231,15 @@ typedef struct og_top_logprob {
 /* og_next_token's token after a failed sampled step (og_next_token then returns the error). */
 #define OG_TOKEN_NONFINITE (-2)     /* OG_E_NONFINITE_LOGITS                                 */
 #define OG_TOKEN_OVERFLOW  (-3)     /* more than 4096 ids at the filters' cut: OG_E_UNSUPPORTED */
+
+/* The record copied to the device at the start of every step (og_begin_step fills it, in a
+ * pinned buffer of the engine's). The body reads everything per-token from its device copy, so
+ * a captured graph replays unchanged for every token, every sequence and every block
+ * assignment. The library keeps it internal; its layout is shown for what a step's one
+ * host->device copy carries. */
+/* og_step_record.token of a chained step: the token is the previous step's argmax, read on
+ * the device (og_begin_chained_step). */
+#define OG_TOKEN_PREVIOUS_ARGMAX (-1)
 
 typedef struct og_step_record {
     int32_t token;                  /* or OG_TOKEN_PREVIOUS_ARGMAX                          */
@@ -290,7 +282,7 @@ typedef struct og_engine og_engine;
 OG_API int32_t og_abi_version(void);
 
 /* *major = OG_ABI_VERSION_MAJOR, *minor = OG_ABI_VERSION_MINOR of the compiled library (either
- * pointer may be NULL). Added in 6.1: a caller that needs it checks og_abi_version() first. */
+ * pointer may be NULL). */
 OG_API void og_abi_version_numbers(int32_t *major, int32_t *minor);
 
 /* The name of a status code ("OG_OK", "OG_E_CUDA", ...; "unknown og_status" for any other
@@ -380,7 +372,7 @@ OG_API og_status og_end_step(og_engine *e);
  * the pinned logits [vocab_size] fp32, valid until the next step. */
 OG_API og_status og_step(og_engine *e, int32_t token, const float **logits);
 
-/* ---- the verify step (speculative decoding; ABI 6.4) --------------------------------------
+/* ---- the verify step (speculative decoding) -----------------------------------------------
  * One pass feeds n = 2..OG_MAX_VERIFY tokens (the last accepted token and n - 1 drafted ones)
  * at rows length .. length + n - 1 of a sequence, writes their K/V rows and gives the greedy
  * token (argmax, numpy's rule) after each of them. Each position's logits are bit-identical to
@@ -416,7 +408,8 @@ OG_API og_status og_run_verify(og_engine *e);
 OG_API og_status og_verify_results(og_engine *e, int32_t *next, float *logit, int32_t capacity);
 
 /* ... and with OG_OUTPUT_LOGITS set when it was enqueued: *logits points at the pinned
- * [n, vocab_size] fp32 logits (valid until the next verify step). */
+ * [n, vocab_size] fp32 logits (owned by the engine, the same address until og_free; the
+ * contents hold this verify step's rows until the next verify step is enqueued). */
 OG_API og_status og_verify_logits(og_engine *e, const float **logits, int32_t *n);
 
 /* End the verify step keeping its first `accepted` rows (1 <= accepted <= n): the sequence's
@@ -456,12 +449,6 @@ OG_API og_status og_reset(og_engine *e);
  * sequence is selected. */
 OG_API og_status og_get_position(og_engine *e, int32_t *position);
 
-/* The pinned step record of slot 0, the one og_begin_step fills and the body copies from
- * (owned by the engine; the same address until og_free); a chained step's record follows it
- * (slot 1). The caller may read it, and may overwrite the position of a begun step before
- * launching it; anything else written there is the caller's responsibility. */
-OG_API og_status og_step_record_ptr(og_engine *e, og_step_record **record);
-
 /* The pinned logits [vocab_size] fp32 the body copies into (owned by the engine; the same
  * address until og_free; read it after the step's work completed). */
 OG_API og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
@@ -498,16 +485,11 @@ OG_API og_status og_seq_set_sampling(og_engine *e, int32_t seq, const og_samplin
 OG_API og_status og_top_logprobs(og_engine *e, og_top_logprob *top, int32_t capacity,
                                  int32_t *count);
 
-/* The engine's own stream (a cudaStream_t), e.g. to capture on it. */
+/* The engine's own stream (a cudaStream_t), e.g. to capture on it: owned by the engine,
+ * valid until og_free; the caller never destroys it. */
 OG_API og_status og_stream(og_engine *e, void **stream);
 
 OG_API og_status og_get_stats(og_engine *e, og_stats *stats);
-
-/* Copy the whole KV block pool (og_stats.kv_cache_bytes = n_blocks * block stride bytes;
- * layout in og_kv_segments) into the caller's host_dst (synchronous: the engine's stream is
- * drained first). A read-back for inspection (runtime/kvpool.py gathers a sequence's rows from
- * it); OG_E_INVALID_ARGUMENT if capacity_bytes is too small. */
-OG_API og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
 
 /* Release everything. Safe on a partially initialized engine; a second og_free of the
  * same handle returns OG_E_INVALID_HANDLE. */
@@ -519,7 +501,7 @@ OG_API og_status og_free(og_engine *e);
  * in all layers, and the distance between blocks (the block stride) is larger than any page.
  * A sequence is a block table (block i holds rows [i * page, (i + 1) * page)) and a length.
  * og_init creates sequence 0 and selects it, so a caller that never uses sequences decodes
- * one sequence as before. og_begin_step works on the selected sequence: it takes a free
+ * one sequence without creating any. og_begin_step works on the selected sequence: it takes a free
  * block when the row starts one (or copies a shared block on write) and puts the block id
  * in the step record; the body writes K/V there and stores the id into the device block
  * table, so steady-state decode stays at one H2D and one D2H copy per token, and one
@@ -574,16 +556,12 @@ OG_API og_status og_get_kv_pool_info(og_engine *e, og_kv_pool_info *info);
 /* The packed block's segments (pages) in address order, per layer: K, V, then for int8 K
  * scales, V scales. Up to `capacity` byte offsets (from the start of a block) and page sizes
  * in bytes; the number of segments in *count. Block b's page of segment s is the bytes
- * [b * block_stride + offsets[s], ... + page_bytes[s]) of the pool (og_copy_kv_cache). */
+ * [b * block_stride + offsets[s], ... + page_bytes[s]) of the pool. */
 OG_API og_status og_kv_segments(og_engine *e, int64_t *offsets, int64_t *page_bytes,
                                 int32_t capacity, int32_t *count);
 
 /* Reference count of a block in *count (0 = free). OG_E_INVALID_ARGUMENT outside the pool. */
 OG_API og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *count);
-
-/* Zero every page of the listed blocks now (one kernel launch; ids checked first, any state),
- * synchronously. The library zeroes released blocks itself; this is for tests and tools. */
-OG_API og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
 
 /* ---- packed model files (cuda/packed_file.c) -----------------------------------------
  * One safetensors file written by `onegraph pack` (runtime/pack.py): the tensors the library

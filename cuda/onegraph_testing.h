@@ -268,6 +268,22 @@ OG_API og_status og_test_allocator_set_free_order(og_test_allocator *a, const in
  * block tables that are deliberately non-contiguous and out of order). */
 OG_API og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
 
+/* Inspection of an engine, for tests and diagnostics. */
+
+/* Copy the engine's whole KV block pool (og_stats.kv_cache_bytes = n_blocks * block stride
+ * bytes; layout in og_kv_segments) into the caller's host_dst (synchronous: the engine's stream
+ * is drained first). OG_E_INVALID_ARGUMENT if host_dst is NULL or capacity_bytes is too small. */
+OG_API og_status og_test_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
+
+/* *record = a copy of the pinned step record of slot 0, the one og_begin_step fills and the
+ * body copies to the device (so a test can check that a refused call left it unchanged). */
+OG_API og_status og_test_step_record(og_engine *e, og_step_record *record);
+
+/* Zero every page of the listed blocks of the engine's pool now (one kernel launch of the
+ * kernel that zeroes released blocks; the ids are checked first: OG_E_INVALID_ARGUMENT for an
+ * id outside the pool, nothing zeroed), synchronously. */
+OG_API og_status og_test_kv_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
+
 /* The decode body's sampling stage (cuda/sample.cu, OG_OUTPUT_SAMPLED) run n times on the same
  * logits [vocab] with the same generated-token counts [vocab] (NULL: none; no draw adds to them)
  * and parameters, draw k at row positions[k] (the Philox key): tokens[k], values[k] (the token's

@@ -13,10 +13,8 @@ from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint
 
 # The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
 # and at least this minor number loads.
-ABI_VERSION = 6          # OG_ABI_VERSION_MAJOR (og_abi_version())
-ABI_MINOR_REQUIRED = 4   # og_abi_version_numbers, og_status_string; og_begin_step_seq, og_prefill_seq;
-                         # OG_OUTPUT_SAMPLED(_LOGPROBS), og_seq_set_sampling, og_top_logprobs;
-                         # the verify step (og_begin_verify_seq .. og_end_verify)
+ABI_VERSION = 7          # OG_ABI_VERSION_MAJOR (og_abi_version())
+ABI_MINOR_REQUIRED = 0   # OG_ABI_VERSION_MINOR: every call bound below is in 7.0
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -105,8 +103,6 @@ class OgConfig(ctypes.Structure):
     ]
 
 
-# typedef struct og_step_record { int32_t token; int32_t position; int32_t seq_slot;
-#                                  int32_t row_block; } og_step_record;
 # typedef struct og_sampling_params {...} og_sampling_params;
 class OgSamplingParams(ctypes.Structure):
     _fields_ = [("seed", c_uint64), ("temperature", c_float), ("top_k", c_int32), ("top_p", c_float),
@@ -123,6 +119,8 @@ class OgTopLogprob(ctypes.Structure):
 MAX_VERIFY = 9
 
 
+# typedef struct og_step_record { int32_t token; int32_t position; int32_t seq_slot;
+#                                  int32_t row_block; } og_step_record;
 class OgStepRecord(ctypes.Structure):
     _fields_ = [("token", c_int32), ("position", c_int32), ("seq_slot", c_int32), ("row_block", c_int32)]
 
@@ -274,8 +272,6 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_reset", c_int32, Handle)
     # og_status og_get_position(og_engine *e, int32_t *position);
     fn("og_get_position", c_int32, Handle, POINTER(c_int32))
-    # og_status og_step_record_ptr(og_engine *e, og_step_record **record);
-    fn("og_step_record_ptr", c_int32, Handle, POINTER(POINTER(OgStepRecord)))
     # og_status og_logits(og_engine *e, float **logits, int32_t *vocab_size);
     fn("og_logits", c_int32, Handle, POINTER(POINTER(c_float)), POINTER(c_int32))
     # og_status og_set_output(og_engine *e, int32_t output);
@@ -290,8 +286,6 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_stream", c_int32, Handle, POINTER(c_void_p))
     # og_status og_get_stats(og_engine *e, og_stats *stats);
     fn("og_get_stats", c_int32, Handle, POINTER(OgStats))
-    # og_status og_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
-    fn("og_copy_kv_cache", c_int32, Handle, c_void_p, c_uint64)
     # og_status og_free(og_engine *e);
     fn("og_free", c_int32, Handle)
     # og_status og_seq_create(og_engine *e, int32_t *seq);
@@ -322,8 +316,6 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_kv_segments", c_int32, Handle, POINTER(c_int64), POINTER(c_int64), c_int32, POINTER(c_int32))
     # og_status og_kv_block_refcount(og_engine *e, int32_t block, int32_t *count);
     fn("og_kv_block_refcount", c_int32, Handle, c_int32, POINTER(c_int32))
-    # og_status og_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
-    fn("og_zero_blocks", c_int32, Handle, POINTER(c_int32), c_int32)
     # og_status og_packed_validate(const char *path);
     fn("og_packed_validate", c_int32, c_char_p)
     # og_status og_open_packed(const char *path, int32_t kv_dtype, int32_t max_seq_len,

@@ -15,7 +15,7 @@ A block packs, per layer: the K page [n_kv, page_size, head_dim] and the V page 
 element type, and for int8 the K and V scale pages [n_kv, page_size] fp32; each page starts
 16-byte aligned and the block stride is rounded up to 256 bytes. So a page is smaller than
 the block: block b's page of a segment starts at b * block_stride + offset, never at
-b * page_bytes (seed 001's bug).
+b * page_bytes.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ class PoolLayout:
         return raw.view(np.float32).reshape(self.n_kv_heads, self.page_size)
 
     def gather(self, pool: np.ndarray, blocks: Sequence[int], length: int, layer: int) -> dict[str, np.ndarray]:
-        """Rows [0, length) of a sequence from a copy of the pool (uint8, og_copy_kv_cache), in
+        """Rows [0, length) of a sequence from a copy of the pool (uint8 [pool_bytes]), in
         the reference's axes: k, v [length, n_kv, head_dim]; k_scales, v_scales [length, n_kv]."""
         pool = np.asarray(pool).view(np.uint8).reshape(-1)
         kinds = KINDS if self.kv == "int8" else KINDS[:2]
@@ -224,8 +224,3 @@ class DevicePool:
 
     def refcount(self, block: int) -> int:
         return self._int("og_kv_block_refcount", block)
-
-    def zero_blocks(self, blocks: Iterable[int]) -> None:
-        ids = [int(b) for b in blocks]
-        array = (ctypes.c_int32 * max(1, len(ids)))(*ids)
-        self._call("og_zero_blocks", array, len(ids))

@@ -75,9 +75,6 @@ class GpuSession:
             for name, array in tensors:
                 if name not in skip:
                     self.set_weight(name, array)
-            rec = ctypes.POINTER(capi.OgStepRecord)()
-            capi.check(self.lib.og_step_record_ptr(self.handle, ctypes.byref(rec)), "og_step_record_ptr")
-            self.step_record = rec.contents
             ptr = ctypes.POINTER(ctypes.c_float)()
             n = ctypes.c_int32()
             capi.check(self.lib.og_logits(self.handle, ctypes.byref(ptr), ctypes.byref(n)), "og_logits")
@@ -343,12 +340,6 @@ class GpuSession:
         s = capi.OgStats()
         capi.check(self.lib.og_get_stats(self.handle, ctypes.byref(s)), "og_get_stats")
         return s.as_dict()
-
-    def kv_cache_bytes(self) -> bytes:
-        n = self.stats()["kv_cache_bytes"]
-        buf = (ctypes.c_uint8 * n)()
-        capi.check(self.lib.og_copy_kv_cache(self.handle, buf, n), "og_copy_kv_cache")
-        return bytes(buf)
 
     def close(self) -> None:
         self.drain()

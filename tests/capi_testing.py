@@ -179,6 +179,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_test_allocator_set_free_order", c_void_p, P_i32, c_int32)
     # og_status og_test_kv_set_free_order(og_engine *e, const int32_t *blocks, int32_t count);
     fn("og_test_kv_set_free_order", c_void_p, P_i32, c_int32)
+    # og_status og_test_copy_kv_cache(og_engine *e, void *host_dst, uint64_t capacity_bytes);
+    fn("og_test_copy_kv_cache", capi.Handle, c_void_p, c_uint64)
+    # og_status og_test_step_record(og_engine *e, og_step_record *record);
+    fn("og_test_step_record", capi.Handle, POINTER(capi.OgStepRecord))
+    # og_status og_test_kv_zero_blocks(og_engine *e, const int32_t *blocks, int32_t count);
+    fn("og_test_kv_zero_blocks", capi.Handle, P_i32, c_int32)
     # og_status og_test_sample(const float *logits, int32_t vocab, const int32_t *counts,
     #                          const og_sampling_params *params, const int32_t *positions,
     #                          int32_t n, int32_t *tokens, float *values, og_top_logprob *top,
@@ -707,3 +713,27 @@ def kv_set_free_order(handle, blocks) -> None:
     """og_test_kv_set_free_order on an engine handle (GpuSession.handle)."""
     ids = _array(blocks, np.int32)
     _check(load().og_test_kv_set_free_order(handle, _p(ids, c_int32), ids.size), "og_test_kv_set_free_order")
+
+
+# ---- inspection of an engine ------------------------------------------------------------------
+
+def kv_cache_bytes(session) -> bytes:
+    """The whole KV block pool of a GpuSession's engine (og_stats.kv_cache_bytes bytes), read back
+    after its stream drained: tests compare it before and after a refused call."""
+    n = session.stats()["kv_cache_bytes"]
+    buf = (ctypes.c_uint8 * n)()
+    _check(load().og_test_copy_kv_cache(session.handle, buf, n), "og_test_copy_kv_cache")
+    return bytes(buf)
+
+
+def step_record(handle) -> tuple[int, int, int, int]:
+    """(token, position, seq_slot, row_block) of the engine's pinned step record of slot 0."""
+    record = capi.OgStepRecord()
+    _check(load().og_test_step_record(handle, ctypes.byref(record)), "og_test_step_record")
+    return record.token, record.position, record.seq_slot, record.row_block
+
+
+def kv_zero_blocks(handle, blocks) -> None:
+    """og_test_kv_zero_blocks: zero the listed blocks of an engine's pool now."""
+    ids = _array(blocks, np.int32)
+    _check(load().og_test_kv_zero_blocks(handle, _p(ids, c_int32), ids.size), "og_test_kv_zero_blocks")

@@ -8,6 +8,7 @@ import pytest
 from bounds import assert_below
 from gpu_support import float16_checkpoint, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
+import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
 from onegraph.session import GpuSession
@@ -136,14 +137,14 @@ def test_hit_only_missing_weight_changes_nothing_then_cpu_fallback_matches():
     missing = "model.layers.1.mlp.down_proj.weight"
     session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=64, omit_weights={missing})
     try:
-        kv_before, pos_before = session.kv_cache_bytes(), session.position
+        kv_before, pos_before = ct.kv_cache_bytes(session), session.position
         with pytest.raises(capi.LibraryError) as err:
             session.begin(5)
         assert err.value.status == capi.OG_E_MISSING_WEIGHT and missing in str(err.value)
         # The body itself refuses too, whoever calls it (NULL stream = the engine's own).
         assert session.lib.og_enqueue(session.handle, None) == capi.OG_E_MISSING_WEIGHT
         assert missing in capi.last_error()
-        assert session.kv_cache_bytes() == kv_before
+        assert ct.kv_cache_bytes(session) == kv_before
         assert session.position == pos_before
         # Once the weight is resident the same handle decodes normally.
         session.set_weight(missing, tensors[missing])
@@ -178,11 +179,11 @@ def test_bad_tokens_and_full_context_leave_state_unchanged():
             session.begin(t)
             session.run_nongraph()
             session.end()
-        kv_before = session.kv_cache_bytes()
+        kv_before = ct.kv_cache_bytes(session)
         with pytest.raises(capi.LibraryError) as err:
             session.begin(1)
         assert err.value.status == capi.OG_E_CONTEXT_FULL
-        assert session.kv_cache_bytes() == kv_before and session.position == 4
+        assert ct.kv_cache_bytes(session) == kv_before and session.position == 4
         session.reset()
         session.begin(1)
         session.run_nongraph()
@@ -226,7 +227,7 @@ def test_pipelined_greedy_is_the_step_by_step_decode(preset, weights):
         seen = []
         assert piped.decode_greedy(first, n, on_token=seen.append) == want == seen
         assert piped.position == serial.position == len(PROMPT) + n
-        assert piped._gpu.kv_cache_bytes() == serial._gpu.kv_cache_bytes()
+        assert ct.kv_cache_bytes(piped._gpu) == ct.kv_cache_bytes(serial._gpu)
         # Both slots' graphs, each one copy each way (the token out: 8 bytes).
         graphs = piped._gpu._graphs
         assert set(graphs) == {("next_token", 0), ("next_token", 1)}

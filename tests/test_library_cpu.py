@@ -196,15 +196,12 @@ HANDLE_CALLS = {
     "og_step": lambda lib, h: lib.og_step(h, 0, None),
     "og_reset": lambda lib, h: lib.og_reset(h),
     "og_get_position": lambda lib, h: lib.og_get_position(h, ctypes.byref(ctypes.c_int32())),
-    "og_step_record_ptr": lambda lib, h: lib.og_step_record_ptr(
-        h, ctypes.byref(ctypes.POINTER(capi.OgStepRecord)())),
     "og_logits": lambda lib, h: lib.og_logits(h, ctypes.byref(ctypes.POINTER(ctypes.c_float)()),
                                               ctypes.byref(ctypes.c_int32())),
     "og_stream": lambda lib, h: lib.og_stream(h, ctypes.byref(ctypes.c_void_p())),
     "og_set_output": lambda lib, h: lib.og_set_output(h, capi.OG_OUTPUT_NEXT_TOKEN),
     "og_next_token": lambda lib, h: lib.og_next_token(h, ctypes.byref(ctypes.c_int32()), None),
     "og_get_stats": lambda lib, h: lib.og_get_stats(h, ctypes.byref(capi.OgStats())),
-    "og_copy_kv_cache": lambda lib, h: lib.og_copy_kv_cache(h, None, 0),
     "og_free": lambda lib, h: lib.og_free(h),
 }
 

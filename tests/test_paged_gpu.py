@@ -275,7 +275,7 @@ def make_engine(config, tensors, kv="int8", max_seq_len=128, **kw):
 
 
 def pool_bytes(engine) -> np.ndarray:
-    return np.frombuffer(engine._gpu.kv_cache_bytes(), np.uint8)
+    return np.frombuffer(ct.kv_cache_bytes(engine._gpu), np.uint8)
 
 
 def test_layout_matches_the_python_mirror():
@@ -482,7 +482,7 @@ def test_errors_come_before_any_state_change():
             pool.free(lib_c)                 # a second free of the same sequence
         assert err.value.status == capi.OG_E_INVALID_ARGUMENT and "not live" in str(err.value)
         with pytest.raises(capi.LibraryError) as err:
-            pool.zero_blocks([5])
+            ct.kv_zero_blocks(engine._gpu.handle, [5])
         assert err.value.status == capi.OG_E_INVALID_ARGUMENT
         unchanged()
         # Still working: the last block decodes b, and a after a reset matches a fresh run.

@@ -1,5 +1,5 @@
 """Batched prefill on any machine: the ABI pieces (og_prefill bound, og_config.prefill_chunk
-appended and validated before a device is touched, ABI 4 in the header, the binding and the
+appended and validated before a device is touched, the ABI version in the header, the binding and the
 Rust declarations), and the Engine's plumbing (prefill modes, generate feeding the prompt
 through prefill, the fallbacks when the library refuses) against a stand-in GPU session that
 computes with the numpy reference."""
@@ -20,14 +20,19 @@ from test_reliability_cpu import PROMPT, _FakeSession, tiny  # noqa: F401  (tiny
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_abi_6_in_header_binding_and_rust():
+def test_abi_7_in_header_binding_and_rust():
     header = (ROOT / "cuda" / "onegraph.h").read_text()
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
-    assert capi.header_abi_version(str(ROOT / "cuda" / "onegraph.h")) == capi.ABI_VERSION == 6
-    assert re.search(r"pub const OG_ABI_VERSION: i32 = 6;", rust)
-    # 6.3: og_sampling_params, whose fields agree in all three; og_step_record is unchanged;
-    # 6.4: the verify step (a minor addition: the Rust binding of 6.3 keeps working without it)
-    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h"))[1] >= capi.ABI_MINOR_REQUIRED == 4
+    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h")) == (7, 0)
+    assert capi.ABI_VERSION == 7 and capi.ABI_MINOR_REQUIRED == 0
+    assert re.search(r"pub const OG_ABI_VERSION: i32 = 7;", rust)
+    # 7.0 dropped the test and tool calls (now og_test_* in onegraph_testing.h) from the ABI.
+    testing = (ROOT / "cuda" / "onegraph_testing.h").read_text()
+    binding = (ROOT / "runtime" / "capi.py").read_text()
+    for name in ("og_step_record_ptr", "og_copy_kv_cache", "og_zero_blocks"):
+        assert name not in header and name not in rust and name not in binding
+    for name in ("og_test_step_record", "og_test_copy_kv_cache", "og_test_kv_zero_blocks"):
+        assert f"OG_API og_status {name}(og_engine *e" in testing
     for name in ("og_begin_verify_seq", "og_enqueue_verify", "og_run_verify", "og_verify_results",
                  "og_verify_logits", "og_end_verify"):
         assert f"OG_API og_status {name}(og_engine *e" in header
@@ -42,7 +47,7 @@ def test_abi_6_in_header_binding_and_rust():
         assert f"OG_API og_status {name}(og_engine *e" in header
     assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
     assert "pub fn og_prefill(" in rust
-    for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):  # ABI 6
+    for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):
         assert f"OG_API og_status {name}(og_engine *e" in header and f"pub fn {name}(" in rust
     # og_config ends with prefill_chunk in all three
     assert capi.OgConfig._fields_[-1] == ("prefill_chunk", ctypes.c_int32)

@@ -10,6 +10,7 @@ import pytest
 
 from bounds import assert_below
 from gpu_support import rel_l2, require_gpu
+import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine, EngineError
 from onegraph.session import GpuSession
@@ -107,7 +108,6 @@ GEMM_SHAPES = [(1, 1, 1), (1, 64, 8), (3, 5, 7), (17, 33, 40), (64, 64, 32), (65
 @pytest.mark.parametrize("rows,cols,depth", GEMM_SHAPES)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_matches_numpy(rows, cols, depth, accumulate):
-    import capi_testing as ct
     rng = np.random.default_rng(rows * 1000 + cols * 7 + depth)
     a = ct.bf16_bits(rng.standard_normal((rows, depth)))
     w = ct.bf16_bits(rng.standard_normal((cols, depth)) * 0.1)
@@ -127,7 +127,6 @@ def test_gemm_matches_numpy(rows, cols, depth, accumulate):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
     """The form og_prefill runs: fp32 activations as hi + lo (ct.bf16_split), two fp32 sums."""
-    import capi_testing as ct
     rng = np.random.default_rng(rows * 1000 + cols * 7 + depth + 1)
     a32 = rng.standard_normal((rows, depth)).astype(np.float32)
     hi, lo = ct.bf16_split(a32)
@@ -154,7 +153,6 @@ def test_split_gemm_matches_numpy(rows, cols, depth, accumulate):
 def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div):
     """The MoE experts' GEMM: group z multiplies the a rows its list names (entry / div) by its
     own matrix into the y rows its list names; groups may be empty; other y rows are untouched."""
-    import capi_testing as ct
     rng = np.random.default_rng(groups * 100 + cols + depth)
     a_total, y_total = 3 * stride + 2, groups * stride + 5
     a = ct.bf16_bits(rng.standard_normal((a_total, depth)))
@@ -178,7 +176,6 @@ def test_grouped_gemm_gathers_and_scatters_rows(groups, cols, depth, stride, div
 
 @pytest.mark.parametrize("split", [False, True], ids=["bf16", "split"])
 def test_gemm_is_deterministic_and_row_independent(split):
-    import capi_testing as ct
     rng = np.random.default_rng(5)
     a, lo = ct.bf16_split(rng.standard_normal((200, 264)))
     lo = lo if split else None
@@ -195,7 +192,6 @@ def test_large_and_small_gemm_tiles_give_the_same_bits(split):
     a GPU with more multiprocessors may pick the small one); 17 rows alone make few blocks, so
     the small tile runs. Both sum each element in the same k order: the same bits, and both
     right against numpy."""
-    import capi_testing as ct
     rng = np.random.default_rng(6)
     a, lo = ct.bf16_split(rng.standard_normal((700, 72)))
     lo = lo if split else None
@@ -229,7 +225,7 @@ def test_prefill_kv_matches_the_decode_path(preset, layers, overrides):
                                  kv_page_size=16, prefill=mode) as engine:
             logits[mode] = engine.prefill(prompt)
             assert engine.position == len(prompt)
-            pool = np.frombuffer(engine._gpu.kv_cache_bytes(), dtype=np.uint8)
+            pool = np.frombuffer(ct.kv_cache_bytes(engine._gpu), dtype=np.uint8)
             blocks = engine._gpu.pool.blocks(engine._gpu.pool.current())
             rows[mode] = [layout.gather(pool, blocks, len(prompt), layer)
                           for layer in range(config.num_hidden_layers)]
@@ -288,7 +284,7 @@ def test_chunked_prefill_is_bit_identical_to_one_pass(kv):
         with Engine.from_tensors(config, tensors, kv=kv, max_seq_len=160, device="gpu", kv_page_size=16,
                                  prefill_chunk=chunk) as engine:
             logits = engine.prefill(prompt)
-            out[chunk] = (logits, engine._gpu.kv_cache_bytes(), engine.generate([5], 8, stop_token_ids=()))
+            out[chunk] = (logits, ct.kv_cache_bytes(engine._gpu), engine.generate([5], 8, stop_token_ids=()))
     for chunk in (7, 64):
         assert np.array_equal(out[chunk][0], out[0][0]), f"chunk {chunk}: logits differ"
         assert out[chunk][1] == out[0][1], f"chunk {chunk}: KV cache differs"
@@ -350,7 +346,7 @@ def test_og_prefill_refusals_change_nothing():
                          kv_pool_blocks=3)
     try:
         session.prefill(_prompt(config, 10))
-        kv_before, pos_before = session.kv_cache_bytes(), session.position
+        kv_before, pos_before = ct.kv_cache_bytes(session), session.position
         free_before = session.pool.info()["free_blocks"]
         cases = [
             ([1, config.vocab_size, 2], capi.OG_E_TOKEN_OUT_OF_RANGE, "tokens[1]"),
@@ -370,7 +366,7 @@ def test_og_prefill_refusals_change_nothing():
         session.pool.free(other)
         assert session.lib.og_prefill(session.handle, (ctypes.c_int32 * 1)(1), 1, None) == capi.OG_E_BAD_STATE
         session.pool.select(0)
-        assert session.kv_cache_bytes() == kv_before and session.position == pos_before
+        assert ct.kv_cache_bytes(session) == kv_before and session.position == pos_before
         assert session.pool.info()["free_blocks"] == free_before
         # ... and the same handle prefills normally afterwards, the logits copied out too.
         out = np.full(config.vocab_size, np.nan, np.float32)
@@ -388,10 +384,10 @@ def test_missing_weight_refuses_then_the_engine_continues_on_the_cpu():
     prompt = _prompt(config, 12)
     session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=32, omit_weights={missing})
     try:
-        kv_before = session.kv_cache_bytes()
+        kv_before = ct.kv_cache_bytes(session)
         assert _og_prefill(session, prompt) == capi.OG_E_MISSING_WEIGHT
         assert missing in capi.last_error()
-        assert session.kv_cache_bytes() == kv_before and session.position == 0
+        assert ct.kv_cache_bytes(session) == kv_before and session.position == 0
     finally:
         session.close()
     ref = ReferenceDecoder(config, tensors, kv_dtype="int8", max_seq_len=32)
@@ -441,7 +437,7 @@ def test_engine_refusals_before_the_library():
     config, tensors = _model("tiny-dense")
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=24, kv_page_size=16, device="gpu") as engine:
         engine.prefill([1, 2, 3])
-        before = engine._gpu.kv_cache_bytes()
+        before = ct.kv_cache_bytes(engine._gpu)
         for call, text in ((lambda: engine.prefill([1] * 22), "does not fit"),
                            (lambda: engine.prefill([1, config.vocab_size]), "outside the vocabulary"),
                            (lambda: engine.prefill([]), "empty prompt")):
@@ -449,4 +445,4 @@ def test_engine_refusals_before_the_library():
                 call()
         with pytest.raises(ValueError, match="mode"):
             engine.prefill([1], mode="fast")
-        assert engine.position == 3 and engine._gpu.kv_cache_bytes() == before
+        assert engine.position == 3 and ct.kv_cache_bytes(engine._gpu) == before

@@ -466,9 +466,9 @@ def test_missing_scale_is_a_missing_weight_and_changes_nothing():
             with pytest.raises(capi.LibraryError) as err:
                 fresh.begin(5)
             assert err.value.status == capi.OG_E_MISSING_WEIGHT and name + ".scale" in str(err.value)
-            kv_before = fresh.kv_cache_bytes()
+            kv_before = ct.kv_cache_bytes(fresh)
             assert fresh.lib.og_enqueue(fresh.handle, None) == capi.OG_E_MISSING_WEIGHT
-            assert fresh.kv_cache_bytes() == kv_before and fresh.position == 0
+            assert ct.kv_cache_bytes(fresh) == kv_before and fresh.position == 0
         finally:
             fresh.close()
         # A complete session runs.

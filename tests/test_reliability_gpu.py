@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from gpu_support import require_gpu, synthetic
+import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine, EngineError
 from onegraph.session import GpuSession
@@ -261,11 +262,10 @@ def test_every_step_entry_refuses_a_missing_weight_and_changes_nothing(hooks):
     session = GpuSession(config, tensors.items(), kv="int8", max_seq_len=16, omit_weights={missing})
     try:
         lib, h = session.lib, session.handle
-        kv_before = session.kv_cache_bytes()
+        kv_before = ct.kv_cache_bytes(session)
         logits_before = session.logits_view.copy()
         stats_before = session.stats()
-        record = session.step_record
-        record_before = (record.token, record.position)
+        record_before = ct.step_record(h)
         out = ctypes.POINTER(ctypes.c_float)()
         assert lib.og_precheck(h) == capi.OG_E_MISSING_WEIGHT
         assert missing in capi.last_error()
@@ -278,9 +278,9 @@ def test_every_step_entry_refuses_a_missing_weight_and_changes_nothing(hooks):
         with pytest.raises(capi.LibraryError):
             session.capture()                              # the graph path refuses too
         assert session.graph is None
-        assert session.kv_cache_bytes() == kv_before
+        assert ct.kv_cache_bytes(session) == kv_before
         assert np.array_equal(session.logits_view, logits_before)
-        assert (record.token, record.position) == record_before
+        assert ct.step_record(h) == record_before
         assert session.position == 0
         stats = session.stats()
         assert stats["steps"] == stats_before["steps"] and stats["enqueues"] == stats_before["enqueues"]
@@ -297,7 +297,7 @@ def test_engine_bad_requests_on_gpu_change_nothing(hooks):
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=24, device="gpu") as engine, \
             Engine.from_tensors(config, tensors, kv="int8", max_seq_len=24, device="gpu") as twin:
         engine.prefill(PROMPT[:5])
-        kv_before = engine._gpu.kv_cache_bytes()
+        kv_before = ct.kv_cache_bytes(engine._gpu)
         bad_calls = [
             (lambda: engine.step(-1), "outside the vocabulary"),
             (lambda: engine.step(config.vocab_size), "outside the vocabulary"),
@@ -315,7 +315,7 @@ def test_engine_bad_requests_on_gpu_change_nothing(hooks):
             with pytest.raises(capi.LibraryError) as err:
                 engine._gpu.begin(token)
             assert err.value.status == capi.OG_E_TOKEN_OUT_OF_RANGE
-        assert engine._gpu.kv_cache_bytes() == kv_before
+        assert ct.kv_cache_bytes(engine._gpu) == kv_before
         got = engine.step(PROMPT[5])
         twin.prefill(PROMPT[:5])  # the same batched prefill, then the same step
         want = twin.step(PROMPT[5])
@@ -373,7 +373,7 @@ def test_capture_fault_hook_fires_only_while_capturing(hooks, watchdog):
         hooks.set_capture_fault("malloc", 1)
         _session_decode(session, PROMPT[:2])                            # og_run: never capturing
         assert session.lib.og_enqueue(session.handle, None) == capi.OG_OK  # own stream, not capturing
-        session.kv_cache_bytes()  # synchronizes the engine's stream before the next step
+        ct.kv_cache_bytes(session)  # synchronizes the engine's stream before the next step
         session.begin(PROMPT[2])
         with pytest.raises(capi.LibraryError) as err:
             session.capture()

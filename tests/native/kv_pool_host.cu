@@ -181,7 +181,7 @@ int main() {
     const int32_t kept = kv.seqs[second].blocks[0];
     CHECK(step(second, 'e') == OG_OK && kv.seqs[second].blocks == (Blocks{kept}));
 
-    // og_zero_blocks validates ids first.
+    // zero_blocks (og_test_kv_zero_blocks) validates ids first.
     const int32_t outside[] = {n_blocks};
     CHECK(kv.zero_blocks(outside, 1, nullptr) == OG_E_INVALID_ARGUMENT);
 

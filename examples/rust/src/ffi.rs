@@ -4,7 +4,7 @@
 
 use std::os::raw::{c_char, c_void};
 
-pub const OG_ABI_VERSION: i32 = 6;
+pub const OG_ABI_VERSION: i32 = 7;
 
 pub type og_status = i32;
 pub const OG_OK: og_status = 0;
@@ -85,15 +85,6 @@ pub struct og_sampling_params {
 }
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct og_step_record {
-    pub token: i32,
-    pub position: i32,
-    pub seq_slot: i32,
-    pub row_block: i32,
-}
-
-#[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct og_stats {
     pub steps: u64,
@@ -132,13 +123,11 @@ extern "C" {
                       logits: *mut f32) -> og_status;
     pub fn og_reset(e: *mut og_engine) -> og_status;
     pub fn og_get_position(e: *mut og_engine, position: *mut i32) -> og_status;
-    pub fn og_step_record_ptr(e: *mut og_engine, record: *mut *mut og_step_record) -> og_status;
     pub fn og_logits(e: *mut og_engine, logits: *mut *mut f32, vocab_size: *mut i32) -> og_status;
     pub fn og_set_output(e: *mut og_engine, output: i32) -> og_status;
     pub fn og_next_token(e: *mut og_engine, token: *mut i32, logit: *mut f32) -> og_status;
     pub fn og_stream(e: *mut og_engine, stream: *mut *mut c_void) -> og_status;
     pub fn og_get_stats(e: *mut og_engine, stats: *mut og_stats) -> og_status;
-    pub fn og_copy_kv_cache(e: *mut og_engine, host_dst: *mut c_void, capacity_bytes: u64) -> og_status;
     pub fn og_free(e: *mut og_engine) -> og_status;
     pub fn og_packed_validate(path: *const c_char) -> og_status;
     pub fn og_open_packed(path: *const c_char, kv_dtype: i32, max_seq_len: i32,
