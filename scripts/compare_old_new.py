@@ -1,0 +1,101 @@
+"""The table scripts/compare_old_new.sh prints last: the old library's benchmark against the new
+one's, per model and decode mode, from the JSON documents the two benchmarks wrote.
+
+    python3 scripts/compare_old_new.py DIR MODEL [MODEL ...]
+
+DIR holds, per model, three documents (int8 KV, bf16 weights, E engines each):
+  old-MODEL.json          the old tree's `python -m runtime.bench` (--pipeline on): its
+                          "onegraph-graph" record is the graph pipelined, as generate runs it
+  old-stepped-MODEL.json  the same with --pipeline off: its "onegraph-graph" is the graph
+                          stepped one token at a time
+  new-MODEL.json          `python -m bench`: "onegraph-graph" (stepped), "onegraph-graph-pipelined"
+                          and "onegraph-nongraph"
+Each row: the median engine's tok/s (old, new), new / old, each side's spread over its engines
+(min-max tok/s), and the token checks: graph == non-graph within each run, old == new (the same
+seed gives the same weights and prompt, so an unchanged computation gives the same tokens).
+Exit status 1 when a document is missing or a token check fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# (row label, (old document, old runtime), new runtime)
+MODES = [("non-graph", ("old", "onegraph-nongraph"), "onegraph-nongraph"),
+         ("graph, stepped", ("old-stepped", "onegraph-graph"), "onegraph-graph"),
+         ("graph, pipelined", ("old", "onegraph-graph"), "onegraph-graph-pipelined")]
+
+
+def record(doc: dict, runtime: str) -> dict | None:
+    """The int8-KV bf16 record of this runtime (the bench's median engine), or None."""
+    return next((r for r in doc["results"] if r["runtime"] == runtime and r["kv"] == "int8"
+                 and r["weights"] == "bf16" and r["status"] == "ok"), None)
+
+
+def spread(r: dict) -> str:
+    values = [v for v in (r.get("tokens_per_s_engines") or [r["tokens_per_s"]]) if v]
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
+def compare(docs: dict[str, dict], model: str) -> tuple[list[list[str]], list[str]]:
+    """(table rows, failed checks) for one model; docs maps "old", "old-stepped", "new" to documents."""
+    rows, failed = [], []
+    for label, (old_doc, old_runtime), new_runtime in MODES:
+        old, new = record(docs[old_doc], old_runtime), record(docs["new"], new_runtime)
+        if old is None or new is None:
+            failed.append(f"{model} {label}: no record (old {old is not None}, new {new is not None})")
+            continue
+        checks = []
+        for side, r in (("old", old), ("new", new)):
+            if "same_tokens_as_nongraph" in r:
+                checks.append(f"{side} graph=non-graph {'yes' if r['same_tokens_as_nongraph'] else 'NO'}")
+                if not r["same_tokens_as_nongraph"]:
+                    failed.append(f"{model} {label}: {side} graph and non-graph tokens differ")
+        same = old["tokens"] == new["tokens"]
+        checks.append(f"old=new {'yes' if same else 'NO'}")
+        if not same:
+            failed.append(f"{model} {label}: old and new tokens differ")
+        rows.append([model, label, f"{old['tokens_per_s']:.1f}", f"{new['tokens_per_s']:.1f}",
+                     f"{new['tokens_per_s'] / old['tokens_per_s']:.3f}", spread(old), spread(new),
+                     "; ".join(checks)])
+    return rows, failed
+
+
+def format_table(rows: list[list[str]]) -> str:
+    header = ["model", "mode", "old tok/s", "new tok/s", "new/old", "old engines", "new engines",
+              "tokens"]
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i in (0, 1, 7) else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in [header] + rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    folder, models = argv[0], argv[1:]
+    rows, failed = [], []
+    for model in models:
+        docs = {}
+        for kind in ("old", "old-stepped", "new"):
+            path = os.path.join(folder, f"{kind}-{model}.json")
+            try:
+                with open(path) as f:
+                    docs[kind] = json.load(f)
+            except (OSError, ValueError) as e:
+                failed.append(f"{model}: {path}: {e}")
+        if len(docs) == 3:
+            r, f = compare(docs, model)
+            rows += r
+            failed += f
+    if rows:
+        print(format_table(rows))
+    for line in failed:
+        print(f"FAILED: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
