@@ -86,6 +86,35 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def float16_folder_runs(config, tensors, root, prompt, kv: str, device: str):
+    """Write the float16_checkpoint of tensors and its bf16 rounding as two model folders under
+    root ("f16", "bf16") and step the prompt through each on `device`: (f16 tensors,
+    [logits per prompt token] of the f16 folder, the same of the bf16 folder)."""
+    from onegraph.engine import Engine
+    from onegraph.synth import write_tensors
+    f16, bf16 = float16_checkpoint(config, tensors)
+    write_tensors(config, root / "f16", f16)
+    write_tensors(config, root / "bf16", bf16)
+    runs = []
+    for folder in ("f16", "bf16"):
+        with Engine.from_pretrained(str(root / folder), kv=kv, max_seq_len=64, device=device) as engine:
+            runs.append([engine.step(t) for t in prompt])
+    return f16, runs[0], runs[1]
+
+
+def assert_graph_matches_nongraph(engine, prompt, n):
+    """Greedy-decode prompt + n tokens with the graph, reset, the same without: the tokens and
+    every step's logits must be bit-identical."""
+    import numpy as np
+    engine.set_graph(True)
+    g_tokens, g_logits = greedy_decode(engine.step, prompt, n)
+    engine.reset()
+    engine.set_graph(False)
+    p_tokens, p_logits = greedy_decode(engine.step, prompt, n)
+    assert g_tokens == p_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(g_logits, p_logits))
+
+
 def greedy_decode(step, prompt, n):
     """Feed the prompt through step(token) -> logits, then n greedy tokens.
     Returns (generated tokens, the logits each was chosen from)."""

@@ -9,11 +9,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from gpu_support import float16_checkpoint, synthetic
+from gpu_support import float16_folder_runs, synthetic
 from onegraph.engine import Engine, EngineError, library_status
 from onegraph.reference import ReferenceDecoder
 from onegraph.sampling import SamplingParams, sample
-from onegraph.synth import preset_config, write_model, write_tensors
+from onegraph.synth import preset_config, write_model
 
 PROMPT = [3, 17, 99, 250, 4, 61, 200, 8]
 
@@ -138,19 +138,13 @@ def test_float16_checkpoint_loads_as_its_bf16_rounding(tmp_path, preset):
     """An all-float16 folder decodes on the CPU exactly (bit for bit) as the same weights rounded
     to bf16: matrices are used as bf16, the GPU's rule (reference.py module docstring)."""
     config, tensors = synthetic(preset)
-    f16, bf16 = float16_checkpoint(config, tensors)
-    write_tensors(config, tmp_path / "f16", f16)
-    write_tensors(config, tmp_path / "bf16", bf16)
-    runs = []
-    for folder in ("f16", "bf16"):
-        with Engine.from_pretrained(str(tmp_path / folder), kv="int8", max_seq_len=64, device="cpu") as engine:
-            runs.append([engine.step(t) for t in PROMPT])
-    for a, b in zip(*runs):
+    f16, f16_logits, bf16_logits = float16_folder_runs(config, tensors, tmp_path, PROMPT, "int8", "cpu")
+    for a, b in zip(f16_logits, bf16_logits):
         np.testing.assert_array_equal(a, b)
     # The rounding matters: widening float16 matrices without it gives other logits.
     unrounded = ReferenceDecoder(config, {n: t.astype(np.float32) for n, t in f16.items()}, kv_dtype="int8",
                                  max_seq_len=64)
-    assert not np.array_equal(unrounded.prefill(PROMPT), runs[0][-1])
+    assert not np.array_equal(unrounded.prefill(PROMPT), f16_logits[-1])
 
 
 RSS_PROBE = textwrap.dedent("""

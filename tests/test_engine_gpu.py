@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from bounds import assert_below
-from gpu_support import float16_checkpoint, rel_l2, require_gpu, synthetic
+from gpu_support import float16_folder_runs, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
 from onegraph.session import GpuSession
 from onegraph.reference import ReferenceDecoder
-from onegraph.synth import write_tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -301,15 +300,9 @@ def test_float16_checkpoint_loads_as_its_bf16_rounding(tmp_path, preset):
     (set_weight stores float16 matrices as bf16, vectors as fp32), and within the usual bound of
     the CPU reference of the float16 folder (which applies the same rule)."""
     config, tensors = synthetic(preset)
-    f16, bf16 = float16_checkpoint(config, tensors)
-    write_tensors(config, tmp_path / "f16", f16)
-    write_tensors(config, tmp_path / "bf16", bf16)
-    runs = []
-    for folder in ("f16", "bf16"):
-        with Engine.from_pretrained(str(tmp_path / folder), kv="fp32", max_seq_len=64, device="gpu") as engine:
-            runs.append([engine.step(t) for t in PROMPT])
-    for a, b in zip(*runs):
+    f16, f16_logits, bf16_logits = float16_folder_runs(config, tensors, tmp_path, PROMPT, "fp32", "gpu")
+    for a, b in zip(f16_logits, bf16_logits):
         np.testing.assert_array_equal(a, b)
     with Engine.from_pretrained(str(tmp_path / "f16"), kv="fp32", max_seq_len=64, device="cpu") as cpu:
         cpu_logits = [cpu.step(t) for t in PROMPT]
-    assert_below(f"engine/float16-folder/{preset}", max(rel_l2(g, c) for g, c in zip(runs[0], cpu_logits)))
+    assert_below(f"engine/float16-folder/{preset}", max(rel_l2(g, c) for g, c in zip(f16_logits, cpu_logits)))

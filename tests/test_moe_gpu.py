@@ -1,10 +1,9 @@
 """Mixture-of-experts decode on the GPU: against the numpy reference and graph vs non-graph
 (against Hugging Face Qwen3MoeForCausalLM: tests/test_hf_oracle_gpu.py)."""
-import numpy as np
 import pytest
 
 from bounds import assert_below
-from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import assert_graph_matches_nongraph, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph.engine import Engine
 from onegraph.reference import ReferenceDecoder
@@ -37,13 +36,7 @@ def test_tiny_moe_matches_reference(kv):
 def test_moe_graph_replay_is_bit_identical():
     config, tensors = synthetic("tiny-moe")
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, device="gpu") as engine:
-        engine.set_graph(True)
-        g_tokens, g_logits = _decode(engine.step, PROMPT, 64)
-        engine.reset()
-        engine.set_graph(False)
-        p_tokens, p_logits = _decode(engine.step, PROMPT, 64)
-    assert g_tokens == p_tokens
-    assert all(np.array_equal(a, b) for a, b in zip(g_logits, p_logits))
+        assert_graph_matches_nongraph(engine, PROMPT, 64)
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from bounds import assert_at_least, assert_below
-from gpu_support import rel_l2, require_gpu, synthetic
+from gpu_support import assert_graph_matches_nongraph, rel_l2, require_gpu, synthetic
 from gpu_support import greedy_decode as _decode
 from onegraph import capi
 import capi_testing as ct
@@ -414,13 +414,7 @@ def test_graph_replay_is_bit_identical_with_quantized_weights(preset, fmt):
     config, tensors = synthetic(preset)
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="gpu", weights=fmt,
                              quantize_lm_head=True) as engine:
-        engine.set_graph(True)
-        g_tokens, g_logits = _decode(engine.step, PROMPT, 64)
-        engine.reset()
-        engine.set_graph(False)
-        p_tokens, p_logits = _decode(engine.step, PROMPT, 64)
-    assert g_tokens == p_tokens
-    assert all(np.array_equal(a, b) for a, b in zip(g_logits, p_logits))
+        assert_graph_matches_nongraph(engine, PROMPT, 64)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
