@@ -133,10 +133,12 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     e->sample_z = a.take<float>(d.V);
     e->sample_counts = a.take<int32_t>((size_t)e->kv.layout.max_sequences * d.V);
     e->sample_params = a.take<og_sampling_params>((size_t)e->kv.layout.max_sequences);
-    e->argmax_partials = a.take<NextToken>(argmax_partials(d.V));
-    e->argmax_ticket = a.take<unsigned>(1);
-    e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention));
-    e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention));
+    // Argmax and attention scratch for one row per launch (the decode body) or up to
+    // OG_MAX_VERIFY (the verify body's positions).
+    e->argmax_partials = a.take<NextToken>((size_t)OG_MAX_VERIFY * argmax_partials(d.V));
+    e->argmax_ticket = a.take<unsigned>(OG_MAX_VERIFY);
+    e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention, OG_MAX_VERIFY));
+    e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention, OG_MAX_VERIFY));
     e->verify_qkv_ld = padded_cols(d.qkv_rows);
     e->verify_steps = a.take<og_step_record>(OG_MAX_VERIFY);
     e->verify_x = a.take<float>((size_t)OG_MAX_VERIFY * d.ldH);

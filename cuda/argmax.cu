@@ -4,7 +4,7 @@
 // NextToken (8 bytes) to the host instead of the logits' 4V bytes (608 KB for Qwen3's 151,936
 // ids), and the host does no argmax of its own.
 //
-// One launch, two levels: block b reduces the slice [b * per_block, (b + 1) * per_block) to
+// One launch, two levels (per row y of the launch's rows, grid y): block b reduces the slice [b * per_block, (b + 1) * per_block) to
 // one candidate (value, index); the last block to finish (a ticket counter, which that block
 // resets for the next step) reduces the candidates. "Before" below is a total order on the
 // candidates, so the result depends neither on which block finishes last nor on the order in
@@ -50,13 +50,18 @@ __device__ __forceinline__ void block_argmax(float &value, int &index, float *sc
 }
 
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const float *__restrict__ logits, int n, NextToken *partials, unsigned *ticket,
-                  NextToken *out) {
+    argmax_kernel(const float *__restrict__ logits, int n, int64_t ld, NextToken *partials,
+                  unsigned *ticket, NextToken *out) {
     __shared__ float scratch_value[kArgmaxThreads / kWarpSize];
     __shared__ int scratch_index[kArgmaxThreads / kWarpSize];
     __shared__ bool last;
     pdl_wait();  // the logits come from the lm_head GEMV
     pdl_launch_dependents();
+    // Row y: its logits, candidates, ticket and result.
+    logits += blockIdx.y * ld;
+    partials += (size_t)blockIdx.y * gridDim.x;
+    ticket += blockIdx.y;
+    out += blockIdx.y;
     const int per_block = ceil_div(n, gridDim.x);
     const int begin = blockIdx.x * per_block, end = min(n, begin + per_block);
     float value = -INFINITY;
@@ -97,12 +102,18 @@ int argmax_partials(int n) {
     return blocks < 1 ? 1 : blocks < kArgmaxMaxBlocks ? blocks : kArgmaxMaxBlocks;
 }
 
+cudaError_t launch_argmax_rows(const float *logits, int n, int rows, int64_t ld, NextToken *partials,
+                               unsigned *tickets, NextToken *out, cudaStream_t stream, bool pdl) {
+    if (logits == nullptr || n < 1 || rows < 1 || (rows > 1 && ld < n) || partials == nullptr ||
+        tickets == nullptr || out == nullptr)
+        return cudaErrorInvalidValue;
+    return launch_kernel(argmax_kernel, dim3(argmax_partials(n), rows), dim3(kArgmaxThreads), 0, stream,
+                         pdl, logits, n, ld, partials, tickets, out);
+}
+
 cudaError_t launch_argmax(const float *logits, int n, NextToken *partials, unsigned *ticket, NextToken *out,
                           cudaStream_t stream, bool pdl) {
-    if (logits == nullptr || n < 1 || partials == nullptr || ticket == nullptr || out == nullptr)
-        return cudaErrorInvalidValue;
-    return launch_kernel(argmax_kernel, dim3(argmax_partials(n)), dim3(kArgmaxThreads), 0, stream, pdl,
-                         logits, n, partials, ticket, out);
+    return launch_argmax_rows(logits, n, 1, n, partials, ticket, out, stream, pdl);
 }
 
 }  // namespace og

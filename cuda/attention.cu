@@ -88,10 +88,12 @@ struct AttnParams {
 
 // Shared-memory carve-up, in floats (every region a multiple of 4 floats: 16-byte aligned).
 struct AttnSmem {
-    int q, o, m, l, f, stats, factors, new_k, new_v, k_head, scales, total;
+    int q, o, m, l, f, stats, factors, new_k, new_v, row_floats, k_head, scales, total;
 };
 __host__ __device__ inline int round4(int n) { return (n + 3) & ~3; }
-__host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_blocks, int elem_bytes) {
+// rows: the new rows a block may hold (AttentionArgs::n_rows).
+__host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_blocks, int elem_bytes,
+                                              int rows) {
     AttnSmem s;
     int off = 0;
     s.q = off;        off += round4(head_group * hd);                    // [HG, hd]
@@ -101,10 +103,11 @@ __host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_bloc
     s.f = off;        off += round4(kAttnWarps * head_group);
     s.stats = off;    off += round4(2 * head_group);
     s.factors = off;  off += round4(head_group * n_blocks);              // [HG, B]
-    s.new_k = off;    off += round4((hd * elem_bytes + 3) / 4);          // the new row's bytes
-    s.new_v = off;    off += round4((hd * elem_bytes + 3) / 4);
-    s.k_head = off;   off += round4(hd);                                 // rotated k (fp32)
-    s.scales = off;   off += 4;                                          // new row's k, v scale
+    s.row_floats = round4((hd * elem_bytes + 3) / 4);                    // a new row's bytes
+    s.new_k = off;    off += rows * s.row_floats;                        // [rows, row_floats]
+    s.new_v = off;    off += rows * s.row_floats;
+    s.k_head = off;   off += rows * round4(hd);                          // rotated k (fp32) [rows, hd]
+    s.scales = off;   off += round4(2 * rows);                           // [rows]: k scale, v scale
     s.total = off;
     return s;
 }
@@ -115,7 +118,9 @@ struct RowSource {
     int64_t block_stride;
     const int32_t *table;   // the sequence's block-table row
     int page, n_pool_blocks, kv_head, len;
-    int new_row;            // the row taken from shared memory (fused), or -1
+    int new_lo, new_hi;     // rows [new_lo, new_hi] are taken from shared memory (fused), or
+                            // new_lo > new_hi: none
+    int row_floats;         // a new row's stride in shared memory (AttnSmem::row_floats)
     int row_group, lane_in_row;
 };
 
@@ -165,7 +170,7 @@ __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, cons
             }
         }
         const int row = row0 + s * L::kRowsPerLoad + src.row_group;
-        const bool ok = row0 >= 0 && row < src.len && row != src.new_row;
+        const bool ok = row0 >= 0 && row < src.len && (row < src.new_lo || row > src.new_hi);
         int block = -1;
         if (ok) {
             block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
@@ -294,30 +299,33 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
 #pragma unroll
     for (int s = 0; s < S; ++s) rows[s] = row0 + s * L::kRowsPerLoad + src.row_group;
 
-    // The new row (fused, owner block only): from shared memory, as it was stored.
-    if (src.new_row >= 0) {
+    // The new rows (fused, the blocks whose chunks hold them): from shared memory, as stored.
+    if (src.new_lo <= src.new_hi) {
 #pragma unroll
         for (int s = 0; s < S; ++s) {
-            if (rows[s] == src.new_row) {
+            if (rows[s] >= src.new_lo && rows[s] <= src.new_hi) {
+                const int r = rows[s] - src.new_lo;
+                const float *k_s = static_cast<const float *>(new_k_s) + r * src.row_floats;
+                const float *v_s = static_cast<const float *>(new_v_s) + r * src.row_floats;
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     if constexpr (L::kVector) {
                         const int vec = src.lane_in_row + v * LPR;
-                        t.k[s][v] = static_cast<const uint4 *>(new_k_s)[vec];
-                        t.v[s][v] = static_cast<const uint4 *>(new_v_s)[vec];
+                        t.k[s][v] = reinterpret_cast<const uint4 *>(k_s)[vec];
+                        t.v[s][v] = reinterpret_cast<const uint4 *>(v_s)[vec];
                     } else {
                         const int d = src.lane_in_row + v * kWarpSize;
                         uint32_t kb = 0u, vb = 0u;
                         if (d < hd) {
                             if constexpr (KV == OG_KV_F32) {
-                                kb = static_cast<const uint32_t *>(new_k_s)[d];
-                                vb = static_cast<const uint32_t *>(new_v_s)[d];
+                                kb = reinterpret_cast<const uint32_t *>(k_s)[d];
+                                vb = reinterpret_cast<const uint32_t *>(v_s)[d];
                             } else if constexpr (KV == OG_KV_BF16) {
-                                kb = static_cast<const uint16_t *>(new_k_s)[d];
-                                vb = static_cast<const uint16_t *>(new_v_s)[d];
+                                kb = reinterpret_cast<const uint16_t *>(k_s)[d];
+                                vb = reinterpret_cast<const uint16_t *>(v_s)[d];
                             } else {
-                                kb = static_cast<const uint8_t *>(new_k_s)[d];
-                                vb = static_cast<const uint8_t *>(new_v_s)[d];
+                                kb = reinterpret_cast<const uint8_t *>(k_s)[d];
+                                vb = reinterpret_cast<const uint8_t *>(v_s)[d];
                             }
                         }
                         t.k[s][v] = kb;
@@ -325,8 +333,8 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
                     }
                 }
                 if constexpr (KV == OG_KV_INT8) {
-                    t.k_scale[s] = new_scales[0];
-                    t.v_scale[s] = new_scales[1];
+                    t.k_scale[s] = new_scales[2 * r];
+                    t.v_scale[s] = new_scales[2 * r + 1];
                 }
             }
         }
@@ -513,20 +521,33 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     const int C = p.chunk, B = p.n_blocks;
     ATTN_TRACE(trace_start);
 
-    // The step record is written before the body's first kernel, and the rows below `position`
-    // by earlier steps: both may be read before waiting on the previous kernel.
-    const og_step_record *step = a.step;
+    // Row z of the launch (blockIdx.z < n_rows): its step record, input, output and scratch.
+    const int z = blockIdx.z;
+    const og_step_record *step = a.step + z;
+    const float *qkv = a.qkv != nullptr ? a.qkv + z * a.qkv_stride : nullptr;
+    float *out = a.out + z * a.out_stride;
+    float *partials = a.partials + (size_t)z * a.n_heads * B * (hd + 2);
+    unsigned *counters = a.counters + (size_t)z * gridDim.x;
+
+    // The step records are written before the body's first kernel, and the rows below the
+    // launch's first position by earlier steps: both may be read before waiting on the
+    // previous kernel.
     const int position = step->position;
     const int len = max(1, min(position + 1, a.max_seq_len));
     const int n_chunks = ceil_div(len, C);
     if (b >= n_chunks) return;
     const int n_active = min(B, n_chunks);
-    const bool fused = a.qkv != nullptr;
+    const bool fused = qkv != nullptr;
     const bool row_ok = position >= 0 && position < a.max_seq_len;
-    // The owner of the chunk holding `position` rotates and encodes the new K/V row into its
-    // shared memory (every head group's owner: each reads the row from there); only head group
-    // 0's owner stores it into the cache.
+    // The new rows this row attends to without reading the cache: the launch's rows 0..z, at
+    // positions new_lo..position. The owner of the chunk holding a new row rotates and encodes
+    // it into its shared memory (every head group's owner: each reads the row from there); only
+    // head group 0's owner of row z's own position stores it into the cache.
+    const int new_lo = fused && row_ok ? max(0, a.step[0].position) : 0;
+    const int new_hi = fused && row_ok ? position : -1;
     const bool owner = fused && ((len - 1) / C) % B == b;
+    bool holds_new = false;
+    for (int r = new_lo; r <= new_hi; ++r) holds_new |= (r / C) % B == b;
     const KvPages &kv = a.kv;
 
     RowSource src;
@@ -540,7 +561,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     src.n_pool_blocks = kv.n_blocks;
     src.kv_head = kv_head;
     src.len = len;
-    src.new_row = fused && row_ok ? position : -1;
+    src.new_lo = new_lo;
+    src.new_hi = new_hi;
     src.row_group = lane / L::kLanesPerRow;
     src.lane_in_row = lane % L::kLanesPerRow;
 
@@ -565,20 +587,21 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     if (fused) {
         rope_angles(a.inv_freq, hd, position, lane, angles);
         norm_weights(a.q_norm, hd, lane, q_w);
-        norm_weights(owner ? a.k_norm : nullptr, hd, lane, k_w);
+        norm_weights(holds_new ? a.k_norm : nullptr, hd, lane, k_w);
     }
 
     pdl_wait();
     ATTN_TRACE(trace_wait);
     pdl_launch_dependents();
 
-    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes);
+    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes, a.n_rows);
+    src.row_floats = lay.row_floats;
     float *q_s = smem + lay.q;
     float *new_scales = smem + lay.scales;
     void *new_k_s = smem + lay.new_k;
     void *new_v_s = smem + lay.new_v;
 
-    // ---- the block's query heads (and, in the owner block, the new K/V row) --------------
+    // ---- the block's query heads (and the new K/V rows its chunks hold) --------------------
     if (!fused) {
         for (int i = tid; i < HG * hd; i += kAttnThreads)
             q_s[i] = i < heads_here * hd ? a.q[(size_t)head0 * hd + i] : 0.f;
@@ -591,30 +614,49 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         const int64_t base = (int64_t)row_block * kv.block_stride;
         const int64_t row_index = (int64_t)kv_head * kv.page_size + (position - page_index * kv.page_size);
         const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
-        const int tasks = heads_here + (owner ? 2 : 0);
+        int held = 0;  // new rows in this block's chunks: a K task and a V task each
+        for (int r = new_lo; r <= new_hi; ++r) held += (r / C) % B == b;
+        const int tasks = heads_here + 2 * held;
         for (int task = warp; task < tasks; task += kAttnWarps) {
             if (task < heads_here) {
                 float *head = q_s + task * hd;
-                warp_norm_rope(a.qkv + (size_t)(head0 + task) * hd, a.q_norm != nullptr, q_w,
+                warp_norm_rope(qkv + (size_t)(head0 + task) * hd, a.q_norm != nullptr, q_w,
                                a.eps, angles, hd, head, lane);
                 if (owner && a.q_out != nullptr)
                     for (int i = lane; i < hd; i += kWarpSize)
                         a.q_out[(size_t)(head0 + task) * hd + i] = head[i];
-            } else if (task == heads_here) {
-                float *k_head = smem + lay.k_head;
-                warp_norm_rope(a.qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
-                               a.eps, angles, hd, k_head, lane);
-                warp_encode_row<KV>(k_head, hd, new_k_s, new_scales,
-                                    store ? kv.k + base + row_index * row_bytes : nullptr,
-                                    store && KV == OG_KV_INT8
+                continue;
+            }
+            // Task heads_here + 2i (+1): the K (V) row of the i-th held new row r, launch row
+            // r - new_lo; only row z's own (r == position) is stored.
+            const int i = (task - heads_here) / 2;
+            int r = new_lo;
+            for (int seen = -1;; ++r) {
+                seen += (r / C) % B == b;
+                if (seen == i) break;
+            }
+            const int slot = r - new_lo;
+            const float *row_qkv = qkv + (slot - z) * a.qkv_stride;
+            const bool store_row = store && r == position;
+            float *row_k_s = static_cast<float *>(new_k_s) + slot * lay.row_floats;
+            float *row_v_s = static_cast<float *>(new_v_s) + slot * lay.row_floats;
+            if ((task - heads_here) % 2 == 0) {
+                RopeAngles row_angles = angles;
+                if (r != position) rope_angles(a.inv_freq, hd, r, lane, row_angles);
+                float *k_head = smem + lay.k_head + slot * round4(hd);
+                warp_norm_rope(row_qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
+                               a.eps, row_angles, hd, k_head, lane);
+                warp_encode_row<KV>(k_head, hd, row_k_s, new_scales + 2 * slot,
+                                    store_row ? kv.k + base + row_index * row_bytes : nullptr,
+                                    store_row && KV == OG_KV_INT8
                                         ? reinterpret_cast<float *>(kv.k_scales + base) + row_index
                                         : nullptr,
                                     lane);
             } else {
-                warp_encode_row<KV>(a.qkv + q_size + kv_size + (size_t)kv_head * hd, hd, new_v_s,
-                                    new_scales + 1,
-                                    store ? kv.v + base + row_index * row_bytes : nullptr,
-                                    store && KV == OG_KV_INT8
+                warp_encode_row<KV>(row_qkv + q_size + kv_size + (size_t)kv_head * hd, hd, row_v_s,
+                                    new_scales + 2 * slot + 1,
+                                    store_row ? kv.v + base + row_index * row_bytes : nullptr,
+                                    store_row && KV == OG_KV_INT8
                                         ? reinterpret_cast<float *>(kv.v_scales + base) + row_index
                                         : nullptr,
                                     lane);
@@ -632,8 +674,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     float *f_s = smem + lay.f;
     float *stats = smem + lay.stats; // [2, HG]: max, sum
     const int stats_stride = HG;
-    float *partial_o = a.partials;                                          // [n_heads, B, hd]
-    float *partial_m = a.partials + (size_t)a.n_heads * B * hd;             // [n_heads, B]
+    float *partial_o = partials;                                            // [n_heads, B, hd]
+    float *partial_m = partials + (size_t)a.n_heads * B * hd;               // [n_heads, B]
     float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
 
     WarpState<HG, E> st;
@@ -722,7 +764,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
         const size_t head = (size_t)head0 + j;
         if (n_active == 1)
-            a.out[head * hd + d] = o / stats[stats_stride + j];
+            out[head * hd + d] = o / stats[stats_stride + j];
         else
             partial_o[(head * B + b) * hd + d] = o;
     }
@@ -742,7 +784,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-        const unsigned previous = atomicAdd(&a.counters[blockIdx.x], 1u);
+        const unsigned previous = atomicAdd(&counters[blockIdx.x], 1u);
         is_last_block = previous + 1u == (unsigned)n_active;
     }
     __syncthreads();
@@ -776,9 +818,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         float o = 0.f;
         for (int s = 0; s < n_active; ++s)
             o = fmaf(factors[j * B + s], __ldcg(partial_o + (head * B + s) * hd + d), o);
-        a.out[head * hd + d] = o / stats[stats_stride + j];
+        out[head * hd + d] = o / stats[stats_stride + j];
     }
-    if (tid == 0) a.counters[blockIdx.x] = 0u;
+    if (tid == 0) counters[blockIdx.x] = 0u;
     ATTN_TRACE_END();
 }
 
@@ -875,9 +917,13 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
         const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg);
         if (kernel == nullptr) return cudaErrorInvalidValue;
-        const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb).total * 4;
+        const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb, 1).total * 4;
         if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
-        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
+        // Launches of up to kAttnMaxRows rows (the verify body) hold more new rows; where
+        // those do not fit, such a launch fails and a one-row launch still runs.
+        const size_t smem_rows = (size_t)attn_smem(hg, head_dim, n_splits, eb, kAttnMaxRows).total * 4;
+        OG_CUDA_RETURN_IF(allow_dynamic_smem(
+            (const void *)kernel, smem_rows <= (size_t)smem_optin - 64 ? smem_rows : smem));
         int per_sm = 0;
         OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
         if (per_sm <= 0) return cudaErrorInvalidConfiguration;
@@ -910,16 +956,16 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     plan->n_blocks = n_blocks;
     plan->head_group = head_group;
     plan->head_groups = head_groups;
-    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb).total * 4;
+    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb, 1).total * 4;
     return cudaSuccess;
 }
 
-size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan) {
-    return (size_t)n_heads * plan.n_blocks * (head_dim + 2);
+size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan, int rows) {
+    return (size_t)rows * n_heads * plan.n_blocks * (head_dim + 2);
 }
 
-int attention_counters(int n_kv_heads, const AttentionPlan &plan) {
-    return n_kv_heads * plan.head_groups;
+int attention_counters(int n_kv_heads, const AttentionPlan &plan, int rows) {
+    return rows * n_kv_heads * plan.head_groups;
 }
 
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
@@ -927,6 +973,9 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     if (plan.split_len <= 0 || plan.n_blocks <= 0) return cudaErrorInvalidConfiguration;
     if (args.kv.page_size <= 0 || args.kv.block_tables == nullptr) return cudaErrorInvalidValue;
     if (args.qkv == nullptr && args.q == nullptr) return cudaErrorInvalidValue;
+    // Several rows: consecutive positions of one sequence, fused mode only.
+    if (args.n_rows < 1 || args.n_rows > kAttnMaxRows || (args.n_rows > 1 && args.qkv == nullptr))
+        return cudaErrorInvalidValue;
     const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
@@ -937,8 +986,11 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     if (plan.head_groups != ceil_div(args.n_heads / args.n_kv_heads, plan.head_group))
         return cudaErrorInvalidValue;
     p.inv_sqrt_hd = (float)(1.0 / sqrt((double)args.head_dim));
-    const dim3 grid(args.n_kv_heads * plan.head_groups, plan.n_blocks), block(kAttnThreads);
-    return launch_kernel(kernel, grid, block, (size_t)plan.smem_bytes, stream, pdl, p);
+    const dim3 grid(args.n_kv_heads * plan.head_groups, plan.n_blocks, args.n_rows), block(kAttnThreads);
+    const size_t smem = args.n_rows == 1 ? (size_t)plan.smem_bytes
+                                         : (size_t)attn_smem(plan.head_group, args.head_dim, plan.n_blocks,
+                                                             elem_bytes(args.kv_dtype), args.n_rows).total * 4;
+    return launch_kernel(kernel, grid, block, smem, stream, pdl, p);
 }
 
 }  // namespace og

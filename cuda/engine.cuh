@@ -139,10 +139,10 @@ struct og_engine {
     std::vector<og_sampling_params> seq_sampling;
     og_sampling_params *sample_params = nullptr;  // (max_sequences)
     int32_t result_output = OG_OUTPUT_NEXT_TOKEN;  // output of the last ended next-token step
-    og::NextToken *argmax_partials = nullptr;  // (argmax_partials(V)) its per-block candidates
-    unsigned *argmax_ticket = nullptr;   // its last-block counter (0 between steps)
-    float *attn_partials = nullptr;      // split-KV scratch
-    unsigned *attn_counters = nullptr;   // (n_kv * attention head groups)
+    og::NextToken *argmax_partials = nullptr;  // [OG_MAX_VERIFY, argmax_partials(V)]: per-block candidates
+    unsigned *argmax_ticket = nullptr;   // [OG_MAX_VERIFY] last-block counters (0 between steps)
+    float *attn_partials = nullptr;      // split-KV scratch for OG_MAX_VERIFY rows
+    unsigned *attn_counters = nullptr;   // [OG_MAX_VERIFY, n_kv * attention head groups]
     float *router_logits = nullptr;      // (E)
     int32_t *selected_experts = nullptr; // (top_k)
     float *selected_weights = nullptr;   // (top_k)

@@ -200,10 +200,12 @@ struct AttentionPlan {
 // with cudaErrorInvalidValue when the shape needs more shared memory than a block can have.
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
                            int kv_dtype, int split_len, AttentionPlan *plan);
-// Size of the scratch the launch needs: partial outputs and softmax statistics.
-size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan);
-// Entries of AttentionArgs::counters: one per (KV head, head group).
-int attention_counters(int n_kv_heads, const AttentionPlan &plan);
+// Size of the scratch a launch of `rows` rows needs: partial outputs and softmax statistics.
+size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan, int rows = 1);
+// Entries of AttentionArgs::counters: one per (row, KV head, head group).
+int attention_counters(int n_kv_heads, const AttentionPlan &plan, int rows = 1);
+// The most rows one launch takes (AttentionArgs::n_rows): the verify body's positions.
+constexpr int kAttnMaxRows = OG_MAX_VERIFY;
 
 struct AttentionArgs {
     // Fused mode (qkv != NULL: the body): q and the new K/V row come from the QKV GEMV's
@@ -229,6 +231,14 @@ struct AttentionArgs {
     unsigned *counters;           // [attention_counters(...)], zero before the first launch;
                                   // each launch leaves them zero again
     float *out;                   // [n_heads * hd]
+    // Rows (grid z, fused mode): n_rows consecutive positions of one sequence, step[0 ..
+    // n_rows), row j's qkv at qkv + j * qkv_stride and its out at out + j * out_stride, its
+    // partials and counters after row j - 1's. Row j attends to rows 0..j of the launch from
+    // the rows' own qkv (encoded in shared memory exactly as they are stored) and to earlier
+    // positions from the cache, so each row's result is a one-row launch's at its position
+    // once the rows before it are stored. Row j stores only its own K/V row.
+    int n_rows = 1;
+    int64_t qkv_stride = 0, out_stride = 0;
 };
 cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &plan,
                              cudaStream_t stream, bool pdl);
@@ -263,5 +273,10 @@ int argmax_partials(int n);
 // ticket: a counter that is 0 before the launch (zeroed memory) and 0 again after it.
 cudaError_t launch_argmax(const float *logits, int n, NextToken *partials, unsigned *ticket, NextToken *out,
                           cudaStream_t stream, bool pdl);
+// The argmax of each of `rows` rows of n logits, ld floats apart, in one launch: row y's
+// result in out[y]; it takes the partials and ticket after row y - 1's (rows * argmax_partials(n)
+// partials, rows tickets).
+cudaError_t launch_argmax_rows(const float *logits, int n, int rows, int64_t ld, NextToken *partials,
+                               unsigned *tickets, NextToken *out, cudaStream_t stream, bool pdl);
 
 }  // namespace og

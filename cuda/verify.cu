@@ -9,14 +9,14 @@
 //     multi-vector instance of the decode kernel (same block size and unroll, each vector's
 //     staging, norm, chunk order and reduction as alone); int8 / q4 weights, and inputs whose n
 //     staged copies do not fit in a block's shared memory, one decode launch per vector;
-//   - attention: the decode kernel once per position in order (position j's row is written by
-//     its own launch before position j + 1 reads it), each with its step record. Those launches
-//     go without programmatic dependent launch: the kernel issues its first tile's K/V loads
-//     and block-table reads before its PDL wait, which is safe in the decode body (the rows
-//     come from earlier steps) but not when the kernel just before wrote one of them;
+//   - attention: one launch of the decode kernel over the n positions (AttentionArgs::n_rows):
+//     position j takes the new K/V rows of positions 0..j from the QKV output, encoded in
+//     shared memory exactly as the decode body stores and reads them back, and earlier rows
+//     from the cache; each position stores its own row. Nothing reads a row this launch
+//     writes, so it goes with programmatic dependent launch like the decode body's;
 //   - MoE layers: router, top-k and experts once per position, in order (their scratch is
 //     single);
-//   - the argmax per position.
+//   - the argmax of the n positions in one launch.
 #include "engine.cuh"
 
 og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
@@ -38,11 +38,11 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
                                    e->verify_qkv, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_qkv, qkv_proj, n, d.ldH, ld_qkv, stream, pdl));
 
-        for (int j = 0; j < n; ++j) {
-            const AttentionArgs attn = layer_attention(e, l, e->verify_qkv + (size_t)j * ld_qkv,
-                                                       e->verify_steps + j, e->verify_attn + (size_t)j * d.ldQ);
-            OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, false));
-        }
+        AttentionArgs attn = layer_attention(e, l, e->verify_qkv, e->verify_steps, e->verify_attn);
+        attn.n_rows = n;
+        attn.qkv_stride = ld_qkv;
+        attn.out_stride = d.ldQ;
+        OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
 
         const GemvArgs o_proj = {w.o_proj, e->verify_attn, nullptr, 0.f, e->verify_x, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_o, o_proj, n, d.ldQ, d.ldH, stream, pdl));
@@ -77,9 +77,8 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
     const GemvArgs lm_head = {e->lm_head, e->verify_x, e->final_norm, c.rms_norm_eps,
                               e->verify_logits, nullptr};
     OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_lm_head, lm_head, n, d.ldH, d.V, stream, pdl));
-    for (int j = 0; j < n; ++j)
-        OG_CUDA_TRY(launch_argmax(e->verify_logits + (size_t)j * d.V, d.V, e->argmax_partials,
-                                  e->argmax_ticket, e->verify_next + j, stream, pdl));
+    OG_CUDA_TRY(launch_argmax_rows(e->verify_logits, d.V, n, d.V, e->argmax_partials, e->argmax_ticket,
+                                   e->verify_next, stream, pdl));
     OG_CUDA_TRY(cudaMemcpyAsync(e->verify_next_host, e->verify_next, n * sizeof(NextToken),
                                 cudaMemcpyDeviceToHost, stream));
     e->stats.d2h_copies += 1;
