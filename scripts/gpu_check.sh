@@ -8,6 +8,9 @@
 #     real: the trained model's GPU tests (oracle, chat, server load), its chat answer on each
 #     backend (onegraph demo), the formats' perplexity on the GPU and its benchmark
 #   BENCH_ARGS="--preset qwen3-8b ..." bash scripts/gpu_check.sh bench
+#   bash scripts/gpu_check.sh spec   # speculative decoding: its GPU tests, the verify path's
+#     ceiling (bench.speculative --upper-bound, SPEC_PRESETS) and, with ONEGRAPH_DEMO_GGUF, the
+#     prompt-set benchmark on the trained model and one input-grounded chat
 # Time limits (seconds) from the environment: PYTEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT.
 # SANITIZE_TOOLS and SANITIZE_TARGETS (scripts/sanitize.sh) narrow the sanitizer runs, e.g.
 #   SANITIZE_TOOLS=racecheck SANITIZE_TARGETS=quant BENCH_ARGS="--preset qwen3-30b-a3b" bash scripts/gpu_check.sh
@@ -29,6 +32,34 @@ python3 build.py --arch sm_90 > "$OUT/build.log" 2>&1 && \
 note "build: rc=$?"
 # On a GPU machine a GPU test that cannot reach the device fails instead of skipping.
 export ONEGRAPH_REQUIRE_GPU=1
+
+if [ "$MODE" = spec ]; then
+  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs tests/test_speculative_gpu.py tests/test_speculative.py \
+    tests/test_kernels_gpu.py > "$OUT/pytest-spec.log" 2>&1
+  note "pytest (speculative, kernels): rc=$? $(tail -n 1 "$OUT/pytest-spec.log")"
+  for preset in ${SPEC_PRESETS:-smollm2-135m qwen3-8b}; do
+    timeout 300 python3 -m bench.speculative --upper-bound --preset "$preset" --json "$OUT/upper-$preset.json" \
+      >> "$OUT/speculative.log" 2>&1
+    note "upper bound $preset: rc=$?"
+  done
+  # Where a verify step's host time goes (the upper bound's k = 4 on the small model).
+  timeout 200 python3 -m cProfile -s tottime -m bench.speculative --upper-bound --preset smollm2-135m --ks 4 \
+    --repeats 2 2>&1 | head -n 40 > "$OUT/verify-profile.txt"
+  if [ -n "${ONEGRAPH_DEMO_GGUF:-}" ]; then
+    timeout 300 python3 -m bench.speculative --prompts tests/data/speculative_prompts.json \
+      --model "$ONEGRAPH_DEMO_GGUF" --json "$OUT/speculative-real.json" >> "$OUT/speculative.log" 2>&1
+    note "prompt set: rc=$?"
+    prompt=$(python3 -c "import json; print(json.load(open('tests/data/speculative_prompts.json'))['prompts'][0]['prompt'])")
+    echo "\$ onegraph generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat --speculative ngram -n 160 --prompt \"$prompt\"" \
+      >> "$OUT/speculative.log"
+    timeout 120 python3 -m onegraph.cli generate --model "$ONEGRAPH_DEMO_GGUF" --chat --speculative ngram -n 160 \
+      --prompt "$prompt" >> "$OUT/speculative.log" 2>&1
+    note "chat: rc=$?"
+  fi
+  echo "==== speculative"; cat "$OUT/speculative.log"; tail -n 5 "$OUT/pytest-spec.log"
+  echo "==== summary"; cat "$OUT/gpu.txt"; printf '%s\n' "${summary[@]}"
+  exit 0
+fi
 
 if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   markers=()

@@ -5,7 +5,8 @@
     python3 scripts/profile_kernels.py --summarize ncu.csv --steps 2
 
 With --prefill N the profiled region is instead one batched prefill of an N-token prompt
-(summarize with --steps 1). --weights int8|q4 profiles quantized weights.
+(summarize with --steps 1); with --verify N, `--steps` verify steps of N positions (the last
+token and N - 1 drafts, rolled back to the first). --weights int8|q4 profiles quantized weights.
 
 The decode runs on the non-graph path (each kernel launched on its own, so each is
 profiled alone); the profiler is switched on only around `--steps` decode steps taken
@@ -38,12 +39,20 @@ def run(args) -> None:
             engine.prefill(prompt)
             rt.cudaProfilerStop()
         return
-    with Engine(config, lambda: iter_tensors(config), kv=args.kv, max_seq_len=args.context + args.steps + 1,
+    with Engine(config, lambda: iter_tensors(config), kv=args.kv, max_seq_len=args.context + (args.steps + 1) * max(1, args.verify) + 1,
                 graph=False, device="gpu", weights=args.weights) as engine:
         logits = engine.prefill(prompt)
+        token = int(np.argmax(logits))
+        if args.verify:
+            drafts = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, args.verify - 1)]
+            engine.step_speculative(token, drafts)  # warm-up outside the profiled region
         rt.cudaProfilerStart()
         for _ in range(args.steps):
-            logits = engine.step(int(np.argmax(logits)))
+            if args.verify:
+                token = engine.step_speculative(token, drafts)[-1]
+            else:
+                logits = engine.step(token)
+                token = int(np.argmax(logits))
         rt.cudaProfilerStop()
 
 
@@ -76,6 +85,7 @@ if __name__ == "__main__":
     p.add_argument("--context", type=int, default=96)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prefill", type=int, default=0, help="profile one batched prefill of this many tokens")
+    p.add_argument("--verify", type=int, default=0, help="profile verify steps of this many positions (2..9)")
     p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "q4"])
     p.add_argument("--summarize", default=None, help="an ncu --csv --page raw output to summarize")
     a = p.parse_args()
