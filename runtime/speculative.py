@@ -178,7 +178,10 @@ class AdaptiveK:
 
 
 def make_drafter(mode: str) -> Drafter:
-    """The drafter of a speculative mode name (SPECULATIVE_MODES)."""
+    """The drafter of a speculative mode name (SPECULATIVE_MODES). "ngram" matches 2 to 4
+    tokens: a single-token match in free text mostly proposes what does not follow, and each
+    such verify step costs more than the plain step it replaces, while the repeats that pay
+    (quoting, summarising, editing the input) match longer suffixes anyway."""
     if mode == "ngram":
-        return NgramDrafter()
+        return NgramDrafter(n_min=2)
     raise ValueError(f"speculative={mode!r} is not one of {SPECULATIVE_MODES}")

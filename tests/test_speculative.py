@@ -60,7 +60,10 @@ def test_ngram_drafter_incremental_index_matches_brute_force():
 
 
 def test_make_drafter_refuses_unknown_modes():
-    assert isinstance(make_drafter("ngram"), NgramDrafter)
+    drafter = make_drafter("ngram")
+    assert isinstance(drafter, NgramDrafter)
+    assert drafter.propose([1, 7, 1, 8, 1], 2) == []            # a 1-gram match only: no draft
+    assert drafter.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # 2-gram
     with pytest.raises(ValueError, match="'draft'"):
         make_drafter("draft")
 
