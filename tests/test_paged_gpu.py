@@ -509,7 +509,7 @@ def test_released_blocks_are_zero_and_zero_blocks_clears_pages():
         engine.use(other)
         engine.prefill(PROMPT)           # blocks 2
         before = pool_bytes(engine).copy()
-        pool.zero_blocks([held[1]])      # a held block: only its pages change
+        ct.kv_zero_blocks(engine._gpu.handle, [held[1]])   # a held block: only its pages change
         after = pool_bytes(engine)
         lo, hi = held[1] * layout.block_stride, (held[1] + 1) * layout.block_stride
         assert not after[lo:hi].any() and same_bits(after[:lo], before[:lo]) and same_bits(after[hi:], before[hi:])
