@@ -162,33 +162,39 @@ cudaError_t gemv_multi_plan(GemvMode mode, const GemvPlan &single, int rows, int
                             GemvMultiPlan *plan) {
     if (plan == nullptr || single.grid <= 0 || rows <= 0 || cols <= 0) return cudaErrorInvalidValue;
     plan->single = single;
-    plan->grid = 0;
+    for (int &g : plan->grid) g = 0;
     if (single.format != OG_WEIGHTS_BF16) return cudaSuccess;  // per-vector launches
     const void *kernel = bf16_kernel_for(mode, single.warps, single.unroll, true);
     if (kernel == nullptr) return cudaErrorInvalidValue;
-    const size_t smem = gemv_multi_smem_bytes(mode, cols, kGemvMaxVectors);
-    int blocks_per_sm = 0;
-    if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
-                                                      single.warps * kWarpSize, smem) != cudaSuccess ||
-        blocks_per_sm <= 0) {
-        (void)cudaGetLastError();  // too large for a block: per-vector launches (not an error)
-        return cudaSuccess;
-    }
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    // The grid does not change a vector's arithmetic (a warp computes whole rows and every
-    // block stages and norms the whole input); the block size and unroll do, so they are the
-    // single plan's.
     const int needed = ceil_div(gemv_tasks(mode, rows, OG_WEIGHTS_BF16), single.warps);
-    plan->grid = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    // Per n, the blocks that fit with n staged inputs: fewer vectors, more blocks per SM (and
+    // more weight loads in flight). The largest n whose inputs fit a block sets the kernel's
+    // shared-memory limit; larger n run as per-vector launches (not an error). The grid does not
+    // change a vector's arithmetic (a warp computes whole rows and every block stages and norms
+    // the whole input); the block size and unroll do, so they are the single plan's.
+    bool limit_set = false;
+    for (int n = kGemvMaxVectors; n >= 2; --n) {
+        const size_t smem = gemv_multi_smem_bytes(mode, cols, n);
+        int blocks_per_sm = 0;
+        if ((!limit_set && allow_dynamic_smem(kernel, smem) != cudaSuccess) ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
+                                                          single.warps * kWarpSize, smem) != cudaSuccess ||
+            blocks_per_sm <= 0) {
+            (void)cudaGetLastError();  // too large for a block
+            continue;
+        }
+        limit_set = true;
+        plan->grid[n] = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
+    }
     return cudaSuccess;
 }
 
 cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const GemvArgs &args, int n,
                               int64_t x_stride, int64_t y_stride, cudaStream_t stream, bool pdl) {
     if (n < 1 || n > kGemvMaxVectors) return cudaErrorInvalidValue;
-    if (plan.grid <= 0 || n == 1) {
+    if (n == 1 || plan.grid[n] <= 0) {
         for (int j = 0; j < n; ++j) {
             GemvArgs one = args;
             one.x = args.x + (size_t)j * x_stride;
@@ -203,7 +209,7 @@ cudaError_t launch_gemv_multi(GemvMode mode, const GemvMultiPlan &plan, const Ge
     if (args.w.rows < 1 || args.w.rows > INT32_MAX || args.w.cols < 1) return cudaErrorInvalidValue;
     const int rows = (int)args.w.rows, cols = args.w.cols;
     const GemvParams p = bf16_params(mode, args, rows, cols, n, x_stride, y_stride);
-    return launch_bf16(mode, plan.single.warps, plan.single.unroll, dim3(plan.grid),
+    return launch_bf16(mode, plan.single.warps, plan.single.unroll, dim3(plan.grid[n]),
                        (int)gemv_multi_smem_bytes(mode, cols, n), stream, pdl, p);
 }
 

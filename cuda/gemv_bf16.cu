@@ -69,6 +69,143 @@ __device__ __forceinline__ void load_chunks(const uint4 *w0, const uint4 *w1, in
     }
 }
 
+// Stage vector vec's x into x_smem4 + vec * ld / 4 (zeros in the pad columns so that
+// 0-weight * pad stays 0) and, in norm modes, normalize it there (and into normed_out from block
+// 0). Thread t takes the float4s t, t + threads, ... in that order and sums their squares in
+// that order; the block sum is block_sum's. The caller's barrier makes x_smem visible.
+template <int MODE, int kThreads>
+__device__ __forceinline__ void stage_x(const GemvParams &p, int vec, float4 *x_smem4,
+                                        const float *w_smem, float *scratch) {
+    const float *x = p.x + (size_t)vec * p.x_stride;
+    float4 *xs4 = x_smem4 + (size_t)vec * (p.ld / 4);
+    float *xs = reinterpret_cast<float *>(xs4);
+    float sum_sq = 0.f;
+    // With cols % 4 == 0 a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
+    if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
+        const float4 *x4 = reinterpret_cast<const float4 *>(x);
+        const int cols4 = p.cols / 4;
+        const int n4 = p.ld / 4;
+        // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072
+        // columns: 8-12 per thread), then stored and summed in index order.
+        constexpr int kStage = 12;
+        for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
+            float4 v[kStage];
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                if (i < n4) {
+                    xs4[i] = v[k];
+                    sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
+                    sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
+                    sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
+                    sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
+                }
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < p.ld; i += kThreads) {
+            const float v = i < p.cols ? x[i] : 0.f;
+            xs[i] = v;
+            sum_sq = fmaf(v, v, sum_sq);
+        }
+    }
+    if (mode_has_norm(MODE)) {
+        // block_sum ends with a barrier: every staged element is visible below.
+        const float total = block_sum<kThreads>(sum_sq, scratch);
+        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
+            const float n = xs[i] * inv_rms * w_smem[i];
+            xs[i] = n;
+            if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
+        }
+    }
+}
+
+// stage_x for nv vectors at once, with every vector's arithmetic stage_x's (the same float4s
+// per thread, summed in the same order; the same block sum): the loads of all vectors are in
+// flight together and one reduction serves all of them, instead of a load round trip and three
+// barriers per vector. Inputs stage_x's fast path does not take go vector by vector through it.
+template <int MODE, int kThreads, int NV>
+__device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float4 *x_smem4,
+                                              const float *w_smem, float *scratch) {
+    constexpr int kWarps = kThreads / kWarpSize;
+    bool aligned = p.cols % 4 == 0 && (p.x_stride % 4) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+    if (!aligned) {
+        for (int vec = 0; vec < nv; ++vec) stage_x<MODE, kThreads>(p, vec, x_smem4, w_smem, scratch);
+        return;
+    }
+    const int cols4 = p.cols / 4;
+    const int n4 = p.ld / 4;
+    float sum_sq[NV];
+#pragma unroll
+    for (int vec = 0; vec < NV; ++vec) sum_sq[vec] = 0.f;
+    constexpr int kStage = 2;   // per vector: NV * kStage float4s in flight per thread
+    for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
+        float4 v[NV][kStage];
+#pragma unroll
+        for (int vec = 0; vec < NV; ++vec) {
+            const float4 *x4 = reinterpret_cast<const float4 *>(p.x + (size_t)vec * p.x_stride);
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                v[vec][k] = vec < nv && i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+#pragma unroll
+        for (int vec = 0; vec < NV; ++vec) {
+            if (vec >= nv) continue;
+            float4 *xs4 = x_smem4 + (size_t)vec * n4;
+#pragma unroll
+            for (int k = 0; k < kStage; ++k) {
+                const int i = first + k * kThreads;
+                if (i < n4) {
+                    xs4[i] = v[vec][k];
+                    sum_sq[vec] = fmaf(v[vec][k].x, v[vec][k].x, sum_sq[vec]);
+                    sum_sq[vec] = fmaf(v[vec][k].y, v[vec][k].y, sum_sq[vec]);
+                    sum_sq[vec] = fmaf(v[vec][k].z, v[vec][k].z, sum_sq[vec]);
+                    sum_sq[vec] = fmaf(v[vec][k].w, v[vec][k].w, sum_sq[vec]);
+                }
+            }
+        }
+    }
+    if (mode_has_norm(MODE)) {
+        // block_sum per vector: the warp's butterfly, then the warps' sums in warp order.
+        __shared__ float sums[NV][kWarps];
+        __shared__ float inv_rms[NV];
+#pragma unroll
+        for (int vec = 0; vec < NV; ++vec) {
+            const float w = warp_sum(sum_sq[vec]);
+            if (vec < nv && (threadIdx.x & 31) == 0) sums[vec][threadIdx.x >> 5] = w;
+        }
+        __syncthreads();
+        if (threadIdx.x < nv) {
+            float total = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) total += sums[threadIdx.x][w];
+            inv_rms[threadIdx.x] = 1.0f / sqrtf(total / (float)p.cols + p.eps);
+        }
+        __syncthreads();
+        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+        for (int vec = 0; vec < nv; ++vec) {
+            float *xs = reinterpret_cast<float *>(x_smem4 + (size_t)vec * n4);
+            const float r = inv_rms[vec];
+            for (int i = threadIdx.x; i < p.cols; i += kThreads) {
+                const float n = xs[i] * r * w_smem[i];
+                xs[i] = n;
+                if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
+            }
+        }
+    }
+    (void)scratch;
+}
+
 // NV: 1 (the decode body), or kGemvMaxVectors (the verify body: p.nv <= NV vectors, each x
 // p.x_stride floats after the one before, each y p.y_stride floats). Each vector's arithmetic is
 // the NV = 1 code's: its own staging and RMSNorm sum over the same threads, the same chunk order
@@ -105,59 +242,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     pdl_wait();
     pdl_launch_dependents();
 
-    for (int vec = 0; vec < nv; ++vec) {
-        const float *x = p.x + (size_t)vec * p.x_stride;
-        float4 *xs4 = x_smem4 + (size_t)vec * (p.ld / 4);
-        float *xs = x_smem + (size_t)vec * p.ld;
-        // Stage x (zeros in the pad columns so that 0-weight * pad stays 0). With cols % 4 == 0
-        // a float4 is either wholly inside x or wholly pad (ld is a multiple of 8).
-        float sum_sq = 0.f;
-        if (p.cols % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
-            const float4 *x4 = reinterpret_cast<const float4 *>(x);
-            const int cols4 = p.cols / 4;
-            const int n4 = p.ld / 4;
-            // All of a thread's loads in flight at once (a 2-warp block stages 2048-3072
-            // columns: 8-12 per thread), then stored and summed in index order.
-            constexpr int kStage = 12;
-            for (int first = threadIdx.x; first < n4; first += kThreads * kStage) {
-                float4 v[kStage];
-#pragma unroll
-                for (int k = 0; k < kStage; ++k) {
-                    const int i = first + k * kThreads;
-                    v[k] = i < cols4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int k = 0; k < kStage; ++k) {
-                    const int i = first + k * kThreads;
-                    if (i < n4) {
-                        xs4[i] = v[k];
-                        sum_sq = fmaf(v[k].x, v[k].x, sum_sq);
-                        sum_sq = fmaf(v[k].y, v[k].y, sum_sq);
-                        sum_sq = fmaf(v[k].z, v[k].z, sum_sq);
-                        sum_sq = fmaf(v[k].w, v[k].w, sum_sq);
-                    }
-                }
-            }
-        } else {
-#pragma unroll 4
-            for (int i = threadIdx.x; i < p.ld; i += kThreads) {
-                const float v = i < p.cols ? x[i] : 0.f;
-                xs[i] = v;
-                sum_sq = fmaf(v, v, sum_sq);
-            }
-        }
-        if (mode_has_norm(MODE)) {
-            // block_sum ends with a barrier: every staged element is visible below, and
-            // scratch is free for the next vector's sum.
-            const float total = block_sum<kThreads>(sum_sq, scratch);
-            const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
-            const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-            for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-                const float n = xs[i] * inv_rms * w_smem[i];
-                xs[i] = n;
-                if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
-            }
-        }
+    if constexpr (NV == 1) {
+        stage_x<MODE, kThreads>(p, 0, x_smem4, w_smem, scratch);
+    } else {
+        stage_x_multi<MODE, kThreads, NV>(p, nv, x_smem4, w_smem, scratch);
     }
     __syncthreads();
 

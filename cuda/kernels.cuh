@@ -90,7 +90,7 @@ constexpr int kQ4StreamBulk = 1;
 constexpr int kGemvMaxVectors = 9;
 struct GemvMultiPlan {
     GemvPlan single;              // the one-vector plan (the decode body's)
-    int grid = 0;                 // the multi-vector instance's grid; 0: per-vector launches
+    int grid[kGemvMaxVectors + 1] = {};  // per n, the multi-vector instance's grid; 0: per-vector launches
 };
 cudaError_t gemv_multi_plan(GemvMode mode, const GemvPlan &single, int rows, int cols,
                             GemvMultiPlan *plan);
