@@ -12,6 +12,7 @@ namespace {
 constexpr int kSampleThreads = 256;
 constexpr int kSamplePerBlock = 2048;     // ids a block covers (8 a thread), at least
 constexpr int kSampleMaxBlocks = 128;
+constexpr int kSampleWeights = 1024;      // ranks whose weights the last block computes in parallel
 constexpr double kWeightScale = 1099511627776.0;   // 2^40, sampling.WEIGHT_SCALE
 
 // float -> uint32 whose unsigned order is the float order (-inf lowest); packed with ~id below
@@ -171,6 +172,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
     __shared__ unsigned long long cum_mass[kSampleBuckets];
     __shared__ float sd[kSampleCandidates];
     __shared__ int sid[kSampleCandidates];
+    __shared__ float sw[kSampleWeights];
     __shared__ unsigned long long scratch[kSampleThreads / kWarpSize];
     __shared__ int s_cut;
     __shared__ bool last;
@@ -287,8 +289,19 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
                             }
                         }
                     }
-                    __syncthreads();
+                    // Stages with j < 32 pair t with t ^ j in the same warp: between two such
+                    // stages a warp barrier suffices; a stage across warps needs the block's.
+                    const int next_j = j > 1 ? j >> 1 : k;
+                    if (j >= kWarpSize || next_j >= kWarpSize) __syncthreads();
+                    else __syncwarp();
                 }
+            __syncthreads();
+            // The weights of the first ranks, in parallel; thread 0's sums below read them
+            // (the same function of the same d, so the same values as computing them there).
+            const int n_weights = min((int)n, kSampleWeights);
+            for (int j = threadIdx.x; j < n_weights; j += kSampleThreads) sw[j] = weight(sd[j]);
+            __syncthreads();
+            const auto weight_at = [&](int j) { return j < n_weights ? sw[j] : weight(sd[j]); };
             if (threadIdx.x == 0) {
                 // step 4: the kept prefix, exactly (the list holds every id of rank < n)
                 int kept = V;
@@ -298,7 +311,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
                     if (p.top_p < 1.f) {
                         unsigned long long s = 0;
                         if (n_k < V) {
-                            for (int j = 0; j < n_k; ++j) s += fixed_weight(weight(sd[j]));
+                            for (int j = 0; j < n_k; ++j) s += fixed_weight(weight_at(j));
                         } else {
                             s = 0;
                             for (int b = 0; b < kSampleBuckets; ++b) s += __ldcg(&st->hist_mass[b]);
@@ -307,18 +320,18 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
                         unsigned long long cum = 0;
                         int n_p = V;
                         for (int j = 0; j < (int)n; ++j) {
-                            cum += fixed_weight(weight(sd[j]));
+                            cum += fixed_weight(weight_at(j));
                             if ((double)cum >= target) { n_p = j + 1; break; }
                         }
                         kept = min(kept, n_p);
                     }
                     if (p.min_p > 0.f) {
                         int n_m = 0;
-                        while (n_m < (int)n && weight(sd[n_m]) >= p.min_p) ++n_m;
+                        while (n_m < (int)n && weight_at(n_m) >= p.min_p) ++n_m;
                         kept = min(kept, n_m);
                     }
                     total = 0;
-                    for (int j = 0; j < kept; ++j) total += fixed_weight(weight(sd[j]));
+                    for (int j = 0; j < kept; ++j) total += fixed_weight(weight_at(j));
                 } else {
                     total = 0;
                     for (int b = 0; b < kSampleBuckets; ++b) total += __ldcg(&st->hist_mass[b]);
