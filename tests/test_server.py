@@ -629,15 +629,15 @@ def test_speculative_server_sampled_and_logprob_requests_decode_as_before(server
 def test_speculative_server_concurrent_greedy_streams(spec_server, tokenizer, reference):
     """Four clients at once, greedy, round-robin with verify steps: each answer is the request
     decoded alone; a second turn forks the prefix cache."""
-    questions = [chat([("user", f"Say {w} {w} {w} {w} {w} {w} again and again")]) for w in
+    questions = [chat([("user", f"Say {w}, then repeat twice: {PARAGRAPH} {PARAGRAPH}")]) for w in
                  ("apple", "river", "stone", "cloud")]
-    want = [expected_text(tokenizer, decode_alone(reference, tokenizer.encode_chat(q), 16,
+    want = [expected_text(tokenizer, decode_alone(reference, tokenizer.encode_chat(q), 40,
                                                   stop_ids=tokenizer.stop_token_ids)) for q in questions]
     c = spec_client(spec_server)
     before = wait_idle(spec_server)
 
     def ask(q):
-        stream = c.chat.completions.create(model=MODEL, messages=questions[q], max_tokens=16, temperature=0,
+        stream = c.chat.completions.create(model=MODEL, messages=questions[q], max_tokens=40, temperature=0,
                                            stream=True)
         return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
