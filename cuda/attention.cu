@@ -24,7 +24,10 @@
 // rotates k, encodes k and v in the cache type, and takes that row from shared memory instead
 // of the cache; head group 0's owner stores them at row `position` of block step->row_block
 // (layer 0 also stores row_block into the block table). So nothing in the kernel reads a row
-// it writes.
+// it writes. A launch of n rows (the verify body: consecutive positions, grid z) works the same
+// per row, except that row j takes all the launch's new rows up to its own (positions
+// step[0].position .. its own) from shared memory: a block computes those of them its chunks
+// hold, and stores only row j's.
 //
 // Work split. The context is cut into chunks of C = split_len rows (a multiple of 32). Grid (n_kv
 // * head groups, B), 256 threads: block b of a (KV head, head group) takes chunks b, b + B, b +
