@@ -549,8 +549,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     const int new_lo = fused && row_ok ? max(0, a.step[0].position) : 0;
     const int new_hi = fused && row_ok ? position : -1;
     const bool owner = fused && ((len - 1) / C) % B == b;
-    bool holds_new = false;
-    for (int r = new_lo; r <= new_hi; ++r) holds_new |= (r / C) % B == b;
+    int held = 0;  // new rows in this block's chunks: a K task and a V task each (prologue)
+    for (int r = new_lo; r <= new_hi; ++r) held += (r / C) % B == b;
     const KvPages &kv = a.kv;
 
     RowSource src;
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     if (fused) {
         rope_angles(a.inv_freq, hd, position, lane, angles);
         norm_weights(a.q_norm, hd, lane, q_w);
-        norm_weights(holds_new ? a.k_norm : nullptr, hd, lane, k_w);
+        norm_weights(held > 0 ? a.k_norm : nullptr, hd, lane, k_w);
     }
 
     pdl_wait();
@@ -617,8 +617,6 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         const int64_t base = (int64_t)row_block * kv.block_stride;
         const int64_t row_index = (int64_t)kv_head * kv.page_size + (position - page_index * kv.page_size);
         const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
-        int held = 0;  // new rows in this block's chunks: a K task and a V task each
-        for (int r = new_lo; r <= new_hi; ++r) held += (r / C) % B == b;
         const int tasks = heads_here + 2 * held;
         for (int task = warp; task < tasks; task += kAttnWarps) {
             if (task < heads_here) {

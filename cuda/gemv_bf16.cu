@@ -69,6 +69,18 @@ __device__ __forceinline__ void load_chunks(const uint4 *w0, const uint4 *w1, in
     }
 }
 
+// Norm modes: vector vec's staged x (xs, [cols]) becomes x * inv_rms * w there, and in
+// normed_out from block 0.
+__device__ __forceinline__ void normalize_x(const GemvParams &p, int vec, float *xs, float inv_rms,
+                                            const float *w_smem, int threads) {
+    const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
+    for (int i = threadIdx.x; i < p.cols; i += threads) {
+        const float n = xs[i] * inv_rms * w_smem[i];
+        xs[i] = n;
+        if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
+    }
+}
+
 // Stage vector vec's x into x_smem4 + vec * ld / 4 (zeros in the pad columns so that
 // 0-weight * pad stays 0) and, in norm modes, normalize it there (and into normed_out from block
 // 0). Thread t takes the float4s t, t + threads, ... in that order and sums their squares in
@@ -118,13 +130,7 @@ __device__ __forceinline__ void stage_x(const GemvParams &p, int vec, float4 *x_
     if (mode_has_norm(MODE)) {
         // block_sum ends with a barrier: every staged element is visible below.
         const float total = block_sum<kThreads>(sum_sq, scratch);
-        const float inv_rms = 1.0f / sqrtf(total / (float)p.cols + p.eps);
-        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-        for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-            const float n = xs[i] * inv_rms * w_smem[i];
-            xs[i] = n;
-            if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
-        }
+        normalize_x(p, vec, xs, 1.0f / sqrtf(total / (float)p.cols + p.eps), w_smem, kThreads);
     }
 }
 
@@ -136,7 +142,7 @@ template <int MODE, int kThreads, int NV>
 __device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float4 *x_smem4,
                                               const float *w_smem, float *scratch) {
     constexpr int kWarps = kThreads / kWarpSize;
-    bool aligned = p.cols % 4 == 0 && (p.x_stride % 4) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+    const bool aligned = p.cols % 4 == 0 && (p.x_stride % 4) == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
     if (!aligned) {
         for (int vec = 0; vec < nv; ++vec) stage_x<MODE, kThreads>(p, vec, x_smem4, w_smem, scratch);
         return;
@@ -192,18 +198,10 @@ __device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float
             inv_rms[threadIdx.x] = 1.0f / sqrtf(total / (float)p.cols + p.eps);
         }
         __syncthreads();
-        const bool write_normed = p.normed_out != nullptr && blockIdx.x == 0;
-        for (int vec = 0; vec < nv; ++vec) {
-            float *xs = reinterpret_cast<float *>(x_smem4 + (size_t)vec * n4);
-            const float r = inv_rms[vec];
-            for (int i = threadIdx.x; i < p.cols; i += kThreads) {
-                const float n = xs[i] * r * w_smem[i];
-                xs[i] = n;
-                if (write_normed) p.normed_out[(size_t)vec * p.x_stride + i] = n;
-            }
-        }
+        for (int vec = 0; vec < nv; ++vec)
+            normalize_x(p, vec, reinterpret_cast<float *>(x_smem4 + (size_t)vec * n4), inv_rms[vec],
+                        w_smem, kThreads);
     }
-    (void)scratch;
 }
 
 // NV: 1 (the decode body), or kGemvMaxVectors (the verify body: p.nv <= NV vectors, each x
