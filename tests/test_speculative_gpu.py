@@ -39,17 +39,23 @@ def decode_logits(engine, base, tokens):
     return rows
 
 
+def run_verify(gpu, tokens, graph):
+    """Begin a verify step over tokens on the selected sequence and run it (its graph, or the
+    non-graph path)."""
+    gpu.begin_verify(tokens)
+    if graph:
+        gpu.capture_verify(len(tokens)).replay()
+    else:
+        gpu.run_verify_nongraph()
+
+
 def verify_logits(engine, base, tokens, graph):
     """Logits after each of tokens from one verify step on a fork of base (all rows kept)."""
     seq = engine.fork(base)
     engine.use(seq)
     gpu = engine.session
     gpu.set_output("logits")
-    gpu.begin_verify(tokens)
-    if graph:
-        gpu.capture_verify(len(tokens)).replay()
-    else:
-        gpu.run_verify_nongraph()
+    run_verify(gpu, tokens, graph)
     rows = gpu.verify_logits()
     next_tokens, next_logits = gpu.verify_results(len(tokens))
     gpu.end_verify(len(tokens))
@@ -91,11 +97,7 @@ def test_rollback_makes_rejected_rows_invisible(graph):
         seq = engine.fork(base)
         engine.use(seq)
         gpu.set_output("next_token")
-        gpu.begin_verify(FEED)
-        if graph:
-            gpu.capture_verify(len(FEED)).replay()
-        else:
-            gpu.run_verify_nongraph()
+        run_verify(gpu, FEED, graph)
         gpu.end_verify(2)
         lib_seq = gpu.pool.current()
         assert gpu.pool.length(lib_seq) == len(PROMPT) + 2
