@@ -46,6 +46,12 @@ def run(args) -> None:
         if args.verify:
             drafts = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, args.verify - 1)]
             engine.step_speculative(token, drafts)  # warm-up outside the profiled region
+        if args.sampling is not None:
+            engine.generate([token], 2, sampling=args.sampling)  # warm-up outside the profiled region
+            rt.cudaProfilerStart()
+            engine.generate([token], args.steps, sampling=args.sampling)
+            rt.cudaProfilerStop()
+            return
         rt.cudaProfilerStart()
         for _ in range(args.steps):
             if args.verify:
@@ -78,6 +84,7 @@ def summarize(path: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
+    from bench.benchmark import sampling_spec
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-0.6b")
     p.add_argument("--layers", type=int, default=None)
@@ -87,6 +94,8 @@ if __name__ == "__main__":
     p.add_argument("--prefill", type=int, default=0, help="profile one batched prefill of this many tokens")
     p.add_argument("--verify", type=int, default=0, help="profile verify steps of this many positions (2..9)")
     p.add_argument("--weights", default="bf16", choices=["bf16", "int8", "q4"])
+    p.add_argument("--sampling", type=sampling_spec, default=None, metavar="KEY=VALUE,...",
+                   help="profile sampled steps, e.g. temperature=0.7,top_p=0.9,top_k=50")
     p.add_argument("--summarize", default=None, help="an ncu --csv --page raw output to summarize")
     a = p.parse_args()
     summarize(a.summarize, a.steps) if a.summarize else run(a)
