@@ -185,19 +185,42 @@ def _race(d: np.ndarray, kept: np.ndarray, seed: int, position):
 
 
 def _kept_ids(d: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 3-4: d [V] float32 (<= 0, max 0) -> (the kept ids [n] in order, W [V] uint64)."""
+    """Steps 3-4: d [V] float32 (<= 0, max 0) -> (the kept ids [n], W [V] uint64). The kept
+    ids are the first n of the order, in order; only when every id is kept (no filter) are they
+    left unordered past the first params.logprobs (the race and the mass do not depend on it)."""
     V = d.size
     w = np.exp(d.astype(np.float64)).astype(np.float32)
     W = np.floor(w.astype(np.float64) * WEIGHT_SCALE).astype(np.uint64)
-    order = np.lexsort((np.arange(V), -d))                   # d descending, then lower id
     n = params.top_k if 0 < params.top_k < V else V
     if params.top_p < 1.0:
-        cum = np.cumsum(W[order[:n]], dtype=np.uint64)
-        target = np.float64(np.float32(params.top_p)) * np.float64(cum[-1])
+        # S_k: over the first n_k, or over every id (a sum of integers: any order)
+        total = W[_ranked(d, n)].sum(dtype=np.uint64) if n < V else W.sum(dtype=np.uint64)
+        target = np.float64(np.float32(params.top_p)) * np.float64(total)
+        m = min(n, 1024)   # the prefix that reaches the target is short unless the tail is flat
+        while True:
+            cum = np.cumsum(W[_ranked(d, m)], dtype=np.uint64)
+            if m == n or np.float64(cum[-1]) >= target:
+                break
+            m = min(n, 8 * m)
         n = int(np.argmax(cum.astype(np.float64) >= target)) + 1
     if params.min_p > 0.0:
         n = min(n, int(np.count_nonzero(w >= np.float32(params.min_p))))
-    return order[:n], W
+    if n < V:
+        return _ranked(d, n), W
+    head = _ranked(d, min(V, max(1, params.logprobs)))
+    rest = np.ones(V, dtype=bool)
+    rest[head] = False
+    return np.concatenate([head, np.flatnonzero(rest)]), W
+
+
+def _ranked(d: np.ndarray, m: int) -> np.ndarray:
+    """The first m ids of the order (d descending, ties by the lower id): the ids at or above
+    the m-th largest d (every one that can rank below m, ties included), sorted."""
+    V = d.size
+    if m >= V:
+        return np.lexsort((np.arange(V), -d))
+    ids = np.flatnonzero(d >= np.partition(d, V - m)[V - m])
+    return ids[np.lexsort((ids, -d[ids]))][:m]
 
 
 def draws(logits: np.ndarray, params: SamplingParams, seed: int, positions,
