@@ -12,7 +12,8 @@ namespace {
 constexpr int kSampleThreads = 256;
 constexpr int kSamplePerBlock = 2048;     // ids a block covers (8 a thread), at least
 constexpr int kSampleMaxBlocks = 128;
-constexpr int kSampleWeights = 1024;      // ranks whose weights the last block computes in parallel
+constexpr int kSampleWeights = 1024;      // ranks whose weights the last block computes once
+static_assert(kSampleBuckets == kSampleThreads, "step 3 finds its cut with one thread a bucket");
 constexpr double kWeightScale = 1099511627776.0;   // 2^40, sampling.WEIGHT_SCALE
 
 // float -> uint32 whose unsigned order is the float order (-inf lowest); packed with ~id below
@@ -43,6 +44,35 @@ __device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v
     v = scratch[0];
     for (int w = 1; w < (int)(blockDim.x / kWarpSize); ++w) v = scratch[w] > v ? scratch[w] : v;
     return v;
+}
+
+// The block's sum of v, in every thread (integers: the grouping does not change it).
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v,
+                                                            unsigned long long *scratch) {
+    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+    __syncthreads();
+    if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+    __syncthreads();
+    v = 0;
+    for (int w = 0; w < (int)(blockDim.x / kWarpSize); ++w) v += scratch[w];
+    return v;
+}
+
+// The sum of v over the threads before this one (in thread order).
+__device__ __forceinline__ unsigned long long block_exclusive_scan_u64(unsigned long long v,
+                                                                       unsigned long long *scratch) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    unsigned long long inclusive = v;
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+        const unsigned long long o = __shfl_up_sync(kFullMask, inclusive, offset);
+        if (lane >= offset) inclusive += o;
+    }
+    __syncthreads();
+    if (lane == kWarpSize - 1) scratch[warp] = inclusive;
+    __syncthreads();
+    unsigned long long before = 0;
+    for (int w = 0; w < warp; ++w) before += scratch[w];
+    return before + inclusive - v;
 }
 
 // Philox4x32-10 (Random123, curand): runtime/philox.py.
@@ -77,6 +107,12 @@ __device__ __forceinline__ int bucket(float d) {
 
 __device__ __forceinline__ bool filters_on(const og_sampling_params &p, int V) {
     return (p.top_k > 0 && p.top_k < V) || p.top_p < 1.f || p.min_p > 0.f;
+}
+// Does step 3 need the histogram's mass? Only for sums over every id: with no filter (the total),
+// and for top-p without top-k (its cut and its S_k). Otherwise every sum is over the sorted
+// candidates, and the histogram counts ids only.
+__device__ __forceinline__ bool needs_mass(const og_sampling_params &p, int V) {
+    return !filters_on(p, V) || (p.top_p < 1.f && !(p.top_k > 0 && p.top_k < V));
 }
 
 // ---- 1: z = penalties(logits) / temperature; max z ----
@@ -136,6 +172,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_histogram_kernel(Sample
     for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads) count[b] = 0, mass[b] = 0;
     __syncthreads();
     const bool race_all = !filters_on(p, a.V);
+    const bool with_mass = needs_mass(p, a.V);
     const int per_block = ceil_div(a.V, gridDim.x);
     const int begin = blockIdx.x * per_block, end = min(a.V, begin + per_block);
     unsigned long long best = 0;
@@ -143,7 +180,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_histogram_kernel(Sample
         const float d = __fsub_rn(a.z[i], m);
         const int b = bucket(d);
         atomicAdd(&count[b], 1u);
-        atomicAdd(&mass[b], fixed_weight(weight(d)));
+        if (with_mass) atomicAdd(&mass[b], fixed_weight(weight(d)));
         if (race_all) {
             const unsigned long long k = pack(race_key(d, p.seed, rec->position, i), i);
             best = k > best ? k : best;
@@ -153,7 +190,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_histogram_kernel(Sample
     for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads)
         if (count[b] != 0) {
             atomicAdd(&st->hist_count[b], count[b]);
-            atomicAdd(&st->hist_mass[b], mass[b]);
+            if (with_mass) atomicAdd(&st->hist_mass[b], mass[b]);
         }
     if (race_all) {
         best = block_max_u64(best, scratch);
@@ -168,16 +205,11 @@ __device__ __forceinline__ bool before(float da, int ia, float db, int ib) {
 
 // ---- 3: gather the ids up to the cut's bucket; the last block cuts, races and finishes ----
 __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArgs a) {
-    __shared__ unsigned cum_count[kSampleBuckets];
-    __shared__ unsigned long long cum_mass[kSampleBuckets];
     __shared__ float sd[kSampleCandidates];
     __shared__ int sid[kSampleCandidates];
     __shared__ float sw[kSampleWeights];
     __shared__ unsigned long long scratch[kSampleThreads / kWarpSize];
-    __shared__ int s_cut;
     __shared__ bool last;
-    __shared__ int s_kept;
-    __shared__ unsigned long long s_total;
     pdl_wait();
     pdl_launch_dependents();
     const og_step_record *rec = a.step;
@@ -192,48 +224,34 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
     const int n_k = p.top_k > 0 && p.top_k < V ? p.top_k : V;
 
     if (sampling) {
-        // cumulative count and mass per bucket (Hillis-Steele; one thread a bucket)
-        for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads) {
-            cum_count[b] = __ldcg(&st->hist_count[b]);
-            cum_mass[b] = __ldcg(&st->hist_mass[b]);
-        }
-        __syncthreads();
-        for (int offset = 1; offset < kSampleBuckets; offset <<= 1) {
-            unsigned c = 0;
-            unsigned long long w = 0;
-            const int b = threadIdx.x;
-            if (b < kSampleBuckets && b >= offset) c = cum_count[b - offset], w = cum_mass[b - offset];
-            __syncthreads();
-            if (b < kSampleBuckets) cum_count[b] += c, cum_mass[b] += w;
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            // The last bucket the kept prefix (and the listed top log-probabilities) can reach.
-            const auto first_count = [&](unsigned n) {
-                int b = 0;
-                while (b < kSampleBuckets - 1 && cum_count[b] < n) ++b;
-                return b;
-            };
-            int cut = -1;
+        // The last bucket the kept prefix (and the listed top log-probabilities) can reach, from
+        // the cumulative count and mass up to each bucket (one thread a bucket).
+        const int b = threadIdx.x;
+        const auto first_bucket = [&](bool reached) {   // the first bucket where `reached` holds, else the last
+            return kSampleBuckets - 1 -
+                   (int)block_max_u64(reached ? (unsigned long long)(kSampleBuckets - 1 - b) : 0ull, scratch);
+        };
+        int cut = -1;
+        if (filtered || p.logprobs > 0) {
+            const unsigned long long count_b = __ldcg(&st->hist_count[b]);
+            const unsigned long long count_to_b = block_exclusive_scan_u64(count_b, scratch) + count_b;
             if (filtered) {
-                const int cut_k = n_k < V ? first_count((unsigned)n_k) : kSampleBuckets - 1;
+                const int cut_k = n_k < V ? first_bucket(count_to_b >= (unsigned long long)n_k) : kSampleBuckets - 1;
                 int cut_p = kSampleBuckets - 1, cut_m = kSampleBuckets - 1;
                 if (p.top_p < 1.f && n_k == V) {
-                    const double target = (double)p.top_p * (double)cum_mass[kSampleBuckets - 1];
-                    cut_p = 0;
-                    while (cut_p < kSampleBuckets - 1 && (double)cum_mass[cut_p] < target) ++cut_p;
+                    const unsigned long long mass_b = __ldcg(&st->hist_mass[b]);
+                    const unsigned long long mass_to_b = block_exclusive_scan_u64(mass_b, scratch) + mass_b;
+                    const double target = (double)p.top_p * (double)block_sum_u64(mass_b, scratch);
+                    cut_p = first_bucket((double)mass_to_b >= target);
                 }
                 if (p.min_p > 0.f)   // w >= min_p needs d >= log(min_p) - rounding: one bucket of room
                     cut_m = min(kSampleBuckets - 1, (int)(-logf(p.min_p) * 8.f) + 1);
                 // with top-k and top-p the top-p mass is over the top-k set: gather all of it
                 cut = n_k < V ? (p.top_p < 1.f ? cut_k : min(cut_k, cut_m)) : min(cut_p, cut_m);
-            } else if (p.logprobs > 0) {
-                cut = first_count((unsigned)p.logprobs);
+            } else {
+                cut = first_bucket(count_to_b >= (unsigned long long)p.logprobs);
             }
-            s_cut = cut;
         }
-        __syncthreads();
-        const int cut = s_cut;
         if (cut >= 0) {
             const int per_block = ceil_div(V, gridDim.x);
             const int begin = blockIdx.x * per_block, end = min(V, begin + per_block);
@@ -296,51 +314,57 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
                     else __syncwarp();
                 }
             __syncthreads();
-            // The weights of the first ranks, in parallel; thread 0's sums below read them
-            // (the same function of the same d, so the same values as computing them there).
+            // Step 4 in parallel: thread t owns the ranks [j0, j1) (contiguous, so a prefix sum
+            // is its running sum plus the sum of the ranks before its range). The sums are of
+            // integers (fixed_weight), so they do not depend on how they are grouped: the
+            // result is the sequential loop's. The weights of the first ranks are computed once.
             const int n_weights = min((int)n, kSampleWeights);
             for (int j = threadIdx.x; j < n_weights; j += kSampleThreads) sw[j] = weight(sd[j]);
             __syncthreads();
             const auto weight_at = [&](int j) { return j < n_weights ? sw[j] : weight(sd[j]); };
-            if (threadIdx.x == 0) {
-                // step 4: the kept prefix, exactly (the list holds every id of rank < n)
-                int kept = V;
-                unsigned long long total = __ldcg(&st->hist_mass[0]);
-                if (filtered) {
-                    kept = min(n_k, (int)n);
-                    if (p.top_p < 1.f) {
-                        unsigned long long s = 0;
-                        if (n_k < V) {
-                            for (int j = 0; j < n_k; ++j) s += fixed_weight(weight_at(j));
-                        } else {
-                            s = 0;
-                            for (int b = 0; b < kSampleBuckets; ++b) s += __ldcg(&st->hist_mass[b]);
-                        }
-                        const double target = (double)p.top_p * (double)s;
-                        unsigned long long cum = 0;
-                        int n_p = V;
-                        for (int j = 0; j < (int)n; ++j) {
-                            cum += fixed_weight(weight_at(j));
-                            if ((double)cum >= target) { n_p = j + 1; break; }
-                        }
-                        kept = min(kept, n_p);
+            const int per = ceil_div((int)n, kSampleThreads);
+            const int j0 = min((int)n, (int)threadIdx.x * per), j1 = min((int)n, j0 + per);
+            // the mass of every id (the histogram's, where needs_mass says it was taken)
+            const auto hist_total = [&]() {
+                unsigned long long part = 0;
+                for (int b = threadIdx.x; b < kSampleBuckets; b += kSampleThreads) part += __ldcg(&st->hist_mass[b]);
+                return block_sum_u64(part, scratch);
+            };
+            int kept = V;
+            unsigned long long total = 0;
+            if (filtered) {
+                kept = min(n_k, (int)n);
+                if (p.top_p < 1.f) {
+                    // S_k over the first n_k ranks (the list holds them all), else over every id
+                    unsigned long long mine = 0, mine_k = 0;
+                    for (int j = j0; j < j1; ++j) {
+                        const unsigned long long w = fixed_weight(weight_at(j));
+                        mine += w;
+                        if (j < n_k) mine_k += w;
                     }
-                    if (p.min_p > 0.f) {
-                        int n_m = 0;
-                        while (n_m < (int)n && weight_at(n_m) >= p.min_p) ++n_m;
-                        kept = min(kept, n_m);
+                    const unsigned long long s = n_k < V ? block_sum_u64(mine_k, scratch) : hist_total();
+                    const double target = (double)p.top_p * (double)s;
+                    // n_p: the first rank whose prefix mass reaches the target (V: none does)
+                    unsigned long long cum = block_exclusive_scan_u64(mine, scratch);
+                    int n_p = V;
+                    for (int j = j0; j < j1; ++j) {
+                        cum += fixed_weight(weight_at(j));
+                        if ((double)cum >= target) { n_p = j + 1; break; }
                     }
-                    total = 0;
-                    for (int j = 0; j < kept; ++j) total += fixed_weight(weight_at(j));
-                } else {
-                    total = 0;
-                    for (int b = 0; b < kSampleBuckets; ++b) total += __ldcg(&st->hist_mass[b]);
+                    n_p = V - (int)block_max_u64((unsigned long long)(V - n_p), scratch);
+                    kept = min(kept, n_p);
                 }
-                s_kept = kept;
-                s_total = total;
+                if (p.min_p > 0.f) {   // w does not grow with the rank: the ids above min_p are a prefix
+                    unsigned count = 0;
+                    for (int j = j0; j < j1; ++j) count += weight_at(j) >= p.min_p;
+                    kept = min(kept, (int)block_sum_u64(count, scratch));
+                }
+                unsigned long long part = 0;
+                for (int j = j0; j < min(j1, kept); ++j) part += fixed_weight(weight_at(j));
+                total = block_sum_u64(part, scratch);
+            } else {
+                total = hist_total();
             }
-            __syncthreads();
-            const int kept = s_kept;
             unsigned long long best = 0;
             if (filtered) {  // step 5 over the kept prefix
                 for (int j = threadIdx.x; j < kept; j += kSampleThreads) {
@@ -353,7 +377,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_select_kernel(SampleArg
             }
             token = packed_id(best);
             // step 6
-            const double log_total = log((double)s_total / kWeightScale);
+            const double log_total = log((double)total / kWeightScale);
             value = (float)((double)__fsub_rn(a.z[token], m) - log_total);
             n_top = min(p.logprobs, min(kept, (int)n));
             for (int j = threadIdx.x; j < n_top; j += kSampleThreads)

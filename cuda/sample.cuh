@@ -5,13 +5,15 @@
 // grid-wide sync: cross-block results meet through integer atomics (order-free, so the result
 // is deterministic) and the last block of the third launch (a ticket) finishes the step:
 //   1 prepare    z = penalties(logits) / T into scratch; max z (with its id) by atomicMax
-//   2 histogram  d = z - max, w, W = floor(w 2^40): per-bucket count and mass over 256 buckets
-//                of d (8 per nat); with no filter, the race key of every id (atomicMax)
+//   2 histogram  d = z - max, w, W = floor(w 2^40): per-bucket count over 256 buckets of d (8
+//                per nat), and mass where a sum over every id needs it (no filter, or top-p
+//                without top-k); with no filter, the race key of every id (atomicMax)
 //   3 select     every block finds the last bucket the kept set can reach from the histogram
 //                (top-k by count, top-p by mass, min-p by d) and gathers the ids of buckets up
 //                to it (at most kSampleCandidates); the last block sorts them (d descending,
-//                lower id first), cuts them exactly, races the kept ones, writes the result,
-//                counts the step's input token and zeroes the state for the next step.
+//                lower id first), cuts them exactly (prefix sums over the block), races the
+//                kept ones, writes the result, counts the step's input token and zeroes the
+//                state for the next step.
 #pragma once
 
 #include <cstdint>
