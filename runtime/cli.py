@@ -48,7 +48,9 @@ def _engine_kwargs(args) -> dict:
 
 def _sampling(args):
     from .sampling import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def _stderr(text: str) -> None:
@@ -397,6 +399,14 @@ def _sampling_flags(sp) -> None:
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     sp.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     sp.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the smallest set of mass p (1 = off)")
+    sp.add_argument("--min-p", type=float, default=0.0,
+                    help="keep the tokens at least this fraction as likely as the most likely one (0 = off)")
+    sp.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="divide (multiply, if negative) the logits of tokens generated so far (1 = off)")
+    sp.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="subtract from the logits of tokens generated so far (0 = off)")
+    sp.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="subtract this times the count of each token generated so far (0 = off)")
     sp.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproduces a sampled answer)")
 
 

@@ -136,6 +136,30 @@ def test_generate_streams_text_and_a_seed_reproduces_a_sampled_answer():
     assert "backend cpu:" in first.stderr
 
 
+def test_generate_passes_every_sampling_flag(tmp_path):
+    """--min-p and the three penalties reach the sampler: the CLI prints the tokens that
+    Engine.generate gives with the same SamplingParams, and a bad value is a one-line error."""
+    from onegraph.engine import Engine
+    from onegraph.sampling import SamplingParams
+    model = tmp_path / "m"
+    assert main(["make-model", "--preset", "tiny-dense", "--out", str(model)]) == 0
+    ids = [3, 17, 99, 250, 4, 61]
+    flags = ["--temperature", "0.9", "--min-p", "0.02", "--repetition-penalty", "1.3",
+             "--presence-penalty", "0.2", "--frequency-penalty", "0.1", "--seed", "5"]
+    out = run_cli("generate", "--model", str(model), "--prompt-ids", ",".join(map(str, ids)), "-n", "16",
+                  "--device", "cpu", *flags)
+    assert out.returncode == 0, out.stderr
+    params = SamplingParams(temperature=0.9, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.2,
+                            frequency_penalty=0.1, seed=5)
+    with Engine.from_pretrained(str(model), device="cpu") as engine:
+        expected = engine.generate(ids, 16, sampling=params)
+    assert [int(t) for t in out.stdout.split()] == expected
+    bad = run_cli("generate", "--model", str(model), "--prompt-ids", "3", "--device", "cpu",
+                  "--temperature", "0.9", "--min-p", "1.5")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "min_p=1.5" in bad.stderr
+
+
 def test_generate_speculative_prints_the_plain_tokens(tmp_path):
     """--speculative ngram on token ids: the same tokens as without it, a summary line, and a
     one-line error for a sampled request."""
