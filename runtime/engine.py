@@ -77,7 +77,7 @@ from .loader import LoadedModel, load_model
 from .quant import WeightScheme, quantize_stream
 from .sampling import SamplingParams, sample_step
 from .session import GpuSession, kv_code
-from .speculative import (SPECULATIVE_MODES, AdaptiveK, DraftModelDrafter, Drafter, accepted_drafts,
+from .speculative import (SPECULATIVE_MODES, AdaptiveK, DraftModelDrafter, Drafter, StepCosts, accepted_drafts,
                           make_drafter)
 
 log = logging.getLogger("onegraph")
@@ -200,6 +200,9 @@ class Engine:
                         # speculative decoding: verify steps, drafts they fed, drafts accepted
                         "verify_steps": 0, "drafted": 0, "accepted": 0}
         self.fallback_reason: str | None = None
+        # Wall time of plain greedy tokens and verify steps: what speculative decoding's
+        # AdaptiveK weighs a verify step against.
+        self.step_costs = StepCosts()
         if device in ("auto", "gpu"):
             usable, reason = library_status()
             if usable:
@@ -391,7 +394,9 @@ class Engine:
         on the device and the step copies 8 bytes to the host instead of the logits (608 KB for
         Qwen3's vocabulary). ValueError when the logits hold a NaN (the step has been fed, as
         with step() followed by sampling.sample())."""
+        t0 = time.perf_counter()
         token, logit = self._step(token, "next_token")
+        self.step_costs.plain(time.perf_counter() - t0)
         if np.isnan(logit):
             raise ValueError("logits contain NaN")
         return token
@@ -457,12 +462,15 @@ class Engine:
         finally:
             self._sampling = None
 
-    def _pipelined_greedy(self, token: int, n: int, stop: set, out: list, output: str = "next_token"):
-        """Up to n steps from `token` with the next one always launched (decode_greedy), each
-        chosen token appended to `out` and yielded. Returns None when done (n steps, or a stop
-        token), else the token to feed next on the step-by-step path (a graph failure, or a
-        chained step the library refused: that path then meets the same condition and handles
-        it). Closed early (GeneratorExit at a yield, or any exception), it waits for the launched
+    def _pipelined_greedy(self, token: int, n: int, stop: set, out: list, output: str = "next_token",
+                          until: Callable[[int], bool] | None = None):
+        """Steps from `token` with the next one always launched (decode_greedy) until `out`
+        holds n tokens, each chosen token appended to `out` and yielded. Returns None when done
+        (n tokens, or a stop token), else the token to feed next on the step-by-step path (a
+        graph failure, or a chained step the library refused: that path then meets the same
+        condition and handles it). until(token), when given, is called with each new token while
+        the step feeding it runs; once it answers True no further step is launched: the one in
+        flight ends, its token is yielded and returned as the one to feed next. Closed early (GeneratorExit at a yield, or any exception), it waits for the launched
         steps and drops them: the sequence then holds exactly the tokens of the ended steps.
         output "sampled": the same with the device sampling stage choosing each token (a chained
         step's embedding reads the sampled token as it reads the argmax)."""
@@ -475,10 +483,12 @@ class Engine:
             return token      # the step-by-step path reports it (or falls back to the CPU)
         fed = [token]         # tokens of the launched steps not yet ended, oldest first
         slots = [0]
+        stopping = False      # until() said to launch no further step
+        asking = False        # until() runs: an error is its own, not the steps'
         try:
             gpu.launch(0)
             while True:
-                if len(out) + len(fed) < n:  # another step is wanted after the one in flight
+                if not stopping and len(out) + len(fed) < n:  # another step is wanted after the one in flight
                     try:
                         slot = gpu.begin_chained()
                     except capi.LibraryError:
@@ -495,9 +505,11 @@ class Engine:
                 self._timing["tokens"] += 1
                 self._timing["graph_steps"] += 1
                 self._timing["seconds"] += now - t0
+                if output == "next_token":
+                    self.step_costs.plain(now - t0)
+                    if np.isnan(logit):
+                        raise ValueError("logits contain NaN")
                 t0 = now
-                if output == "next_token" and np.isnan(logit):
-                    raise ValueError("logits contain NaN")
                 out.append(result)
                 if fed:
                     fed[0] = result  # the token the chained step consumed, now known
@@ -505,9 +517,16 @@ class Engine:
                 if result in stop or len(out) == n:
                     self._drop_launched(fed)
                     return None
-                if not fed:  # the chained step was refused: go on step by step
+                if not fed:  # the chained step was refused, or until() stopped: go on from result
                     return result
+                if until is not None:
+                    asking = True
+                    stopping = until(result)
+                    asking = False
         except (GraphError, capi.LibraryError) as e:  # a capture (og_enqueue) or a launch failed
+            if asking:
+                self._drop_launched(fed)
+                raise
             log.warning("onegraph: pipelined graph steps failed (%s); continuing on the non-graph "
                         "path, capturing again in %d steps", e, self.recapture_after)
             self.last_graph_error = str(e)
@@ -523,51 +542,64 @@ class Engine:
 
     def _speculative_tokens(self, token: int, max_steps: int, stop: set, drafter: Drafter,
                             adaptive: AdaptiveK | None = None) -> Iterator[int]:
-        """_greedy_tokens' tokens, state and errors, decoded speculatively: per step the drafter
-        proposes up to k tokens after `token` (k from `adaptive`), one verify step feeds token
+        """_greedy_tokens' tokens, state and errors, decoded speculatively: before each step the
+        drafter proposes up to k tokens after `token` (k from `adaptive`, weighing acceptance
+        against the measured step costs); when a verify step of those drafts pays, it feeds token
         and the drafts and gives the greedy token after each, the drafts equal to those are
-        accepted and the rest rolled back. Without drafts (or while adaptive pauses drafting)
-        tokens come from plain greedy steps, pipelined on the graph path."""
-        adaptive = adaptive or AdaptiveK()
+        accepted and the rest rolled back. Otherwise tokens come from plain greedy steps: on the
+        graph path pipelined, the drafter asked after each token while the next step runs, the
+        pipeline drained once a verify step would pay."""
+        adaptive = adaptive or AdaptiveK(costs=self.step_costs)
         out: list[int] = []
+
+        def drafts_after(context: list[int]) -> list[int]:
+            """The drafts worth a verify step after context (its last token not yet fed)."""
+            room = self.max_seq_len - len(context)     # rows past the one context's last token takes
+            k = min(adaptive.next_k(), max_steps - len(out) - 1, room, capi.MAX_VERIFY - 1)
+            drafts = drafter.propose(context, k) if k > 0 else []
+            return drafts if drafts and adaptive.pays(len(drafts)) else []
+
+        asked = 0   # pipelined tokens until() saw (each counted as a plain step there)
+
+        def verify_next(t: int) -> bool:
+            nonlocal asked
+            asked += 1
+            adaptive.plain_steps(1)
+            return bool(drafts_after(self._history + [t]))
+
         while len(out) < max_steps:
-            remaining = max_steps - len(out)
-            room = self.max_seq_len - len(self._history) - 1   # rows past the one `token` takes
-            k = min(adaptive.next_k(), remaining - 1, room, capi.MAX_VERIFY - 1)
-            drafts = drafter.propose(self._history + [token], k) if k > 0 else []
-            if not drafts:
-                # Plain steps: the rest of a cool-down (at least one step), pipelined on the graph path.
-                plain = min(remaining, max(1, adaptive.pause))
-                part: list[int] = []
-                if self._gpu is not None and self.use_graph and self._graph_retry_in <= 0 and plain > 1:
-                    self._validate(token)
-                    fits = min(plain, self.max_seq_len - len(self._history))
-                    feed = yield from self._pipelined_greedy(int(token), fits, stop, part)
-                    out.extend(part)
-                    adaptive.plain_steps(len(part))
-                    if part and part[-1] in stop:
-                        return
-                    if feed is None:
-                        token = part[-1]
-                        continue
-                    token = feed
-                    if len(out) >= max_steps:
-                        return
-                token = self.step_greedy(token)
-                adaptive.plain_steps(1)
-                out.append(token)
-                yield token
+            drafts = drafts_after(self._history + [token])
+            if drafts:
+                new = self.step_speculative(token, drafts, stop, max_steps - len(out))
+                # A cut (a stop token, max_steps) ends the generation: what it hides from the
+                # acceptance count no longer matters.
+                adaptive.update(len(drafts), accepted_drafts(drafts, new))
+                for t in new:
+                    out.append(t)
+                    yield t
+                token = new[-1]
                 if token in stop:
                     return
                 continue
-            new = self.step_speculative(token, drafts, stop, remaining)
-            # A cut (a stop token, max_steps) ends the generation: what it hides from the
-            # acceptance count no longer matters.
-            adaptive.update(len(drafts), accepted_drafts(drafts, new))
-            for t in new:
-                out.append(t)
-                yield t
-            token = new[-1]
+            if self._gpu is not None and self.use_graph and self._graph_retry_in <= 0:
+                self._validate(token)
+                fits = min(max_steps - len(out), self.max_seq_len - len(self._history))
+                before, asked = len(out), 0
+                feed = yield from self._pipelined_greedy(int(token), len(out) + fits, stop, out,
+                                                         until=verify_next)
+                adaptive.plain_steps(len(out) - before - asked)
+                if len(out) > before:
+                    if out[-1] in stop:
+                        return
+                    # Done with n tokens (max_steps, or the context's end), or stopped to verify,
+                    # or a refused chained step or a graph failure: decide again from here.
+                    token = out[-1] if feed is None else feed
+                    continue
+                token = feed   # the first step was refused: step_greedy reports it
+            token = self.step_greedy(token)
+            adaptive.plain_steps(1)
+            out.append(token)
+            yield token
             if token in stop:
                 return
 
@@ -591,6 +623,7 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.config.vocab_size:
                 raise EngineError(f"token id {t!r} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         feed = [int(token)] + [int(d) for d in drafts]
+        t0 = time.perf_counter()
         verified = self._verify(feed)
         accepted = accepted_drafts(drafts, verified)
         new = [int(t) for t in verified[:accepted + 1]][:max_tokens]
@@ -600,6 +633,7 @@ class Engine:
                 new = new[:i + 1]
                 break
         self._end_verify(feed, len(new))
+        self.step_costs.verify(len(drafts), time.perf_counter() - t0)
         return new
 
     def _verify(self, feed: list[int]) -> np.ndarray:

@@ -23,11 +23,12 @@ first turn's KV.
 
 Speculative decoding (speculative="ngram", `--speculative ngram`): a greedy request without
 logprobs decodes with drafts from its own prompt and output (speculative.NgramDrafter, sized
-by its own AdaptiveK): its turn is then one verify step (Engine.step_speculative), which gives
-1..k + 1 tokens, exactly the ones its plain greedy steps would. One engine pass per turn either
-way, so the round-robin stays fair. A turn without drafts (nothing to look up, a cool-down, the
-context or max_tokens too close) or whose verify step the engine refuses for want of room is a
-plain step. /metrics counts verify_steps, drafted_tokens and accepted_tokens.
+by its own AdaptiveK over the engine's measured step costs): its turn is then one verify step
+(Engine.step_speculative), which gives 1..k + 1 tokens, exactly the ones its plain greedy steps
+would. One engine pass per turn either way, so the round-robin stays fair. A turn without drafts
+(nothing to look up, none expected to pay, the context or max_tokens too close) or whose verify
+step the engine refuses for want of room is a plain step. /metrics counts verify_steps,
+drafted_tokens and accepted_tokens.
 """
 from __future__ import annotations
 
@@ -467,7 +468,7 @@ class Scheduler:
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
         job.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         if self.speculative is not None and self._plain_greedy(req):
-            job.drafter, job.adaptive = make_drafter(self.speculative), AdaptiveK()
+            job.drafter, job.adaptive = make_drafter(self.speculative), AdaptiveK(costs=self.engine.step_costs)
         self._choose(job, job.logits)
 
     @staticmethod
@@ -516,13 +517,13 @@ class Scheduler:
 
     def _speculative_step(self, job: Job, token: int) -> bool:
         """One verify step for the job's next token and its drafts; False (nothing changed) when
-        it takes a plain step instead: no drafts, or no room for the verify step's rows."""
+        it takes a plain step instead: no drafts, none expected to pay, or no room for the verify step's rows."""
         engine, adaptive = self.engine, job.adaptive
         remaining = job.request.max_tokens - len(job.generated)
         room = engine.max_seq_len - len(job.fed) - 1      # rows past the one `token` takes
         k = min(adaptive.next_k(), remaining - 1, room, capi.MAX_VERIFY - 1)
         drafts = job.drafter.propose(job.fed + [token], k) if k > 0 else []
-        if not drafts:
+        if not drafts or not adaptive.pays(len(drafts)):
             adaptive.plain_steps(1)
             return False
         try:

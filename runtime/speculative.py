@@ -18,11 +18,14 @@ Drafters (one interface, Drafter.propose(context, k)):
                 greedily ahead on its own sequence; that sequence follows the target's accepted
                 tokens, truncated back to the common prefix when drafts were rejected.
 
-AdaptiveK picks k for each step from recent acceptance: it grows while whole drafts are
-accepted, shrinks to what was accepted when they are not, and after `patience` verify steps in
-a row that accepted nothing it stops drafting for a cool-down (doubling up to max_cooldown while
-that repeats), so a prompt with nothing useful to look up decodes almost entirely on the plain
-path.
+When to draft, and how many (AdaptiveK over StepCosts): a verify step of k drafts costs C(k)
+plain tokens (measured online by the engine: running means of the wall time of a plain token,
+pipelined on the graph path, and of a verify step per k) and yields E(k) tokens in expectation,
+from the acceptance per draft position that recent verify steps show. Drafting happens only when
+the best E(k) / C(k) is above 1, with that k; otherwise decoding takes plain steps, which on the
+graph path stay pipelined (the drafter is asked after each token while the next step runs). Free
+text therefore decodes almost entirely on the plain path, and repetitive text gets long drafts:
+the cost of a verify step grows slowly with k, so once drafts are being accepted k_max pays.
 """
 from __future__ import annotations
 
@@ -125,36 +128,113 @@ def accepted_drafts(drafts: Sequence[int], verified: Sequence[int]) -> int:
     return a
 
 
+class StepCosts:
+    """Running means of the wall time of a plain token and of a verify step per draft count;
+    cost(k) is the verify step of k drafts in plain tokens.
+
+    Until both a plain token and some verify step are measured, cost(k) is the seed
+    base + per_draft * k (a small model on a fast GPU, where a verify step costs about three
+    pipelined plain steps: a conservative seed, since a larger model's verify step costs
+    relatively less). A k never measured is priced from the nearest one measured, plus the
+    seed's slope per draft. The drafter's own time is not counted: nothing for prompt lookup,
+    a draft model's steps go unpriced."""
+
+    def __init__(self, base: float = 2.5, per_draft: float = 0.14, smoothing: float = 0.1):
+        if base <= 0 or per_draft < 0 or not 0 < smoothing <= 1:
+            raise ValueError(f"step costs need base > 0, per_draft >= 0, 0 < smoothing <= 1 "
+                             f"(got {base}, {per_draft}, {smoothing})")
+        self.base, self.per_draft, self.smoothing = base, per_draft, smoothing
+        self.plain_s: float | None = None     # mean seconds per plain token
+        self.verify_s: dict[int, float] = {}  # draft count -> mean seconds per verify step
+
+    def _mean(self, old: float | None, seconds: float) -> float:
+        return seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def plain(self, seconds: float) -> None:
+        """A plain token took `seconds` (pipelined: the time since the token before it)."""
+        self.plain_s = self._mean(self.plain_s, seconds)
+
+    def verify(self, k: int, seconds: float) -> None:
+        """A verify step of k drafts took `seconds`."""
+        self.verify_s[k] = self._mean(self.verify_s.get(k), seconds)
+
+    def cost(self, k: int) -> float:
+        """A verify step of k drafts, in plain tokens."""
+        if self.plain_s is None or not self.verify_s:
+            return self.base + self.per_draft * k
+        nearest = min(self.verify_s, key=lambda m: (abs(m - k), m))
+        return self.verify_s[nearest] / self.plain_s + self.per_draft * (k - nearest)
+
+
 class AdaptiveK:
-    """The draft length of each verify step, from what the last ones accepted.
+    """The draft length of each step: the k that maximises expected tokens per unit of cost,
+    0 (a plain step) when no k beats a plain step.
 
-    k starts at k_start; a verify step that accepts all k drafts raises it by one (up to k_max),
-    one that accepts a < k drafts sets it to max(k_min, a + 1). After `patience` verify steps
-    in a row that accept nothing, next_k() answers 0 (decode without drafting) for a cool-down
-    of `cooldown` steps, doubled each time that happens again up to max_cooldown; any accepted
-    draft resets the cool-down."""
+    Acceptance per draft position j (0-based): p[j] is the chance that draft j is accepted
+    given that drafts 0..j-1 were. Each verify step that proposed d drafts and accepted a of
+    them counts a success at positions 0..a-1 and, when a < d, a failure at position a (the
+    later positions were not tried). The counts decay by `decay` per verify step and by
+    `plain_decay` per plain step, so the estimate follows recent steps, and
+        p[j] = (successes[j] + weight * prior[j]) / (tries[j] + weight),
+    prior[0] = `prior`, prior[j] = p[j - 1]: a position never tried is as likely as the one
+    before it. A verify step of k drafts yields E(k) = 1 + p[0] + p[0]p[1] + ... + p[0]..p[k-1]
+    tokens and costs C(k) plain tokens (StepCosts, measured online); next_k() answers the k in
+    1..k_max with the largest E(k) / C(k), or 0 when that is not above 1.
 
-    def __init__(self, k_max: int = 8, k_min: int = 1, k_start: int = 4, patience: int = 2,
-                 cooldown: int = 4, max_cooldown: int = 64):
-        if not 1 <= k_min <= k_start <= k_max:
-            raise ValueError(f"draft lengths need 1 <= k_min <= k_start <= k_max "
-                             f"(got {k_min}, {k_start}, {k_max})")
-        if patience < 1 or cooldown < 1 or max_cooldown < cooldown:
-            raise ValueError("patience and cooldown must be >= 1, max_cooldown >= cooldown")
-        self.k_max, self.k_min, self.patience = k_max, k_min, patience
-        self.k = k_start
-        self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
-        self.cooldown = cooldown
-        self.misses = 0        # verify steps in a row that accepted nothing
-        self.pause = 0         # plain steps left before drafting again
+    The prior is optimistic (with the seed costs, no evidence at all makes k_max pay), so a
+    generation drafts from its first step and a fully accepted verify step lifts every deeper
+    position at once: long accepted runs are reached after one or two verify steps. Rejections
+    pull E(k) below C(k) and drafting stops; the plain steps that follow decay the evidence back
+    towards the prior, which after a while (the longer, the more evidence there was) makes
+    drafting pay again: one verify step probes whether the text has turned repetitive."""
+
+    def __init__(self, k_max: int = 8, costs: StepCosts | None = None, prior: float = 0.8,
+                 weight: float = 1.0, decay: float = 0.7, plain_decay: float = 0.95):
+        if k_max < 1:
+            raise ValueError(f"k_max={k_max} must be >= 1")
+        if not 0 < prior < 1 or weight <= 0 or not 0 < decay <= 1 or not 0 < plain_decay <= 1:
+            raise ValueError(f"AdaptiveK needs 0 < prior < 1, weight > 0, 0 < decay <= 1 and "
+                             f"0 < plain_decay <= 1 (got {prior}, {weight}, {decay}, {plain_decay})")
+        self.k_max = k_max
+        self.costs = costs or StepCosts()
+        self.prior, self.weight, self.decay, self.plain_decay = prior, weight, decay, plain_decay
+        self.successes = np.zeros(k_max)   # [k_max] decayed accepted drafts per position
+        self.tries = np.zeros(k_max)       # [k_max] decayed verify steps that reached the position
+
+    def acceptance(self) -> np.ndarray:
+        """p [k_max]: the estimated chance each draft position is accepted, given the ones before."""
+        p = np.empty(self.k_max)
+        prior = self.prior
+        for j in range(self.k_max):
+            prior = p[j] = (self.successes[j] + self.weight * prior) / (self.tries[j] + self.weight)
+        return p
+
+    def gains(self) -> np.ndarray:
+        """E(k) / C(k) for k = 1..k_max [k_max]: expected tokens of a verify step of k drafts
+        per plain token it costs."""
+        expected = 1.0 + np.cumsum(np.cumprod(self.acceptance()))
+        return expected / np.array([self.costs.cost(k) for k in range(1, self.k_max + 1)])
+
+    def gain(self, k: int) -> float:
+        """E(k) / C(k) of a verify step of k drafts (1..k_max)."""
+        return float(self.gains()[k - 1])
 
     def next_k(self) -> int:
         """The draft length for the next step; 0: decode it without drafting."""
-        return 0 if self.pause > 0 else self.k
+        gains = self.gains()
+        best = int(np.argmax(gains))
+        return best + 1 if gains[best] > 1.0 else 0
+
+    def pays(self, k: int) -> bool:
+        """Whether a verify step of k proposed drafts (the drafter may give fewer than asked)
+        is expected to beat plain steps."""
+        return 1 <= k <= self.k_max and self.gain(k) > 1.0
 
     def plain_steps(self, n: int) -> None:
-        """n steps ran without drafting (the cool-down counts them down)."""
-        self.pause = max(0, self.pause - n)
+        """n steps ran without drafting."""
+        factor = self.plain_decay ** n
+        self.successes *= factor
+        self.tries *= factor
 
     def update(self, proposed: int, accepted: int) -> None:
         """A verify step with `proposed` drafts accepted `accepted` of them."""
@@ -162,19 +242,12 @@ class AdaptiveK:
             raise ValueError(f"accepted={accepted} is outside 0..proposed={proposed}")
         if proposed == 0:
             return
-        if accepted == proposed:
-            self.k = min(self.k_max, max(self.k, proposed) + 1)
-        else:
-            self.k = max(self.k_min, accepted + 1)
-        if accepted > 0:
-            self.misses = 0
-            self.cooldown = self.base_cooldown
-            return
-        self.misses += 1
-        if self.misses >= self.patience:
-            self.pause = self.cooldown
-            self.cooldown = min(self.max_cooldown, 2 * self.cooldown)
-            self.misses = 0
+        self.successes *= self.decay
+        self.tries *= self.decay
+        self.successes[:accepted] += 1
+        self.tries[:accepted] += 1
+        if accepted < min(proposed, self.k_max):
+            self.tries[accepted] += 1
 
 
 def make_drafter(mode: str) -> Drafter:

@@ -29,6 +29,7 @@ from onegraph.reference import ReferenceDecoder  # noqa: E402
 from onegraph.sampling import SamplingParams, sample  # noqa: E402
 from onegraph.server import ServerThread, StopMatcher, make_app  # noqa: E402
 from onegraph.synth import iter_tensors, preset_config  # noqa: E402
+from speculative_support import PinnedCosts  # noqa: E402
 
 MODEL = "tiny-smol"
 KEY = "test-key-123"
@@ -505,6 +506,7 @@ def spec_server(tokenizer):
     """The server of the same weights with speculative="ngram"."""
     config = tiny_config()
     engine = CountingEngine.from_tensors(config, lambda: iter_tensors(config), device="cpu", max_seq_len=CONTEXT)
+    engine.step_costs = PinnedCosts()   # draft whenever the drafter has drafts
     app = make_app(engine, tokenizer, MODEL, api_key=KEY, max_active=MAX_ACTIVE, max_queue=16,
                    prefix_cache_size=CACHE, max_body=64 * 1024, speculative="ngram")
     with ServerThread(app) as running:

@@ -8,8 +8,9 @@ from gpu_support import synthetic
 from onegraph.engine import Engine, EngineError
 from onegraph.reference import ReferenceDecoder
 from onegraph.sampling import SamplingParams
-from onegraph.speculative import AdaptiveK, NgramDrafter, accepted_drafts, make_drafter
+from onegraph.speculative import AdaptiveK, NgramDrafter, StepCosts, accepted_drafts, make_drafter
 from real_model import smollm2_gguf
+from speculative_support import EverySixth, PinnedCosts
 
 
 def lookup_oracle(context, k, n_min=1, n_max=4):
@@ -79,35 +80,96 @@ def test_accepted_drafts(drafts, verified, expected):
     assert accepted_drafts(drafts, verified) == expected
 
 
-def test_adaptive_k_grows_shrinks_and_cools_down():
-    a = AdaptiveK(k_max=6, k_min=1, k_start=3, patience=2, cooldown=2, max_cooldown=8)
-    assert a.next_k() == 3
-    a.update(3, 3)
-    assert a.next_k() == 4
-    a.update(4, 4)
-    a.update(5, 5)
-    a.update(6, 6)
-    assert a.next_k() == 6                        # capped at k_max
-    a.update(6, 2)
-    assert a.next_k() == 3                        # accepted + 1
-    a.update(3, 0)
-    assert a.next_k() == 1                        # one miss: still drafting
+def test_step_costs_seed_then_measured_means():
+    costs = StepCosts(base=2.5, per_draft=0.14, smoothing=0.5)
+    assert costs.cost(4) == pytest.approx(2.5 + 4 * 0.14)     # the seed, nothing measured
+    costs.plain(1e-3)
+    assert costs.cost(4) == pytest.approx(3.06)               # still the seed: no verify step yet
+    costs.verify(4, 3e-3)
+    assert costs.cost(4) == pytest.approx(3.0)                # 3 ms / 1 ms
+    assert costs.cost(6) == pytest.approx(3.0 + 2 * 0.14)     # from k=4 plus the seed's slope
+    assert costs.cost(1) == pytest.approx(3.0 - 3 * 0.14)
+    costs.plain(2e-3)                                         # mean 1 + 0.5 * (2 - 1) = 1.5 ms
+    costs.verify(4, 5e-3)                                     # mean 4 ms
+    assert costs.cost(4) == pytest.approx(4 / 1.5)
+    costs.verify(8, 6e-3)
+    assert costs.cost(7) == pytest.approx(6 / 1.5 - 0.14)     # k=8 is nearer than k=4
+    assert costs.cost(6) == pytest.approx(4 / 1.5 + 2 * 0.14)  # equally near: the smaller k
+    with pytest.raises(ValueError, match="smoothing"):
+        StepCosts(smoothing=0)
+
+
+def test_adaptive_k_weighs_acceptance_against_cost():
+    """Costs C(k) = 1 + 0.5 k, prior 0.8 at weight 1, counts halved per verify step and per
+    plain step. E(k) = 1 + p0 + p0 p1 + ...; next_k is the k of the largest E(k) / C(k) > 1."""
+    a = AdaptiveK(k_max=8, costs=StepCosts(base=1.0, per_draft=0.5), prior=0.8, weight=1.0,
+                  decay=0.5, plain_decay=0.5)
+    # No evidence: p = 0.8 everywhere. E(1) / C(1) = 1.8 / 1.5 = 1.2, E(2) / C(2) = 2.44 / 2 =
+    # 1.22, E(3) / C(3) = 2.952 / 2.5 = 1.1808.
+    assert a.acceptance() == pytest.approx([0.8] * 8)
+    assert a.gain(2) == pytest.approx(1.22) and a.gain(3) == pytest.approx(1.1808)
+    assert a.next_k() == 2
+    # Both drafts accepted: p0 = (1 + 0.8) / 2 = 0.9, p1 = (1 + 0.9) / 2 = 0.95, the untried
+    # positions 0.95 too. E(4) = 1 + 0.9 + 0.855 + 0.81225 + 0.7716375 = 4.3388875 over 3;
+    # E(5) adds 0.733055625: 5.071943125 / 3.5 = 1.44913 beats E(4) (1.44630) and E(6) (1.44209).
+    a.update(2, 2)
+    assert a.acceptance()[:3] == pytest.approx([0.9, 0.95, 0.95])
+    assert a.gain(4) == pytest.approx(4.3388875 / 3)
+    assert a.gain(5) == pytest.approx(5.071943125 / 3.5)
+    assert a.next_k() == 5
+    # Nothing accepted of 5: counts halve (successes [0.5, 0.5], tries [0.5, 0.5]) and position 0
+    # is tried once more (tries [1.5, 0.5]): p0 = 1.3 / 2.5 = 0.52, p1 = 1.02 / 1.5 = 0.68.
+    # E(1) / C(1) = 1.52 / 1.5 = 1.0133; E(2) / C(2) = (1.52 + 0.3536) / 2 = 0.9368.
+    a.update(5, 0)
+    assert a.acceptance()[:2] == pytest.approx([0.52, 0.68])
+    assert a.next_k() == 1
+    assert a.pays(1) and not a.pays(2)
+    # Another miss: successes [0.25, 0.25], tries [1.75, 0.25]; p0 = 1.05 / 2.75 = 0.3818:
+    # E(1) = 1.3818 < C(1), and every longer k is worse. Plain steps from here.
     a.update(1, 0)
-    assert a.next_k() == 0                        # two misses in a row: a cool-down of 2
+    assert a.acceptance()[0] == pytest.approx(1.05 / 2.75)
+    assert a.next_k() == 0 and not a.pays(1)
+    # One plain step halves the counts: p0 = (0.125 + 0.8) / 1.875 = 0.4933, E(1) = 1.4933 < 1.5.
     a.plain_steps(1)
     assert a.next_k() == 0
+    # A second: p0 = (0.0625 + 0.8) / 1.4375 = 0.6, E(1) = 1.6 > 1.5; p1 = 0.6625 / 1.0625,
+    # E(2) = 1.6 + 0.6 * 0.62353 = 1.97412 < 2. Drafting is back, one draft at a time.
     a.plain_steps(1)
+    assert a.acceptance()[0] == pytest.approx(0.6)
+    assert a.gain(1) == pytest.approx(1.6 / 1.5) and a.gain(2) == pytest.approx(1.97412 / 2, rel=1e-5)
     assert a.next_k() == 1
-    a.update(1, 0)
-    a.update(1, 0)
-    assert a.pause == 4                           # the cool-down doubles while misses repeat
-    a.plain_steps(10)
-    a.update(1, 1)                                # an accepted draft resets it
-    assert a.cooldown == 2 and a.next_k() == 2
     with pytest.raises(ValueError, match="outside"):
         a.update(2, 3)
-    with pytest.raises(ValueError, match="k_min <= k_start <= k_max"):
-        AdaptiveK(k_max=2, k_start=3)
+    with pytest.raises(ValueError, match="k_max=0"):
+        AdaptiveK(k_max=0)
+    with pytest.raises(ValueError, match="0 < prior < 1"):
+        AdaptiveK(prior=1.0)
+
+
+def test_adaptive_k_with_seed_costs_drafts_long_runs_and_stops_on_free_text():
+    """The seed costs C(k) = 2.5 + 0.14 k (a verify step near three plain steps): no evidence
+    (p = 0.8) gives E(8) = (1 - 0.8^9) / 0.2 = 4.3289 over C(8) = 3.62, 1.1958, just above
+    E(7) / C(7) = 4.1611 / 3.48 = 1.1957; a run of 8 accepted keeps k at 8; a first draft
+    rejected (p0 = 0.8 / 2 = 0.4, so E(k) < 1 / 0.6 < C(1)) stops drafting."""
+    a = AdaptiveK()
+    assert a.gain(8) == pytest.approx((1 - 0.8 ** 9) / 0.2 / 3.62)
+    assert a.next_k() == 8
+    a.update(8, 8)
+    assert a.next_k() == 8
+    b = AdaptiveK()
+    b.update(8, 0)
+    assert b.acceptance()[0] == pytest.approx(0.4)
+    assert b.next_k() == 0
+    # A verify step of one draft measured at 1.1 plain steps (a large model), 1.24 for two (the
+    # seed's slope): p = 0.4 everywhere now pays, E(1) / C(1) = 1.4 / 1.1 = 1.273 beating
+    # E(2) / C(2) = 1.56 / 1.24 = 1.258.
+    cheap = StepCosts()
+    cheap.plain(1e-3)
+    cheap.verify(1, 1.1e-3)
+    c = AdaptiveK(costs=cheap)
+    c.update(8, 0)
+    assert c.gain(1) == pytest.approx(1.4 / 1.1) and c.gain(2) == pytest.approx(1.56 / 1.24)
+    assert c.next_k() == 1
 
 
 # ---- the reference's verify and rollback --------------------------------------------------
@@ -142,9 +204,10 @@ def test_reference_verify_equals_steps_and_truncate_rolls_back(kv):
 REPETITIVE = [3, 17, 99, 250, 4, 61, 200, 8] * 3
 
 
-def plain_and_speculative(config, tensors, prompt, n, **kwargs):
+def plain_and_speculative(config, tensors, prompt, n, costs=None, **kwargs):
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
             Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as spec:
+        spec.step_costs = costs or PinnedCosts()   # by default: draft whenever the drafter has drafts
         expected = plain.generate(prompt, n, **kwargs)
         got = spec.generate(prompt, n, speculative="ngram", **kwargs)
         return expected, got, plain.history, spec.history, spec.stats()
@@ -178,6 +241,48 @@ def test_speculative_generate_stops_where_plain_stops(cut):
     assert spec_history == plain_history
 
 
+def test_speculative_generate_drafts_only_when_verify_steps_pay():
+    """Verify steps pinned at 20 plain steps (more than the 9 tokens one can give): no verify
+    step, plain greedy's tokens; at one plain step, drafts whenever there are any."""
+    config, tensors = synthetic("tiny-dense")
+    expected, got, plain_history, spec_history, stats = plain_and_speculative(
+        config, tensors, REPETITIVE, 40, costs=PinnedCosts(base=20.0), stop_token_ids=())
+    assert got == expected and spec_history == plain_history
+    assert stats["verify_steps"] == 0
+    _, got, _, _, stats = plain_and_speculative(config, tensors, REPETITIVE, 40, stop_token_ids=())
+    assert got == expected and stats["verify_steps"] > 0
+
+
+def test_speculative_generate_measures_step_costs():
+    """Unpinned, the engine measures its plain tokens and verify steps (the CPU reference's
+    verify step costs several plain steps: drafting then stops) and the tokens stay plain
+    greedy's."""
+    config, tensors = synthetic("tiny-dense")
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
+            Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as spec:
+        expected = plain.generate(REPETITIVE, 40, stop_token_ids=())
+        assert spec.generate(REPETITIVE, 40, speculative="ngram", stop_token_ids=()) == expected
+        assert spec.history == plain.history
+        costs = spec.step_costs
+        assert costs.plain_s > 0
+        assert bool(costs.verify_s) == (spec.stats()["verify_steps"] > 0)
+
+
+@pytest.mark.parametrize("cut", [None, 13, 27])
+def test_speculative_generate_with_plain_runs_between_verify_steps(monkeypatch, cut):
+    """A policy that drafts only every sixth step: runs of plain steps between verify steps
+    (the step-by-step path on the CPU), plain greedy's tokens and rows, stop tokens included."""
+    monkeypatch.setattr("onegraph.engine.AdaptiveK", EverySixth)
+    config, tensors = synthetic("tiny-dense")
+    full, _, _, _, _ = plain_and_speculative(config, tensors, REPETITIVE, 48, stop_token_ids=())
+    stop = [] if cut is None else [full[cut]]
+    expected, got, plain_history, spec_history, stats = plain_and_speculative(
+        config, tensors, REPETITIVE, 48, stop_token_ids=stop)
+    assert got == expected and spec_history == plain_history
+    if cut is None:
+        assert stats["verify_steps"] > 0
+
+
 def test_speculative_generate_refuses_sampling_and_unknown_modes():
     config, tensors = synthetic("tiny-dense")
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=64, device="cpu") as engine:
@@ -202,6 +307,7 @@ def test_speculative_generate_real_model_equals_plain():
             "river bank, while the farmer watches from his porch.")
     prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
     with Engine.from_pretrained(path, kv="int8", max_seq_len=256, device="cpu") as engine:
+        engine.step_costs = PinnedCosts()   # draft whenever the drafter has drafts
         expected = engine.generate(prompt, 16)
         plain_history = engine.history
         engine.reset()
@@ -219,6 +325,7 @@ def draft_and_plain(config, tensors, draft_tensors, prompt, n, draft_config=None
             Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as target, \
             Engine.from_tensors(draft_config or config, draft_tensors, kv="int8", max_seq_len=128,
                                 device="cpu") as draft:
+        target.step_costs = PinnedCosts()   # draft at every step
         expected = plain.generate(prompt, n, **kwargs)
         got = target.generate(prompt, n, speculative=draft, **kwargs)
         return expected, got, plain.history, target.history, target.stats()
@@ -274,6 +381,7 @@ def test_draft_model_follows_the_target_across_generations():
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as plain, \
             Engine.from_tensors(config, tensors, kv="int8", max_seq_len=128, device="cpu") as target, \
             Engine.from_tensors(config, other, kv="int8", max_seq_len=128, device="cpu") as draft:
+        target.step_costs = PinnedCosts()   # draft at every step
         for turn in ([5, 9, 2], [7, 7, 1, 30]):
             expected = plain.generate(turn, 12, stop_token_ids=())
             got = target.generate(turn, 12, speculative=draft, stop_token_ids=())

@@ -1,8 +1,8 @@
 """The verify step on the GPU (cuda/verify.cu): each position's logits bit-identical to the
 decode body's at that position, for every k in 1..8, graph and non-graph, every KV format, bf16
 weights (the multi-vector GEMV) and int8 / q4 weights (per-vector launches); the rollback of
-rejected rows; its errors; Engine.generate(speculative="ngram") equal to plain greedy decoding.
-Skipped without a usable GPU."""
+rejected rows; its errors; Engine.generate(speculative="ngram") equal to plain greedy decoding,
+its plain steps pipelined between verify steps. Skipped without a usable GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 from gpu_support import require_gpu, synthetic
 from onegraph import capi
 from onegraph.engine import Engine
+from speculative_support import EverySixth, PinnedCosts
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +145,7 @@ REPETITIVE = [3, 17, 99, 250, 4, 61, 200, 8] * 3
                                              ("tiny-moe", "bf16"), ("tiny-dense", "q4")])
 def test_speculative_generate_equals_plain_on_the_gpu(preset, weights, graph):
     with engine_for(preset, "int8", weights, graph) as plain, engine_for(preset, "int8", weights, graph) as spec:
+        spec.step_costs = PinnedCosts()   # draft whenever the drafter has drafts
         expected = plain.generate(REPETITIVE, 48, stop_token_ids=())
         got = spec.generate(REPETITIVE, 48, stop_token_ids=(), speculative="ngram")
         assert got == expected
@@ -161,6 +163,7 @@ def test_draft_model_generate_equals_plain_on_the_gpu(seed, graph):
             engine_for("tiny-dense", "int8", "bf16", graph) as target, \
             Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, graph=graph, device="gpu",
                                 kv_page_size=8, kv_pool_blocks=64) as draft:
+        target.step_costs = PinnedCosts()   # draft at every step
         expected = plain.generate(PROMPT, 40, stop_token_ids=())
         got = target.generate(PROMPT, 40, stop_token_ids=(), speculative=draft)
         assert got == expected
@@ -169,3 +172,71 @@ def test_draft_model_generate_equals_plain_on_the_gpu(seed, graph):
         assert stats["verify_steps"] > 0
         if seed == 0:   # the same model drafts what the target decodes (its prefill rows aside)
             assert stats["accepted"] > 0
+
+
+def count_chained(monkeypatch, engine) -> list:
+    """Counts the chained steps the engine's session begins (the pipelined plain path)."""
+    gpu = engine.session
+    calls = []
+    begin_chained = gpu.begin_chained
+
+    def counted():
+        calls.append(1)
+        return begin_chained()
+    monkeypatch.setattr(gpu, "begin_chained", counted)
+    return calls
+
+
+@pytest.mark.parametrize("stop_at", [None, 3, 17, 30], ids=["no-stop", "stop-3", "stop-17", "stop-30"])
+def test_pipelined_plain_steps_between_verify_steps_equal_plain(monkeypatch, stop_at):
+    """Plain steps inside speculative generation run pipelined and stop for a verify step when
+    the policy asks (the in-flight step drained first): plain greedy's tokens and rows, with a
+    stop token anywhere (inside a plain burst or a verify step's run)."""
+    monkeypatch.setattr("onegraph.engine.AdaptiveK", EverySixth)
+    with engine_for("tiny-dense", "int8", "bf16", True) as plain, engine_for("tiny-dense", "int8", "bf16", True) as spec:
+        full = plain.generate(REPETITIVE, 48, stop_token_ids=())
+        stop = () if stop_at is None else (full[stop_at],)
+        plain.reset()
+        expected = plain.generate(REPETITIVE, 48, stop_token_ids=stop)
+        chained = count_chained(monkeypatch, spec)
+        got = spec.generate(REPETITIVE, 48, stop_token_ids=stop, speculative="ngram")
+        assert got == expected
+        assert spec.history == plain.history
+        if stop_at is None:   # the drafter has drafts only late in this output
+            assert spec.stats()["verify_steps"] > 0
+            assert len(chained) > 0
+
+
+def test_pipelined_speculative_stream_closed_early_leaves_the_tokens_fed(monkeypatch):
+    """A speculative stream closed inside a pipelined plain burst leaves no launched step behind:
+    the sequence holds a prefix of plain greedy's rows, and the engine decodes on as plain."""
+    monkeypatch.setattr("onegraph.engine.AdaptiveK", EverySixth)
+    with engine_for("tiny-dense", "int8", "bf16", True) as plain, engine_for("tiny-dense", "int8", "bf16", True) as spec:
+        expected = plain.generate(REPETITIVE, 40, stop_token_ids=())
+        full_rows = list(plain.history)
+        for taken in (2, 9):
+            spec.reset()
+            stream = spec.stream(REPETITIVE, 40, stop_token_ids=(), speculative="ngram")
+            got = [next(stream) for _ in range(taken)]
+            stream.close()
+            assert got == expected[:taken]
+            held = list(spec.history)
+            assert len(REPETITIVE) + taken - 1 <= len(held) <= len(full_rows)
+            assert held == full_rows[:len(held)]
+        spec.reset()
+        assert spec.generate(REPETITIVE, 40, stop_token_ids=()) == expected
+        assert spec.history == plain.history
+
+
+def test_speculative_generate_measures_step_costs():
+    """A speculative generation on the graph path records plain tokens and verify steps in the
+    engine's step costs, and gives plain greedy's tokens with the cost-aware policy."""
+    with engine_for("tiny-dense", "int8", "bf16", True) as plain, engine_for("tiny-dense", "int8", "bf16", True) as spec:
+        expected = plain.generate(PROMPT + REPETITIVE, 48, stop_token_ids=())
+        got = spec.generate(PROMPT + REPETITIVE, 48, stop_token_ids=(), speculative="ngram")
+        assert got == expected
+        assert spec.history == plain.history
+        costs = spec.step_costs
+        assert costs.plain_s is not None and costs.plain_s > 0   # the first tokens have no drafts
+        assert bool(costs.verify_s) == (spec.stats()["verify_steps"] > 0)
+        assert all(s > 0 for s in costs.verify_s.values())
