@@ -23,13 +23,14 @@ CLIENTS, REQUESTS, MAX_TOKENS, MAX_ACTIVE = 16, 8, 32, 8
 
 def test_load_on_the_real_model():
     require_gpu()
+    from onegraph.loader import load_model
     from onegraph.server import ServerThread, engine_for_serving, make_app
     from onegraph.text import Tokenizer
     gguf = smollm2_gguf()
     tokenizer = Tokenizer.from_model(gguf)
     # No prefix cache: every prompt is prefilled whole, as when served alone, so the greedy
     # answers can be compared exactly (a fork changes how the prompt's rows are batched).
-    engine = engine_for_serving(gguf, max_active=MAX_ACTIVE, prefix_cache_size=0, max_seq_len=1024, device="gpu")
+    engine = engine_for_serving(load_model(gguf), max_active=MAX_ACTIVE, prefix_cache_size=0, max_seq_len=1024, device="gpu")
     app = make_app(engine, tokenizer, "smollm2", max_active=MAX_ACTIVE, max_queue=CLIENTS, prefix_cache_size=0)
     questions = [[{"role": "user", "content": f"Write one sentence about the number {i}."}] for i in range(8)]
     with ServerThread(app) as server:
