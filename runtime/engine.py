@@ -470,8 +470,9 @@ class Engine:
         graph failure, or a chained step the library refused: that path then meets the same
         condition and handles it). until(token), when given, is called with each new token while
         the step feeding it runs; once it answers True no further step is launched: the one in
-        flight ends, its token is yielded and returned as the one to feed next. Closed early (GeneratorExit at a yield, or any exception), it waits for the launched
-        steps and drops them: the sequence then holds exactly the tokens of the ended steps.
+        flight ends, its token is yielded and returned as the one to feed next. Closed early
+        (GeneratorExit at a yield, or any exception), it waits for the launched steps and drops
+        them: the sequence then holds exactly the tokens of the ended steps.
         output "sampled": the same with the device sampling stage choosing each token (a chained
         step's embedding reads the sampled token as it reads the argmax)."""
         gpu = self._gpu
