@@ -517,7 +517,8 @@ class Scheduler:
 
     def _speculative_step(self, job: Job, token: int) -> bool:
         """One verify step for the job's next token and its drafts; False (nothing changed) when
-        it takes a plain step instead: no drafts, none expected to pay, or no room for the verify step's rows."""
+        it takes a plain step instead: no drafts, none expected to pay, or no room for the verify
+        step's rows."""
         engine, adaptive = self.engine, job.adaptive
         remaining = job.request.max_tokens - len(job.generated)
         room = engine.max_seq_len - len(job.fed) - 1      # rows past the one `token` takes
