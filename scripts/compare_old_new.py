@@ -3,11 +3,13 @@ one's, per model and decode mode, from the JSON documents the two benchmarks wro
 
     python3 scripts/compare_old_new.py DIR MODEL [MODEL ...]
 
-DIR holds, per model, three documents (int8 KV, bf16 weights, E engines each):
-  old-MODEL.json          the old tree's `python -m runtime.bench` (--pipeline on): its
-                          "onegraph-graph" record is the graph pipelined, as generate runs it
-  old-stepped-MODEL.json  the same with --pipeline off: its "onegraph-graph" is the graph
-                          stepped one token at a time
+DIR holds, per model, these documents (int8 KV, bf16 weights, E engines each):
+  old-MODEL.json          the old tree's benchmark. From `python -m runtime.bench` (2a59be2's
+                          layout, --pipeline on) its "onegraph-graph" record is the graph
+                          pipelined, as generate runs it; from `python -m bench` (this layout) it
+                          reads as new-MODEL.json does
+  old-stepped-MODEL.json  runtime.bench only: the same with --pipeline off, its "onegraph-graph"
+                          the graph stepped one token at a time
   new-MODEL.json          `python -m bench`: "onegraph-graph" (stepped), "onegraph-graph-pipelined"
                           and "onegraph-nongraph"
 Each row: the median engine's tok/s (old, new), new / old, each side's spread over its engines
@@ -21,10 +23,12 @@ import json
 import os
 import sys
 
-# (row label, (old document, old runtime), new runtime)
+# (row label, (old document, old runtime), new runtime): an old tree of 2a59be2's layout, and
+# one of this layout
 MODES = [("non-graph", ("old", "onegraph-nongraph"), "onegraph-nongraph"),
          ("graph, stepped", ("old-stepped", "onegraph-graph"), "onegraph-graph"),
          ("graph, pipelined", ("old", "onegraph-graph"), "onegraph-graph-pipelined")]
+SAME_LAYOUT_MODES = [(label, ("old", new), new) for label, _, new in MODES]
 
 
 def record(doc: dict, runtime: str) -> dict | None:
@@ -41,7 +45,8 @@ def spread(r: dict) -> str:
 def compare(docs: dict[str, dict], model: str) -> tuple[list[list[str]], list[str]]:
     """(table rows, failed checks) for one model; docs maps "old", "old-stepped", "new" to documents."""
     rows, failed = [], []
-    for label, (old_doc, old_runtime), new_runtime in MODES:
+    modes = MODES if "old-stepped" in docs else SAME_LAYOUT_MODES
+    for label, (old_doc, old_runtime), new_runtime in modes:
         old, new = record(docs[old_doc], old_runtime), record(docs["new"], new_runtime)
         if old is None or new is None:
             failed.append(f"{model} {label}: no record (old {old is not None}, new {new is not None})")
@@ -79,14 +84,16 @@ def main(argv: list[str]) -> int:
     rows, failed = [], []
     for model in models:
         docs = {}
-        for kind in ("old", "old-stepped", "new"):
+        stepped = os.path.join(folder, f"old-stepped-{model}.json")
+        kinds = ("old", "old-stepped", "new") if os.path.exists(stepped) else ("old", "new")
+        for kind in kinds:
             path = os.path.join(folder, f"{kind}-{model}.json")
             try:
                 with open(path) as f:
                     docs[kind] = json.load(f)
             except (OSError, ValueError) as e:
                 failed.append(f"{model}: {path}: {e}")
-        if len(docs) == 3:
+        if len(docs) == len(kinds):
             r, f = compare(docs, model)
             rows += r
             failed += f

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The old library against the new, in one GPU call: builds the old tree (OLD, default .carry/old:
-# a checkout of build.py, cuda/, runtime/ and bench/ of commit 2a59be2, git-ignored, carried to
-# the machine) and this tree for sm_90, then for qwen3-0.6b and qwen3-8b (synthetic, int8 KV, bf16
-# weights, 3 engines each, the bench's default prompt and decode length) runs, back to back:
-#   old  python -m runtime.bench (graph pipelined + non-graph)        -> $OUT/old-MODEL.json
-#   new  python -m bench (graph stepped, graph pipelined, non-graph)   -> $OUT/new-MODEL.json
-#   old  python -m runtime.bench --pipeline off (graph stepped)        -> $OUT/old-stepped-MODEL.json
-# and prints last the table of scripts/compare_old_new.py: old and new tok/s per mode, new / old,
-# each side's spread over its engines, and whether graph and non-graph (and old and new) gave the
-# same tokens. Everything else goes to $OUT/compare.log. 8 files at most land in $OUT.
-#   bash scripts/compare_old_new.sh                 # both models
+# An old library against the new, in one GPU call: builds the old tree (OLD, default .carry/old,
+# git-ignored and carried to the machine) and this tree for sm_90, then for each model
+# (synthetic, int8 KV, bf16 weights, 3 engines each, the bench's default prompt and decode
+# length) runs the two benchmarks back to back and prints last the table of
+# scripts/compare_old_new.py: old and new tok/s per mode, new / old, each side's spread over its
+# engines, and whether graph and non-graph (and old and new) gave the same tokens.
+# The old tree is either
+#   - 2a59be2's layout (build.py, cuda/, runtime/, bench/; the package is `runtime`):
+#       old  python -m runtime.bench (graph pipelined + non-graph)       -> $OUT/old-MODEL.json
+#       new  python -m bench (graph stepped, graph pipelined, non-graph)  -> $OUT/new-MODEL.json
+#       old  python -m runtime.bench --pipeline off (graph stepped)       -> $OUT/old-stepped-MODEL.json
+#   - or a tree of this layout (bench/__main__.py; e.g. `git worktree add` of another commit
+#     or branch, copied without .git): old and new both run python -m bench.
+# PROFILE=1 also times each kernel of a decode step of each model on both sides (Nsight Compute,
+# scripts/profile_kernels.py; the old layout's copy of that script is OLD/scripts) and prints
+# the two summaries. Everything else goes to $OUT/compare.log. 8 files at most land in $OUT.
+#   bash scripts/compare_old_new.sh                 # qwen3-0.6b and qwen3-8b
 #   bash scripts/compare_old_new.sh qwen3-0.6b      # some models
 # Environment: OLD (the old tree), ENGINES (3), BUILD_JOBS (16), BENCH_TIMEOUT (seconds per
-# bench run, 150).
+# bench run, 150), PROFILE (0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
@@ -23,6 +29,7 @@ LOG=$OUT/compare.log
 ENGINES=${ENGINES:-3}
 JOBS=${BUILD_JOBS:-16}
 LIMIT=${BENCH_TIMEOUT:-150}
+NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONUNBUFFERED=1
 models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(qwen3-0.6b qwen3-8b)
@@ -42,11 +49,17 @@ echo "build: old rc=$old_rc, new rc=$new_rc"
 if [ $old_rc -ne 0 ] || [ $new_rc -ne 0 ]; then tail -n 30 "$LOG"; exit 1; fi
 
 common=(--kv int8 --weights bf16 --engines "$ENGINES")
-old_bench() {  # model, json, extra flags: the old package is `runtime`, run from the old tree
+if [ -f "$OLD/bench/__main__.py" ]; then OLD_LAYOUT=bench; else OLD_LAYOUT=runtime; fi
+old_bench() {  # model, json, extra flags, run from the old tree (its package `runtime`, or this layout)
   local model=$1 json=$2; shift 2
-  echo "==== old: python -m runtime.bench --preset $model ${common[*]} $*" >> "$LOG"
-  (cd "$OLD" && env -u PYTHONPATH -u ONEGRAPH_LIB timeout "$LIMIT" \
-     python3 -m runtime.bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
+  echo "==== old ($OLD_LAYOUT layout): --preset $model ${common[*]} $*" >> "$LOG"
+  if [ "$OLD_LAYOUT" = bench ]; then
+    (cd "$OLD" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh &&   # its tree first on the path
+       timeout "$LIMIT" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
+  else
+    (cd "$OLD" && env -u PYTHONPATH -u ONEGRAPH_LIB timeout "$LIMIT" \
+       python3 -m runtime.bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
+  fi
   local rc=$?
   echo "old $model $*: rc=$rc"
   [ $rc -eq 0 ] || status=1
@@ -64,8 +77,26 @@ new_bench() {  # model, json
 for model in "${models[@]}"; do
   old_bench "$model" "$OUT/old-$model.json"
   new_bench "$model" "$OUT/new-$model.json"
-  old_bench "$model" "$OUT/old-stepped-$model.json" --pipeline off
+  [ "$OLD_LAYOUT" = runtime ] && old_bench "$model" "$OUT/old-stepped-$model.json" --pipeline off
 done
+
+# Per-kernel times of a decode step (each kernel alone, non-graph path), old and new.
+profile() {  # side, tree, model: the summary on stdout
+  local side=$1 tree=$2 model=$3 csv=/tmp/compare-ncu-$1-$3.csv
+  (cd "$tree" && unset ONEGRAPH_LIB &&
+     if [ "$side" = old ] && [ "$OLD_LAYOUT" = runtime ]; then unset PYTHONPATH; else source scripts/source_tree_env.sh; fi &&
+     timeout "$LIMIT" "$NCU" --clock-control none --profile-from-start off \
+       --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw --print-units base \
+       python3 scripts/profile_kernels.py --preset "$model" --steps 4 > "$csv" 2>> "$LOG")
+  echo "==== $side $model: kernels of a decode step (Nsight Compute, each alone)"
+  python3 scripts/profile_kernels.py --summarize "$csv" --steps 4
+}
+if [ "${PROFILE:-0}" = 1 ]; then
+  for model in "${models[@]}"; do
+    profile old "$OLD" "$model"
+    profile new "$NEW" "$model"
+  done | tee "$OUT/profile.txt"
+fi
 
 echo
 python3 scripts/compare_old_new.py "$OUT" "${models[@]}" 2>&1 | tee "$OUT/compare.txt"
