@@ -715,3 +715,26 @@ def test_compare_old_new_pairs_the_modes_and_flags_token_mismatches(tmp_path):
     assert done.returncode == 1
     assert "FAILED: m non-graph: old and new tokens differ" in done.stdout
     assert "FAILED: m graph, pipelined: new graph and non-graph tokens differ" in done.stdout
+
+
+def test_compare_old_new_with_an_old_tree_of_this_layout(tmp_path):
+    """Without an old-stepped document the old one is read as the new one is (python -m bench on
+    both sides): each mode pairs with the same runtime, and a non-graph record whose graph check
+    is None (it has none) passes."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+
+    def doc(graph, pipelined, nongraph, tokens):
+        def record(runtime, tps, same):
+            return {"runtime": runtime, "kv": "int8", "weights": "bf16", "status": "ok", "tokens_per_s": tps,
+                    "tokens": tokens, "tokens_per_s_engines": [tps], "same_tokens_as_nongraph": same}
+        return {"results": [record("onegraph-graph", graph, True), record("onegraph-graph-pipelined", pipelined, True),
+                            record("onegraph-nongraph", nongraph, None)]}
+
+    (tmp_path / "old-m.json").write_text(json.dumps(doc(150.0, 160.0, 120.0, [1, 2])))
+    (tmp_path / "new-m.json").write_text(json.dumps(doc(144.0, 152.0, 126.0, [1, 2])))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "m"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {re.split(r"\s{2,}", line)[1]: line for line in done.stdout.splitlines()[1:]}
+    assert f"{144.0 / 150.0:.3f}" in rows["graph, stepped"]
+    assert f"{152.0 / 160.0:.3f}" in rows["graph, pipelined"]
+    assert f"{126.0 / 120.0:.3f}" in rows["non-graph"] and "NO" not in rows["non-graph"]
