@@ -32,7 +32,9 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   in rounds: round e builds engine e of every weight format in turn, so the formats share the
   GPU's conditions round by round. The weights' placement in memory moves a step by a few
   percent from one engine to the next (docs/journal.md), more than many effects worth
-  measuring. Each result is then the record of the engine with the median graph tok/s (the
+  measuring; engines built one after the other can land where the one before was, so
+  --placement-step-mb M has round e hold e * M MiB of device memory while its engines are built
+  and run. Each result is then the record of the engine with the median graph tok/s (the
   lower middle for an even E) and lists every engine's tok/s in build order; the context sweep
   runs on the first round's engines.
 - The floor: the bytes one step must read (weights by format, lm_head, the KV cache at the
@@ -128,6 +130,9 @@ def parse_args(argv):
     p.add_argument("--engines", type=int, default=1,
                    help="engines built per record, in rounds over the weight formats; each result is the "
                         "median engine's (odd counts give a true median)")
+    p.add_argument("--placement-step-mb", type=int, default=0, metavar="MB",
+                   help="round e of --engines holds e * MB MiB of device memory while it builds and "
+                        "runs its engines, so that each round's weights land elsewhere (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and prompt")
     p.add_argument("--peers", default="", help="comma-separated: hf-eager,hf-compile,llama.cpp")
     p.add_argument("--contexts", default="", help="comma-separated context lengths, e.g. 128,1024,4096,32768")
@@ -161,6 +166,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.engines < 1:
         p.error(f"--engines must be at least 1, got {args.engines}")
+    if args.placement_step_mb < 0:
+        p.error(f"--placement-step-mb must be at least 0, got {args.placement_step_mb}")
     return args
 
 
@@ -171,6 +178,7 @@ def settings_from(args) -> Settings:
                     weights=args.weights or ["bf16"], quantize=args.quantize,
                     quantize_lm_head=args.quantize_lm_head, kv_pages=_csv(args.kv_page, page_spec) or [0],
                     ttft=_csv(args.ttft, int), step_output=args.step_output, engines=args.engines,
+                    placement_step_mb=args.placement_step_mb,
                     pipeline=args.pipeline == "on", sampling=args.sampling)
 
 

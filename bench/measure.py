@@ -4,6 +4,7 @@ prefill, token by token, peers), the peers' decode (bench/peers.py), and the com
 between records (speedups, token agreement)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -242,6 +243,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 # ---- every model --------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def device_pad(mib: int, device: str):
+    """Hold mib MiB of device memory for the block, so that the engines built in it place their
+    weights elsewhere (a step's time moves by a few percent with where they land). Nothing on
+    the CPU, with mib 0, or where the allocation fails."""
+    ptr = None
+    if mib > 0 and device != "cpu":
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            rt = None
+        if rt is not None:
+            err, p = rt.cudaMalloc(mib << 20)
+            ptr = p if err == rt.cudaError_t.cudaSuccess else None
+    try:
+        yield
+    finally:
+        if ptr is not None:
+            rt.cudaFree(ptr)
+
+
 def median_engine(per_engine: list[list[dict]]) -> list[dict]:
     """The records (one per mode) of the engine whose first mode (graph, or cpu) has the median
     tok/s, the lower middle for an even count; each lists its mode's tok/s on every engine."""
@@ -264,11 +286,12 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
         for kv in s.kv:
             per_engine = {}  # (weights, page) -> each engine's records, in build order
             for e in range(s.engines):  # round e: engine e of every weight format and page
-                for fmt in s.weights:
-                    for page in s.kv_pages:
-                        r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, with_sweep=e == 0)
-                        per_engine.setdefault((fmt, page), []).append(r)
-                        sweep += sw
+                with device_pad(e * s.placement_step_mb, s.device):
+                    for fmt in s.weights:
+                        for page in s.kv_pages:
+                            r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, with_sweep=e == 0)
+                            per_engine.setdefault((fmt, page), []).append(r)
+                            sweep += sw
             for fmt in s.weights:
                 for page in s.kv_pages:
                     results += median_engine(per_engine[(fmt, page)])

@@ -26,7 +26,8 @@ DOC_FIELDS = {
     "command": "the command line",
     "copy_bandwidth_bytes_per_s": "device-to-device copy, bytes read + written per second (null on cpu)",
     "settings": "prompt, n, repeats, seed, device, kv, peers, contexts, context_steps, context_fill, weights, "
-                "engines, quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, step_output, pipeline",
+                "engines, placement_step_mb, quantize, quantize_lm_head, kv_pages (-1: contiguous), ttft, "
+                "step_output, pipeline",
     "results": "one record per (model, runtime, kv): RESULT_FIELDS",
     "context_sweep": "one record per (model, runtime, kv, context): SWEEP_FIELDS",
     "ttft": "one record per (model, runtime, prompt) of --ttft: TTFT_FIELDS",

@@ -27,6 +27,7 @@ class Settings:
     context_fill: str = "position"
     weights: list = field(default_factory=lambda: ["bf16"])  # weight formats, `engines` engines each
     engines: int = 1               # engines built per record, in rounds over the weight formats
+    placement_step_mb: int = 0     # round e holds e * this many MiB of device memory (placement)
     quantize: str = "all"          # which matrices a quantized format applies to
     quantize_lm_head: bool = False
 

@@ -585,6 +585,14 @@ def test_engines_must_be_positive(capsys):
     assert "--engines must be at least 1" in capsys.readouterr().err
 
 
+def test_placement_step_is_not_negative_and_is_recorded(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--placement-step-mb", "-8"])
+    assert "--placement-step-mb must be at least 0, got -8" in capsys.readouterr().err
+    args = benchmark.parse_args(["--engines", "3", "--placement-step-mb", "24"])
+    assert benchmark.settings_from(args).placement_step_mb == 24
+
+
 def test_cpu_run_with_two_engines(tmp_path):
     path = tmp_path / "bench.json"
     assert benchmark.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--prompt", "4", "--n", "3",
