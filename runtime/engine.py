@@ -556,9 +556,7 @@ class Engine:
         def drafts_after(context: list[int]) -> list[int]:
             """The drafts worth a verify step after context (its last token not yet fed)."""
             room = self.max_seq_len - len(context)     # rows past the one context's last token takes
-            k = min(adaptive.next_k(), max_steps - len(out) - 1, room, capi.MAX_VERIFY - 1)
-            drafts = drafter.propose(context, k) if k > 0 else []
-            return drafts if drafts and adaptive.pays(len(drafts)) else []
+            return adaptive.drafts(drafter, context, min(max_steps - len(out) - 1, room, capi.MAX_VERIFY - 1))
 
         asked = 0   # pipelined tokens until() saw (each counted as a plain step there)
 

@@ -522,9 +522,9 @@ class Scheduler:
         engine, adaptive = self.engine, job.adaptive
         remaining = job.request.max_tokens - len(job.generated)
         room = engine.max_seq_len - len(job.fed) - 1      # rows past the one `token` takes
-        k = min(adaptive.next_k(), remaining - 1, room, capi.MAX_VERIFY - 1)
-        drafts = job.drafter.propose(job.fed + [token], k) if k > 0 else []
-        if not drafts or not adaptive.pays(len(drafts)):
+        limit = min(remaining - 1, room, capi.MAX_VERIFY - 1)
+        drafts = adaptive.drafts(job.drafter, job.fed + [token], limit)
+        if not drafts:
             adaptive.plain_steps(1)
             return False
         try:

@@ -230,6 +230,14 @@ class AdaptiveK:
         is expected to beat plain steps."""
         return 1 <= k <= self.k_max and self.gain(k) > 1.0
 
+    def drafts(self, drafter: Drafter, context: Sequence[int], limit: int) -> list[int]:
+        """The drafts worth a verify step after context (its last token not yet fed): up to
+        min(next_k(), limit) from the drafter, or [] when it proposes none or they would not pay
+        (it may give fewer than asked)."""
+        k = min(self.next_k(), limit)
+        drafts = drafter.propose(context, k) if k > 0 else []
+        return drafts if drafts and self.pays(len(drafts)) else []
+
     def plain_steps(self, n: int) -> None:
         """n steps ran without drafting."""
         factor = self.plain_decay ** n
