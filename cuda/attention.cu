@@ -153,7 +153,8 @@ struct TileLoc {
     int in_page[AttnLayout<KV, HD>::kSlots];
 };
 
-template <int KV, int HD>
+// ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
+template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
     using L = AttnLayout<KV, HD>;
     loc.row0 = row0;
@@ -173,7 +174,8 @@ __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, cons
             }
         }
         const int row = row0 + s * L::kRowsPerLoad + src.row_group;
-        const bool ok = row0 >= 0 && row < src.len && (row < src.new_lo || row > src.new_hi);
+        const bool fresh = ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
+        const bool ok = row0 >= 0 && row < src.len && !fresh;
         int block = -1;
         if (ok) {
             block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
@@ -290,7 +292,7 @@ struct WarpState {
 };
 
 // Fold one tile into the warp's state for the head group whose queries start at q_s.
-template <int KV, int HD, int HG>
+template <int KV, int HD, int HG, bool ROWS>
 __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const RowSource &src,
                                             const float *q_s, const void *new_k_s,
                                             const void *new_v_s, const float *new_scales,
@@ -306,8 +308,8 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
     if (src.new_lo <= src.new_hi) {
 #pragma unroll
         for (int s = 0; s < S; ++s) {
-            if (rows[s] >= src.new_lo && rows[s] <= src.new_hi) {
-                const int r = rows[s] - src.new_lo;
+            if (ROWS ? rows[s] >= src.new_lo && rows[s] <= src.new_hi : rows[s] == src.new_hi) {
+                const int r = ROWS ? rows[s] - src.new_lo : 0;
                 const float *k_s = static_cast<const float *>(new_k_s) + r * src.row_floats;
                 const float *v_s = static_cast<const float *>(new_v_s) + r * src.row_floats;
 #pragma unroll
@@ -579,11 +581,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     int cursor = -1;
     int row0 = next_row(cursor);
     TileLoc<KV, HD> loc1, loc2;
-    locate_tile<KV, HD>(loc1, row0, src);
+    locate_tile<KV, HD, ROWS>(loc1, row0, src);
     Tile<KV, HD> cur;
     load_tile<KV, HD>(cur, loc1, src, hd);
-    locate_tile<KV, HD>(loc1, next_row(cursor), src);
-    locate_tile<KV, HD>(loc2, next_row(cursor), src);
+    locate_tile<KV, HD, ROWS>(loc1, next_row(cursor), src);
+    locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
 
     // The prologue's inputs that do not depend on the previous kernel: norm weights and the
     // rotation angles at `position`.
@@ -634,9 +636,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             // r - new_lo; only row z's own (r == position) is stored.
             const int i = (task - heads_here) / 2;
             int r = new_lo;
-            for (int seen = -1;; ++r) {
-                seen += (r / C) % B == b;
-                if (seen == i) break;
+            if constexpr (ROWS) {
+                for (int seen = -1;; ++r) {
+                    seen += (r / C) % B == b;
+                    if (seen == i) break;
+                }
             }
             const int slot = r - new_lo;
             const float *row_qkv = qkv + (slot - z) * a.qkv_stride;
@@ -645,7 +649,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             float *row_v_s = static_cast<float *>(new_v_s) + slot * lay.row_floats;
             if ((task - heads_here) % 2 == 0) {
                 RopeAngles row_angles = angles;
-                if (r != position) rope_angles(a.inv_freq, hd, r, lane, row_angles);
+                if (ROWS && r != position) rope_angles(a.inv_freq, hd, r, lane, row_angles);
                 float *k_head = smem + lay.k_head + slot * round4(hd);
                 warp_norm_rope(row_qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
                                a.eps, row_angles, hd, k_head, lane);
@@ -698,8 +702,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         prefetch_tile<KV, HD>(loc2, src);
         const int row1 = loc1.row0;
         loc1 = loc2;
-        locate_tile<KV, HD>(loc2, next_row(cursor), src);
-        attend_tile<KV, HD, HG>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+        locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
+        attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
                                 hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
