@@ -153,7 +153,8 @@ struct TileLoc {
     int in_page[AttnLayout<KV, HD>::kSlots];
 };
 
-template <int KV, int HD>
+// ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
+template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
     using L = AttnLayout<KV, HD>;
     loc.row0 = row0;
@@ -173,7 +174,8 @@ __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, cons
             }
         }
         const int row = row0 + s * L::kRowsPerLoad + src.row_group;
-        const bool ok = row0 >= 0 && row < src.len && (row < src.new_lo || row > src.new_hi);
+        const bool fresh = ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
+        const bool ok = row0 >= 0 && row < src.len && !fresh;
         int block = -1;
         if (ok) {
             block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
@@ -290,7 +292,7 @@ struct WarpState {
 };
 
 // Fold one tile into the warp's state for the head group whose queries start at q_s.
-template <int KV, int HD, int HG>
+template <int KV, int HD, int HG, bool ROWS>
 __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const RowSource &src,
                                             const float *q_s, const void *new_k_s,
                                             const void *new_v_s, const float *new_scales,
@@ -306,8 +308,8 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
     if (src.new_lo <= src.new_hi) {
 #pragma unroll
         for (int s = 0; s < S; ++s) {
-            if (rows[s] >= src.new_lo && rows[s] <= src.new_hi) {
-                const int r = rows[s] - src.new_lo;
+            if (ROWS ? rows[s] >= src.new_lo && rows[s] <= src.new_hi : rows[s] == src.new_hi) {
+                const int r = ROWS ? rows[s] - src.new_lo : 0;
                 const float *k_s = static_cast<const float *>(new_k_s) + r * src.row_floats;
                 const float *v_s = static_cast<const float *>(new_v_s) + r * src.row_floats;
 #pragma unroll
@@ -501,7 +503,9 @@ __device__ unsigned g_attn_trace_count;
 #define ATTN_TRACE_END() (void)0
 #endif
 
-template <int KV, int HD, int HG>
+// ROWS: the verify body's launch of several rows (grid z); the decode body's one-row instance
+// is a function of its own, with the one-row shared-memory limit and none of the row loops.
+template <int KV, int HD, int HG, bool ROWS>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
@@ -525,7 +529,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     ATTN_TRACE(trace_start);
 
     // Row z of the launch (blockIdx.z < n_rows): its step record, input, output and scratch.
-    const int z = blockIdx.z;
+    const int z = ROWS ? (int)blockIdx.z : 0;
     const og_step_record *step = a.step + z;
     const float *qkv = a.qkv != nullptr ? a.qkv + z * a.qkv_stride : nullptr;
     float *out = a.out + z * a.out_stride;
@@ -546,7 +550,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     // positions new_lo..position. The owner of the chunk holding a new row rotates and encodes
     // it into its shared memory (every head group's owner: each reads the row from there); only
     // head group 0's owner of row z's own position stores it into the cache.
-    const int new_lo = fused && row_ok ? max(0, a.step[0].position) : 0;
+    const int new_lo = fused && row_ok ? (ROWS ? max(0, a.step[0].position) : position) : 0;
     const int new_hi = fused && row_ok ? position : -1;
     const bool owner = fused && ((len - 1) / C) % B == b;
     int held = 0;  // new rows in this block's chunks: a K task and a V task each (prologue)
@@ -577,11 +581,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     int cursor = -1;
     int row0 = next_row(cursor);
     TileLoc<KV, HD> loc1, loc2;
-    locate_tile<KV, HD>(loc1, row0, src);
+    locate_tile<KV, HD, ROWS>(loc1, row0, src);
     Tile<KV, HD> cur;
     load_tile<KV, HD>(cur, loc1, src, hd);
-    locate_tile<KV, HD>(loc1, next_row(cursor), src);
-    locate_tile<KV, HD>(loc2, next_row(cursor), src);
+    locate_tile<KV, HD, ROWS>(loc1, next_row(cursor), src);
+    locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
 
     // The prologue's inputs that do not depend on the previous kernel: norm weights and the
     // rotation angles at `position`.
@@ -597,7 +601,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     ATTN_TRACE(trace_wait);
     pdl_launch_dependents();
 
-    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes, a.n_rows);
+    const AttnSmem lay = attn_smem(HG, hd, B, L::kElemBytes, ROWS ? a.n_rows : 1);
     src.row_floats = lay.row_floats;
     float *q_s = smem + lay.q;
     float *new_scales = smem + lay.scales;
@@ -632,9 +636,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             // r - new_lo; only row z's own (r == position) is stored.
             const int i = (task - heads_here) / 2;
             int r = new_lo;
-            for (int seen = -1;; ++r) {
-                seen += (r / C) % B == b;
-                if (seen == i) break;
+            if constexpr (ROWS) {
+                for (int seen = -1;; ++r) {
+                    seen += (r / C) % B == b;
+                    if (seen == i) break;
+                }
             }
             const int slot = r - new_lo;
             const float *row_qkv = qkv + (slot - z) * a.qkv_stride;
@@ -643,7 +649,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             float *row_v_s = static_cast<float *>(new_v_s) + slot * lay.row_floats;
             if ((task - heads_here) % 2 == 0) {
                 RopeAngles row_angles = angles;
-                if (r != position) rope_angles(a.inv_freq, hd, r, lane, row_angles);
+                if (ROWS && r != position) rope_angles(a.inv_freq, hd, r, lane, row_angles);
                 float *k_head = smem + lay.k_head + slot * round4(hd);
                 warp_norm_rope(row_qkv + q_size + (size_t)kv_head * hd, a.k_norm != nullptr, k_w,
                                a.eps, row_angles, hd, k_head, lane);
@@ -696,8 +702,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         prefetch_tile<KV, HD>(loc2, src);
         const int row1 = loc1.row0;
         loc1 = loc2;
-        locate_tile<KV, HD>(loc2, next_row(cursor), src);
-        attend_tile<KV, HD, HG>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+        locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
+        attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
                                 hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
@@ -829,35 +835,39 @@ using AttnKernel = void (*)(AttnParams);
 
 // Head-group sizes compiled: 1, 2, 4 and 8 for head_dim 128 (where the real models are), the
 // largest the registers allow for the other head dims.
-template <int KV, int HD>
+template <int KV, int HD, bool ROWS>
 AttnKernel kernel_for_group(int head_group) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
     if constexpr (HD == 128) {
-        if (head_group == 1) return attention_kernel<KV, HD, 1>;
-        if (head_group == 2) return attention_kernel<KV, HD, 2>;
-        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2)>;
-        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2)>;
+        if (head_group == 1) return attention_kernel<KV, HD, 1, ROWS>;
+        if (head_group == 2) return attention_kernel<KV, HD, 2, ROWS>;
+        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2), ROWS>;
+        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2), ROWS>;
         return nullptr;
     } else {
-        return head_group == kMax ? attention_kernel<KV, HD, kMax> : nullptr;
+        return head_group == kMax ? attention_kernel<KV, HD, kMax, ROWS> : nullptr;
     }
 }
 
-template <int KV>
+template <int KV, bool ROWS>
 AttnKernel kernel_for(int head_dim, int head_group) {
     switch (head_dim) {
-        case 64: return kernel_for_group<KV, 64>(head_group);
-        case 128: return kernel_for_group<KV, 128>(head_group);
-        case 256: return kernel_for_group<KV, 256>(head_group);
-        default: return kernel_for_group<KV, 0>(head_group);
+        case 64: return kernel_for_group<KV, 64, ROWS>(head_group);
+        case 128: return kernel_for_group<KV, 128, ROWS>(head_group);
+        case 256: return kernel_for_group<KV, 256, ROWS>(head_group);
+        default: return kernel_for_group<KV, 0, ROWS>(head_group);
     }
 }
 
-AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group) {
+// The kernel of a launch of one row (the decode body) or of several (the verify body).
+AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group, bool rows) {
     switch (kv_dtype) {
-        case OG_KV_F32: return kernel_for<OG_KV_F32>(head_dim, head_group);
-        case OG_KV_BF16: return kernel_for<OG_KV_BF16>(head_dim, head_group);
-        case OG_KV_INT8: return kernel_for<OG_KV_INT8>(head_dim, head_group);
+        case OG_KV_F32: return rows ? kernel_for<OG_KV_F32, true>(head_dim, head_group)
+                                    : kernel_for<OG_KV_F32, false>(head_dim, head_group);
+        case OG_KV_BF16: return rows ? kernel_for<OG_KV_BF16, true>(head_dim, head_group)
+                                     : kernel_for<OG_KV_BF16, false>(head_dim, head_group);
+        case OG_KV_INT8: return rows ? kernel_for<OG_KV_INT8, true>(head_dim, head_group)
+                                     : kernel_for<OG_KV_INT8, false>(head_dim, head_group);
     }
     return nullptr;
 }
@@ -916,15 +926,17 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // Blocks per (KV head, head group) for head group hg: one wave of blocks over all of them
     // (before the cap at one per chunk: *wave).
     auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
-        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg);
-        if (kernel == nullptr) return cudaErrorInvalidValue;
+        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg, false);
+        const AttnKernel rows_kernel = kernel_for(kv_dtype, head_dim, hg, true);
+        if (kernel == nullptr || rows_kernel == nullptr) return cudaErrorInvalidValue;
         const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb, 1).total * 4;
         if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel, smem));
         // Launches of up to kAttnMaxRows rows (the verify body) hold more new rows; where
-        // those do not fit, such a launch fails and a one-row launch still runs.
+        // those do not fit, such a launch fails and the decode body still runs.
         const size_t smem_rows = (size_t)attn_smem(hg, head_dim, n_splits, eb, kAttnMaxRows).total * 4;
         OG_CUDA_RETURN_IF(allow_dynamic_smem(
-            (const void *)kernel, smem_rows <= (size_t)smem_optin - 64 ? smem_rows : smem));
+            (const void *)rows_kernel, smem_rows <= (size_t)smem_optin - 64 ? smem_rows : smem));
         int per_sm = 0;
         OG_CUDA_RETURN_IF(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
         if (per_sm <= 0) return cudaErrorInvalidConfiguration;
@@ -977,7 +989,7 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     // Several rows: consecutive positions of one sequence, fused mode only.
     if (args.n_rows < 1 || args.n_rows > kAttnMaxRows || (args.n_rows > 1 && args.qkv == nullptr))
         return cudaErrorInvalidValue;
-    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group);
+    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group, args.n_rows > 1);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;
