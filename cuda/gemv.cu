@@ -164,28 +164,31 @@ cudaError_t gemv_multi_plan(GemvMode mode, const GemvPlan &single, int rows, int
     plan->single = single;
     for (int &g : plan->grid) g = 0;
     if (single.format != OG_WEIGHTS_BF16) return cudaSuccess;  // per-vector launches
-    const void *kernel = bf16_kernel_for(mode, single.warps, single.unroll, true);
-    if (kernel == nullptr) return cudaErrorInvalidValue;
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
     const int needed = ceil_div(gemv_tasks(mode, rows, OG_WEIGHTS_BF16), single.warps);
-    // Per n, the blocks that fit with n staged inputs: fewer vectors, more blocks per SM (and
-    // more weight loads in flight). The largest n whose inputs fit a block sets the kernel's
-    // shared-memory limit; larger n run as per-vector launches (not an error). The grid does not
-    // change a vector's arithmetic (a warp computes whole rows and every block stages and norms
-    // the whole input); the block size and unroll do, so they are the single plan's.
-    bool limit_set = false;
+    // Per n, the blocks of n's instance (bf16_instance) that fit with n staged inputs: fewer
+    // vectors, more blocks per SM (and more weight loads in flight). The largest n of an
+    // instance whose inputs fit a block sets that kernel's shared-memory limit; larger n run as
+    // per-vector launches (not an error). Neither the grid nor the instance changes a vector's
+    // arithmetic (a warp computes whole rows, every block stages and norms the whole input, and
+    // each vector has its own accumulators); the block size and unroll do, so they are the
+    // single plan's.
+    bool limit_set[kGemvMaxVectors + 1] = {};
     for (int n = kGemvMaxVectors; n >= 2; --n) {
+        const int nv = bf16_instance(n);
+        const void *kernel = bf16_kernel_for(mode, single.warps, single.unroll, nv);
+        if (kernel == nullptr) return cudaErrorInvalidValue;
         const size_t smem = gemv_multi_smem_bytes(mode, cols, n);
         int blocks_per_sm = 0;
-        if ((!limit_set && allow_dynamic_smem(kernel, smem) != cudaSuccess) ||
+        if ((!limit_set[nv] && allow_dynamic_smem(kernel, smem) != cudaSuccess) ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
                                                           single.warps * kWarpSize, smem) != cudaSuccess ||
             blocks_per_sm <= 0) {
             (void)cudaGetLastError();  // too large for a block
             continue;
         }
-        limit_set = true;
+        limit_set[nv] = true;
         plan->grid[n] = needed < blocks_per_sm * sm_count ? needed : blocks_per_sm * sm_count;
     }
     return cudaSuccess;

@@ -26,11 +26,15 @@ struct GemvParams {
 
 // Chunks per lane in flight for a row of `cols` columns (4, 8 or 12).
 int bf16_unroll(int cols);
-// The bf16 kernel for a mode, block size (2, 4 or 8 warps) and unroll (nullptr for other ones);
-// multi: its instance over up to kGemvMaxVectors vectors.
-const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, bool multi = false);
-// Launch that kernel (the multi-vector instance when p.nv > 1) on grid with smem bytes of
-// dynamic shared memory.
+// The instance a launch of n vectors runs: the kernel holds accumulators for NV = 1, 2, 4 or
+// kGemvMaxVectors vectors (the fewest that hold n), so a launch of few vectors keeps the
+// registers, and the blocks per SM, of a small instance.
+int bf16_instance(int n);
+// The bf16 kernel for a mode, block size (2, 4 or 8 warps), unroll and instance NV
+// (bf16_instance; nullptr for other values).
+const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, int nv = 1);
+// Launch that kernel (the instance of p.nv vectors) on grid with smem bytes of dynamic shared
+// memory.
 cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
                         bool pdl, const GemvParams &p);
 

@@ -204,7 +204,7 @@ __device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float
     }
 }
 
-// NV: 1 (the decode body), or kGemvMaxVectors (the verify body: p.nv <= NV vectors, each x
+// NV: 1 (the decode body), or 2, 4, kGemvMaxVectors (the verify body: p.nv <= NV vectors, each x
 // p.x_stride floats after the one before, each y p.y_stride floats). Each vector's arithmetic is
 // the NV = 1 code's: its own staging and RMSNorm sum over the same threads, the same chunk order
 // per lane and the same shuffle reduction; only the weights are loaded once for all of them.
@@ -379,16 +379,27 @@ int bf16_unroll(int cols) {
     return per_lane <= 4 ? 4 : per_lane <= 8 ? 8 : per_lane <= 12 ? 12 : 8;
 }
 
-const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, bool multi) {
-    return multi ? bf16_kernel_nv<kGemvMaxVectors>(mode, warps, unroll)
-                 : bf16_kernel_nv<1>(mode, warps, unroll);
+int bf16_instance(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : kGemvMaxVectors; }
+
+const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, int nv) {
+    switch (nv) {
+        case 1: return bf16_kernel_nv<1>(mode, warps, unroll);
+        case 2: return bf16_kernel_nv<2>(mode, warps, unroll);
+        case 4: return bf16_kernel_nv<4>(mode, warps, unroll);
+        case kGemvMaxVectors: return bf16_kernel_nv<kGemvMaxVectors>(mode, warps, unroll);
+    }
+    return nullptr;
 }
 
 cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
                         bool pdl, const GemvParams &p) {
     if (p.nv < 1 || p.nv > kGemvMaxVectors) return cudaErrorInvalidValue;
-    return p.nv == 1 ? launch_bf16_nv<1>(mode, warps, unroll, grid, smem, stream, pdl, p)
-                     : launch_bf16_nv<kGemvMaxVectors>(mode, warps, unroll, grid, smem, stream, pdl, p);
+    switch (bf16_instance(p.nv)) {
+        case 1: return launch_bf16_nv<1>(mode, warps, unroll, grid, smem, stream, pdl, p);
+        case 2: return launch_bf16_nv<2>(mode, warps, unroll, grid, smem, stream, pdl, p);
+        case 4: return launch_bf16_nv<4>(mode, warps, unroll, grid, smem, stream, pdl, p);
+        default: return launch_bf16_nv<kGemvMaxVectors>(mode, warps, unroll, grid, smem, stream, pdl, p);
+    }
 }
 
 }  // namespace og
