@@ -1,0 +1,1530 @@
+// persistent_probe.cu — what does one dense transformer layer cost at batch 1 when the whole
+// token's layer loop runs as ONE persistent kernel (one block per SM, dependencies between phases
+// as counters in global memory, each phase's weights loaded into registers before the block waits
+// on its counter), against the same phases as separate kernels chained with PDL in a CUDA graph?
+// Standalone experiment, not part of the library.
+//
+//   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/persistent_probe scripts/persistent_probe.cu
+//   run:   /tmp/persistent_probe                       (both shapes, context 64, 200 replays)
+//          /tmp/persistent_probe --context 64,512 --trace --json /tmp/persistent_probe.json
+//          options: --shape smollm2|qwen3-0.6b|both  --context C[,C...]  --iters N  --json PATH
+//                   --trace (one extra replay a variant with per-block %globaltimer stamps; prints
+//                   per phase the hand-over, the median block's start minus the last block's end
+//                   of the phase before, and the work, the last end minus that start)
+//
+// Shapes (layers only: no embedding, no lm_head; the residual stream x [hidden] fp32 is the input
+// and the output; bf16 weights uniform in +-0.05 and RMSNorm weights 1 +- 0.05 from a fixed-seed
+// hash, generated on the device; RMSNorm eps 1e-6; RoPE theta 1e6, rotate-half as Qwen/Llama):
+//   smollm2:    hidden 576,  9 q heads, 3 KV heads, head_dim  64, intermediate 1536, 30 layers
+//   qwen3-0.6b: hidden 1024, 16 q heads, 8 KV heads, head_dim 128, intermediate 3072, 28 layers,
+//               QK-norm (RMSNorm over head_dim on q and k, a per-layer weight each)
+// KV cache: per layer, K and V each [C + 1][n_kv][head_dim] bf16, rows 0..C-1 filled (uniform
+// +-1); the step is at position C: it writes row C and attends over C + 1 rows.
+//
+// Phases of a layer, each written ONCE as __device__ code over a range of work items:
+//   (a) RMSNorm(x), QKV GEMV      rows (n_heads + 2 n_kv) * head_dim     -> qkv
+//   (b) per (query head, split):  QK-norm, RoPE at position C, K/V row C (written once per KV
+//       head), scores, softmax (fp32), weighted V; several splits fold in the last one to finish
+//   (c) O GEMV + residual         rows hidden, cols n_heads * head_dim    -> x
+//   (d) RMSNorm(x), gate & up GEMVs, SwiGLU  (gate row i, up row i) per task -> act [intermediate]
+//   (e) down GEMV + residual      rows hidden, cols intermediate          -> x
+// Variants, all replaying the whole token as one CUDA graph:
+//   baseline             5 kernels a layer; each has the PDL attribute and issues its weight loads
+//                        (attention: its K/V rows 0..C-1) before griddepcontrol.wait
+//   persistent           1 cooperative kernel, grid = SM count, 8 warps a block; between phases
+//                        a block waits on the finest counter that is correct: head h's attention
+//                        waits for the QKV rows of its KV group (q of the group's heads, its k, v),
+//                        the O GEMV for all heads, gate/up for all O rows, down for all of act,
+//                        the next layer's QKV for all down rows
+//   persistent_barrier   the same kernel with a grid-wide barrier between phases instead: one
+//                        counter, every block arrives after and waits before every phase (weights
+//                        still loaded before the wait)
+// GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
+// loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
+// shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
+// the baseline GEMV kernels use the same grid (SM count, fewer when a matrix has fewer rows) and
+// so the same dealing. A warp holds up to four tasks of a phase in registers (the depth is sized
+// for 132 SMs; tasks beyond it, on a smaller GPU, are loaded after the wait).
+//
+// What it prints: per shape and context, the D2D copy bandwidth (1 GiB cudaMemcpyAsync, bytes read
+// + written), the bytes a layer reads and writes (weights, norm weights, K/V rows read and the
+// row written), the floor a layer = bytes / bandwidth, and per variant: µs a token, µs a layer,
+// floor / layer time, baseline / variant. Then the checks: the three variants' x and K/V row C
+// bit-identical (memcmp), each stable over the timed replays, and against a CPU reference (fp64
+// host loop over all layers, relative L2 error < 1e-3). PASS/FAIL; exit code 1 on any failure.
+//
+// Why the outputs are bit-identical: every output element is computed by the same code with the
+// same reduction order in all variants (per-row chunk order and butterfly; RMSNorm sums by each
+// warp in lane-strided order; attention reductions over a fixed 256-thread block; splits folded in
+// split order). Arithmetic on that path uses __fmaf_rn/__fmul_rn/__fadd_rn so the compiler cannot
+// contract or reorder differently in different kernels.
+//
+// Design notes and caveats:
+// - Deadlock. Spinning blocks wait for blocks that must be running, so the persistent kernel
+//   needs all its blocks resident at once. It is launched cooperative (the launch fails rather
+//   than running partially resident), with one block per SM after a
+//   cudaOccupancyMaxActiveBlocksPerMultiprocessor check that refuses with a message. Every wait
+//   targets work of an earlier phase in program order ((a) of layer l on (e) of l-1, (b) on (a),
+//   (c) on (b), (d) on (c), (e) on (d)), so there is no cycle. A block with no work in a phase
+//   neither waits nor signals there (it goes straight to prefetching the next phase), which keeps
+//   every counter's producers exactly the blocks that do the work. As a last guard, a wait that
+//   spins for 2 s sets an abort flag, every later wait returns at once, the kernel ends, and the
+//   host reports FAIL instead of hanging. Another process's kernels on the same GPU (MPS, a second
+//   stream) cannot make it deadlock, only make the cooperative launch fail.
+// - Signals and waits are cooperative groups' grid-sync pattern at GPU scope: the producer block
+//   does __syncthreads, then one thread fence.acq_rel + a relaxed red.add; the consumer's thread 0
+//   polls with relaxed loads, then fence.acq_rel, then __syncthreads. Data written by other blocks
+//   is read with ld.global.cg (__ldcg), so no stale L1 line from an earlier layer is used.
+// - Reuse hazards. qkv, attn, act, x and the split partials are reused by every layer; a writer
+//   of layer l + 1 is ordered after every reader of layer l through the chain of counters above
+//   (each block signals after its last read of its inputs; every phase's counter needs all
+//   producers of the phase before, and every buffer's readers are among them).
+// - In the barrier variant a block must wait at every barrier, work or not: with one counter, a
+//   block that only arrived could run ahead and add its arrival for a later phase to the count
+//   an earlier phase's waiters are watching.
+// - Counters are never reset: a launch reads the step epoch (incremented by the last block to
+//   leave), and its targets are (epoch * layers + layer + 1) * per-layer count, compared
+//   wrap-safe. Attention split tickets grow by the split count each layer: the last split is the
+//   one whose ticket is split-count - 1 modulo the split count. Each variant has its own counters.
+// - Replays are honest: layer 0 reads x_in (never written) for its RMSNorm and its O residual, so
+//   every replay computes the same token; row C of the K/V cache is rewritten identically.
+// - The KV row C the step writes is never read back from memory in the step: each head uses the
+//   bf16-rounded k/v it computed (as a decode step reading back its own row would).
+// - Registers: the persistent kernel holds one phase's tasks (plus, during the attention, the next
+//   O rows and the K/V batch); it prints its register count and local (spill) bytes. The
+//   prefetch arrays are defined on every path (zeros past the last task): a conditionally
+//   assigned array is loop-carried and keeps every phase's registers live at once. The K/V batch
+//   (4 rows a lane group: 64 rows a split at head_dim 128, 128 at 64) is what keeps qwen3-0.6b's
+//   kernel at 255 registers or fewer without spills; longer contexts take more splits.
+// - Not modelled: the embedding, the final norm and lm_head, the per-step H2D/D2H copies, paged KV.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        const cudaError_t err_ = (call);                                                           \
+        if (err_ != cudaSuccess) {                                                                 \
+            fprintf(stderr, "CUDA error: %s\n  at %s:%d: %s\n", #call, __FILE__, __LINE__,         \
+                    cudaGetErrorString(err_));                                                     \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kWarps = 8;                      // warps a block, in every kernel (the attention's
+constexpr int kThreads = kWarps * kWarpSize;   // block reductions depend on it)
+constexpr int kAssumedSms = 132;               // an H200: sizes the register prefetch depth only
+constexpr int kMaxPrefetch = 4;                // tasks a warp holds in registers before a wait
+constexpr int kAttnBatch = 4;                  // K/V rows a lane group holds (one load round trip)
+constexpr float kEps = 1e-6f;
+constexpr double kRopeTheta = 1e6;
+constexpr unsigned long long kWaitTimeoutNs = 2000000000ull;
+
+struct SmolLM2 {
+    static constexpr const char *kName = "smollm2";
+    static constexpr int H = 576, NH = 9, NKV = 3, HD = 64, I = 1536, L = 30;
+    static constexpr bool QKN = false;
+};
+struct Qwen3_06B {
+    static constexpr const char *kName = "qwen3-0.6b";
+    static constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, I = 3072, L = 28;
+    static constexpr bool QKN = true;
+};
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int prefetch_depth(int tasks) {
+    const int per_warp = (tasks + kAssumedSms * kWarps - 1) / (kAssumedSms * kWarps);
+    return per_warp < kMaxPrefetch ? per_warp : kMaxPrefetch;
+}
+
+template <class S>
+struct Dims {
+    static constexpr int GRP = S::NH / S::NKV;               // query heads a KV head serves
+    static constexpr int ATT = S::NH * S::HD;                // attention output = O GEMV columns
+    static constexpr int QKV = (S::NH + 2 * S::NKV) * S::HD; // QKV rows: q heads, k heads, v heads
+    static constexpr int GROUP_ROWS = (GRP + 2) * S::HD;     // QKV rows one KV group's heads need
+    static constexpr int XMAX = cmax(cmax(S::H, ATT), S::I); // widest GEMV input
+    // attention: lanes a K/V row (16-byte chunks), rows a warp pass, rows a block batch
+    static constexpr int LPR = S::HD / 8, RPI = kWarpSize / LPR, RB = kWarps * RPI * kAttnBatch;
+    static_assert(S::NH % S::NKV == 0, "GQA groups");
+    static_assert(S::HD % 8 == 0 && LPR <= kWarpSize && S::HD <= kThreads, "head_dim");
+    static_assert(S::H % 8 == 0 && ATT % 8 == 0 && S::I % 8 == 0, "16-byte rows");
+};
+
+// ---- model and activations (device pointers; bf16 stored as its 16 bits) --------------------
+struct Model {
+    const uint16_t *ln_in, *ln_post;   // [L][H]
+    const uint16_t *q_norm, *k_norm;   // [L][HD] (QK-norm shapes)
+    const uint16_t *w_qkv;             // [L][QKV][H]
+    const uint16_t *w_o;               // [L][H][ATT]
+    const uint16_t *w_gu;              // [L][2I][H]: gate rows 0..I-1, up rows I..2I-1
+    const uint16_t *w_down;            // [L][H][I]
+    uint16_t *k_cache, *v_cache;       // [L][max_ctx][NKV][HD]
+    const float *rope_cos, *rope_sin;  // [HD / 2] at position ctx
+    int ctx, max_ctx;                  // C rows cached, max_ctx = C + 1
+    int splits, split_rows;            // attention splits a head, rows a split (<= Dims::RB)
+};
+struct Acts {
+    const float *x_in;   // [H] the step's input, never written
+    float *x;            // [H] the residual stream, the output
+    float *qkv;          // [QKV]
+    float *attn;         // [ATT]
+    float *act;          // [I]
+    float *part_o;       // [NH * splits][HD] attention split partials
+    float *part_ml;      // [NH * splits][2]  their max and sum
+    unsigned long long *trace;   // --trace: [L][5 phases][kTraceBlocks][2] %globaltimer, or null
+};
+struct Sync {            // one per variant, zeroed once
+    unsigned epoch, exit, heads, o, act, down, bar, abort;
+    unsigned group[16];
+    unsigned tickets[32];
+};
+
+// ---- small device helpers -----------------------------------------------------------------
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// --trace: thread 0 stamps when its block starts a phase's work (after its wait, k = 0) and when
+// it is done with it (after its signal, or its end in the baseline, k = 1). The timed graphs pass
+// a null pointer and skip it.
+constexpr int kTraceBlocks = 1024;
+__device__ __forceinline__ void trace(const Acts &a, int l, int phase, int k) {
+    if (a.trace != nullptr && threadIdx.x == 0)
+        a.trace[(((size_t)l * 5 + phase) * kTraceBlocks + blockIdx.x) * 2 + k] = globaltimer();
+}
+__device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((unsigned)v << 16); }
+__device__ __forceinline__ uint16_t to_bf(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
+    f[0] = bf_lo(w.x), f[1] = bf_hi(w.x), f[2] = bf_lo(w.y), f[3] = bf_hi(w.y);
+    f[4] = bf_lo(w.z), f[5] = bf_hi(w.z), f[6] = bf_lo(w.w), f[7] = bf_hi(w.w);
+}
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
+    acc = __fmaf_rn(bf_lo(w.x), a.x, acc);
+    acc = __fmaf_rn(bf_hi(w.x), a.y, acc);
+    acc = __fmaf_rn(bf_lo(w.y), a.z, acc);
+    acc = __fmaf_rn(bf_hi(w.y), a.w, acc);
+    acc = __fmaf_rn(bf_lo(w.z), b.x, acc);
+    acc = __fmaf_rn(bf_hi(w.z), b.y, acc);
+    acc = __fmaf_rn(bf_lo(w.w), b.z, acc);
+    acc = __fmaf_rn(bf_hi(w.w), b.w, acc);
+    return acc;
+}
+// Butterflies: every lane ends with the same value (a + b == b + a), in every warp alike.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = kWarpSize / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Release / acquire at GPU scope as cooperative groups' grid sync does it: a relaxed poll, then a
+// fence.acq_rel once it has seen the target; the producer's fence.acq_rel before its relaxed add.
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void red_add(unsigned *p, unsigned v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Counters only grow (mod 2^32): "reached" compares wrap-safe.
+__device__ __forceinline__ bool reached(unsigned value, unsigned target) { return (int)(value - target) >= 0; }
+
+// The block waits until *counter reaches target: thread 0 polls, fences (acquire), and the block
+// barrier releases the rest (bar.sync orders their later reads after thread 0's acquire). A poll longer than kWaitTimeoutNs (a bug, never a legal wait) raises the abort
+// flag; with it raised every wait returns, so the kernel always ends.
+__device__ void block_wait(const unsigned *counter, unsigned target, unsigned *abort_flag) {
+    if (threadIdx.x == 0 && !reached(ld_relaxed(counter), target)) {
+        const unsigned long long t0 = globaltimer();
+        for (unsigned spin = 1; !reached(ld_relaxed(counter), target); ++spin) {
+            if ((spin & 1023u) == 0) {
+                if (*(volatile unsigned *)abort_flag) break;
+                if (globaltimer() - t0 > kWaitTimeoutNs) {
+                    atomicExch(abort_flag, 1u);
+                    break;
+                }
+            }
+        }
+    }
+    if (threadIdx.x == 0) fence_acq_rel();
+    __syncthreads();
+}
+// After the block's writes (and its last reads of its inputs): counter += n, ordered after them
+// (the block barrier, then a release fence by the thread that adds; fences are cumulative).
+__device__ __forceinline__ void block_signal(unsigned *counter, unsigned n) {
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        fence_acq_rel();
+        red_add(counter, n);
+    }
+}
+
+// ---- GEMV phases ------------------------------------------------------------------------------
+enum PhaseId { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+template <class S, int P> struct Gemv;
+template <class S> struct Gemv<S, kQkv> {
+    static constexpr int COLS = S::H, NR = 1, TASKS = Dims<S>::QKV;
+    static constexpr bool NORM = true;
+};
+template <class S> struct Gemv<S, kO> {
+    static constexpr int COLS = Dims<S>::ATT, NR = 1, TASKS = S::H;
+    static constexpr bool NORM = false;
+};
+template <class S> struct Gemv<S, kGateUp> {
+    static constexpr int COLS = S::H, NR = 2, TASKS = S::I;
+    static constexpr bool NORM = true;
+};
+template <class S> struct Gemv<S, kDown> {
+    static constexpr int COLS = S::I, NR = 1, TASKS = S::H;
+    static constexpr bool NORM = false;
+};
+
+// One task's rows, as each lane holds them: U 16-byte chunks a row.
+template <int COLS, int NR>
+struct Task {
+    static constexpr int kChunks = COLS / 8, U = (kChunks + kWarpSize - 1) / kWarpSize;
+    uint4 w[NR][U];
+};
+template <class S, int P> using TaskOf = Task<Gemv<S, P>::COLS, Gemv<S, P>::NR>;
+
+// A warp's first R tasks of a phase (tasks first, first + stride, ...), loaded before its wait.
+// prefetch() defines every element (zeros past the last task): a conditionally assigned array
+// would carry its old values around the layer loop and keep all phases' arrays live at once.
+template <class S, int P>
+struct Prefetch {
+    static constexpr int R = prefetch_depth(Gemv<S, P>::TASKS);
+    TaskOf<S, P> t[R];
+};
+
+template <class S, int P>
+__device__ __forceinline__ const uint16_t *weights(const Model &m, int l) {
+    using G = Gemv<S, P>;
+    const size_t per_layer = (size_t)G::TASKS * G::NR * G::COLS;
+    const uint16_t *base = P == kQkv ? m.w_qkv : P == kO ? m.w_o : P == kGateUp ? m.w_gu : m.w_down;
+    return base + (size_t)l * per_layer;
+}
+
+template <class S, int P>
+__device__ __forceinline__ void load_task(TaskOf<S, P> &t, const uint16_t *w, int task, int lane) {
+    using G = Gemv<S, P>;
+    using T = TaskOf<S, P>;
+#pragma unroll
+    for (int r = 0; r < G::NR; ++r) {
+        const uint4 *row = reinterpret_cast<const uint4 *>(w + (size_t)(task + r * G::TASKS) * G::COLS);
+#pragma unroll
+        for (int u = 0; u < T::U; ++u) {
+            const int c = lane + u * kWarpSize;
+            t.w[r][u] = c < T::kChunks ? __ldcs(row + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+template <class S, int P>
+__device__ __forceinline__ void prefetch(Prefetch<S, P> &pf, const Model &m, int l, int first, int stride,
+                                         int lane) {
+    const uint16_t *w = weights<S, P>(m, l);
+#pragma unroll
+    for (int k = 0; k < Prefetch<S, P>::R; ++k) {
+        const int task = first + k * stride;
+        if (task < Gemv<S, P>::TASKS) {
+            load_task<S, P>(pf.t[k], w, task, lane);
+        } else {
+#pragma unroll
+            for (int r = 0; r < Gemv<S, P>::NR; ++r)
+#pragma unroll
+                for (int u = 0; u < TaskOf<S, P>::U; ++u) pf.t[k].w[r][u] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// The task's rows times x (staged in shared memory, [COLS] fp32): lane chunks in order, then the
+// butterfly. x reads: a quarter-warp's 8 lanes read 8 chunks of 32 bytes in two 16-byte halves;
+// lanes 4..7 of each quarter take the halves in the other order (no bank conflicts), and the
+// arithmetic order is the same for every lane.
+template <int COLS, int NR>
+__device__ __forceinline__ void dot_task(const Task<COLS, NR> &t, const float *xs, int lane, float (&acc)[NR]) {
+    using T = Task<COLS, NR>;
+    const float4 *xs4 = reinterpret_cast<const float4 *>(xs);
+    const int swap = (lane >> 2) & 1;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int u = 0; u < T::U; ++u) {
+        const int c = lane + u * kWarpSize;
+        if (c < T::kChunks) {
+            const float4 h0 = xs4[2 * c + swap], h1 = xs4[2 * c + 1 - swap];
+            const float4 xa = swap ? h1 : h0, xb = swap ? h0 : h1;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) acc[r] = dot8(t.w[r][u], xa, xb, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+// A task's result (lane 0): QKV row; O row + residual (layer 0's residual is x_in); SwiGLU of the
+// gate and up rows; down row + residual.
+template <class S, int P>
+__device__ __forceinline__ void emit(const Acts &a, int l, int task, const float (&acc)[Gemv<S, P>::NR]) {
+    if constexpr (P == kQkv) {
+        a.qkv[task] = acc[0];
+    } else if constexpr (P == kO) {
+        const float *res = l == 0 ? a.x_in : a.x;
+        a.x[task] = __fadd_rn(__ldcg(res + task), acc[0]);
+    } else if constexpr (P == kGateUp) {
+        const float g = acc[0];
+        const float silu = __fdiv_rn(g, __fadd_rn(1.f, expf(-g)));
+        a.act[task] = __fmul_rn(silu, acc[1]);
+    } else {
+        a.x[task] = __fadd_rn(__ldcg(a.x + task), acc[0]);
+    }
+}
+
+// All of a warp's tasks of a phase: the prefetched ones, then any beyond the prefetch depth.
+template <class S, int P>
+__device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model &m, const Acts &a, int l,
+                                           int first, int stride, int lane, const float *xs) {
+    using G = Gemv<S, P>;
+    float acc[G::NR];
+#pragma unroll
+    for (int k = 0; k < Prefetch<S, P>::R; ++k) {
+        const int task = first + k * stride;
+        if (task < G::TASKS) {
+            dot_task(pf.t[k], xs, lane, acc);
+            if (lane == 0) emit<S, P>(a, l, task, acc);
+        }
+    }
+    const uint16_t *w = weights<S, P>(m, l);
+    for (int task = first + Prefetch<S, P>::R * stride; task < G::TASKS; task += stride) {
+        TaskOf<S, P> t;
+        load_task<S, P>(t, w, task, lane);
+        dot_task(t, xs, lane, acc);
+        if (lane == 0) emit<S, P>(a, l, task, acc);
+    }
+}
+
+// RMSNorm weights a thread needs (elements t, t + 256, ...), loaded before the wait.
+template <int N>
+struct Gamma {
+    float g[(N + kThreads - 1) / kThreads];
+};
+template <int N>
+__device__ __forceinline__ void load_gamma(Gamma<N> &g, const uint16_t *w) {
+#pragma unroll
+    for (int k = 0; k < (N + kThreads - 1) / kThreads; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+        g.g[k] = i < N ? bf(__ldg(w + i)) : 0.f;
+    }
+}
+
+// xs = RMSNorm(src) * gamma. Every warp sums the squares itself in lane-strided order, so all
+// threads hold the same 1/rms without a block reduction, and it does not depend on the block.
+template <int N>
+__device__ __forceinline__ void stage_norm(const float *src, const Gamma<N> &g, float *raw, float *xs) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = __ldcg(src + i);
+    __syncthreads();
+    float ss = 0.f;
+    for (int i = threadIdx.x % kWarpSize; i < N; i += kWarpSize) ss = __fmaf_rn(raw[i], raw[i], ss);
+    ss = warp_sum(ss);
+    const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)N), kEps)));
+#pragma unroll
+    for (int k = 0; k < (N + kThreads - 1) / kThreads; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+        if (i < N) xs[i] = __fmul_rn(__fmul_rn(raw[i], inv), g.g[k]);
+    }
+    __syncthreads();
+}
+template <int N>
+__device__ __forceinline__ void stage_plain(const float *src, float *xs) {
+    __syncthreads();   // xs may still be read by the block's previous phase
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N; i += kThreads) xs[i] = __ldcg(src + i);
+    __syncthreads();
+}
+
+// ---- attention phase ------------------------------------------------------------------------
+template <class S>
+struct Smem {
+    alignas(16) float raw[S::H];               // RMSNorm input
+    alignas(16) float xs[Dims<S>::XMAX];       // the GEMV input
+    alignas(16) float q[S::HD];                // this head's q after QK-norm and RoPE
+    float q_raw[S::HD], k_raw[S::HD];
+    alignas(16) uint16_t k_new[S::HD];         // row C's k and v, bf16 as the cache holds them
+    alignas(16) uint16_t v_new[S::HD];
+    alignas(16) float part[kWarps][S::HD];     // warps' weighted V sums
+    float scores[Dims<S>::RB];
+    float red[2][kWarps];
+    unsigned last;
+};
+
+// What an attention item loads before its wait: its K/V rows below C (a step never writes them),
+// and per thread t < head_dim the QK-norm weights of t and its RoPE partner, and the rotation.
+template <class S>
+struct AttnRegs {
+    uint4 k[kAttnBatch], v[kAttnBatch];
+    float qn_t, qn_p, kn_t, kn_p, cos_t, sin_t;
+};
+
+// Split s of head h covers rows [s * split_rows, min(C + 1, (s + 1) * split_rows)). Lane group
+// `sub` of warp w takes rows i = k * (8 * RPI) + w * RPI + sub of the split, k < kAttnBatch.
+template <class S>
+__device__ __forceinline__ void attn_prefetch(AttnRegs<S> &r, const Model &m, int l, int h, int s) {
+    using D = Dims<S>;
+    const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+    const int sub = lane / D::LPR, part = lane % D::LPR, g = h / D::GRP;
+    const int j0 = s * m.split_rows, j1 = min(m.ctx + 1, j0 + m.split_rows);
+    const size_t row_stride = (size_t)S::NKV * S::HD;
+    const size_t base = (size_t)l * m.max_ctx * row_stride + (size_t)g * S::HD + part * 8;
+#pragma unroll
+    for (int k = 0; k < kAttnBatch; ++k) {
+        const int j = j0 + k * (kWarps * D::RPI) + warp * D::RPI + sub;
+        if (j < j1 && j < m.ctx) {
+            r.k[k] = __ldg(reinterpret_cast<const uint4 *>(m.k_cache + base + (size_t)j * row_stride));
+            r.v[k] = __ldg(reinterpret_cast<const uint4 *>(m.v_cache + base + (size_t)j * row_stride));
+        } else {
+            r.k[k] = r.v[k] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    r.qn_t = r.qn_p = r.kn_t = r.kn_p = r.cos_t = r.sin_t = 0.f;
+    if (t < S::HD) {
+        constexpr int half = S::HD / 2;
+        const int p = t < half ? t + half : t - half;
+        if constexpr (S::QKN) {
+            r.qn_t = bf(__ldg(m.q_norm + l * S::HD + t));
+            r.qn_p = bf(__ldg(m.q_norm + l * S::HD + p));
+            r.kn_t = bf(__ldg(m.k_norm + l * S::HD + t));
+            r.kn_p = bf(__ldg(m.k_norm + l * S::HD + p));
+        }
+        r.cos_t = __ldg(m.rope_cos + t % half);
+        r.sin_t = __ldg(m.rope_sin + t % half);
+    }
+}
+
+// One (head, split) item, the whole block. Returns true (block-uniform) when this call completed
+// head h's output: always with one split; with several, only in the last split to finish, which
+// folds the partials of all splits in split order.
+template <class S>
+__device__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts &a, unsigned *tickets, int l,
+                               int h, int s, Smem<S> &sm) {
+    using D = Dims<S>;
+    constexpr int HD = S::HD, half = HD / 2;
+    const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+    const int sub = lane / D::LPR, part = lane % D::LPR, g = h / D::GRP;
+    const int j0 = s * m.split_rows, j1 = min(m.ctx + 1, j0 + m.split_rows), n = j1 - j0;
+
+    // 1. this step's q (head h), k and v (KV head g), from the QKV GEMV
+    float v_t = 0.f;
+    if (t < HD) {
+        sm.q_raw[t] = __ldcg(a.qkv + h * HD + t);
+        sm.k_raw[t] = __ldcg(a.qkv + D::ATT + g * HD + t);
+        v_t = __ldcg(a.qkv + D::ATT + S::NKV * HD + g * HD + t);
+    }
+    __syncthreads();
+    // 2. QK-norm (every warp sums the squares in the same order), RoPE, row C in bf16
+    float inv_q = 1.f, inv_k = 1.f;
+    if constexpr (S::QKN) {
+        float sq = 0.f, sk = 0.f;
+        for (int i = lane; i < HD; i += kWarpSize) {
+            sq = __fmaf_rn(sm.q_raw[i], sm.q_raw[i], sq);
+            sk = __fmaf_rn(sm.k_raw[i], sm.k_raw[i], sk);
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        inv_q = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)HD), kEps)));
+        inv_k = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sk, (float)HD), kEps)));
+    }
+    if (t < HD) {
+        const int p = t < half ? t + half : t - half;
+        float qt = sm.q_raw[t], qp = sm.q_raw[p], kt = sm.k_raw[t], kp = sm.k_raw[p];
+        if constexpr (S::QKN) {
+            qt = __fmul_rn(__fmul_rn(qt, inv_q), r.qn_t);
+            qp = __fmul_rn(__fmul_rn(qp, inv_q), r.qn_p);
+            kt = __fmul_rn(__fmul_rn(kt, inv_k), r.kn_t);
+            kp = __fmul_rn(__fmul_rn(kp, inv_k), r.kn_p);
+        }
+        // rotate-half: y[t] = x[t] cos - x[t + half] sin (t < half), x[t] cos + x[t - half] sin
+        const float c = r.cos_t, sn = r.sin_t;
+        const float qr = t < half ? __fsub_rn(__fmul_rn(qt, c), __fmul_rn(qp, sn))
+                                  : __fadd_rn(__fmul_rn(qt, c), __fmul_rn(qp, sn));
+        const float kr = t < half ? __fsub_rn(__fmul_rn(kt, c), __fmul_rn(kp, sn))
+                                  : __fadd_rn(__fmul_rn(kt, c), __fmul_rn(kp, sn));
+        sm.q[t] = qr;
+        const uint16_t kb = to_bf(kr), vb = to_bf(v_t);
+        sm.k_new[t] = kb;
+        sm.v_new[t] = vb;
+        // the KV head's row C, written by one item: its first query head's last split
+        if (h % D::GRP == 0 && s == m.splits - 1) {
+            const size_t at = ((size_t)l * m.max_ctx + m.ctx) * S::NKV * HD + (size_t)g * HD + t;
+            m.k_cache[at] = kb;
+            m.v_cache[at] = vb;
+        }
+    }
+    __syncthreads();
+
+    // 3. scores: a group of LPR lanes a row, 8 dims a lane, reduced within the group
+    const float scale = __fdiv_rn(1.f, __fsqrt_rn((float)HD));
+    const float4 qa = reinterpret_cast<const float4 *>(sm.q)[2 * part];
+    const float4 qb = reinterpret_cast<const float4 *>(sm.q)[2 * part + 1];
+    const uint4 k_new = reinterpret_cast<const uint4 *>(sm.k_new)[part];
+#pragma unroll
+    for (int k = 0; k < kAttnBatch; ++k) {
+        const int i = k * (kWarps * D::RPI) + warp * D::RPI + sub, j = j0 + i;
+        float d = dot8(j == m.ctx ? k_new : r.k[k], qa, qb, 0.f);
+#pragma unroll
+        for (int o = D::LPR / 2; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
+        if (part == 0 && j < j1) sm.scores[i] = __fmul_rn(d, scale);
+    }
+    __syncthreads();
+
+    // 4. softmax over the split's rows: max (exact in any order), then exp and the sum in a fixed order
+    float mx = -INFINITY;
+    for (int i = t; i < n; i += kThreads) mx = fmaxf(mx, sm.scores[i]);
+    mx = warp_max(mx);
+    if (lane == 0) sm.red[0][warp] = mx;
+    __syncthreads();
+    mx = sm.red[0][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, sm.red[0][w]);
+    float sum = 0.f;
+    for (int i = t; i < n; i += kThreads) {
+        const float p = expf(__fsub_rn(sm.scores[i], mx));
+        sm.scores[i] = p;
+        sum = __fadd_rn(sum, p);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) sm.red[1][warp] = sum;
+    __syncthreads();
+    sum = sm.red[1][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, sm.red[1][w]);
+
+    // 5. probabilities times V: 8 dims a lane over its rows, then the row groups of the warp, then
+    //    the warps in order
+    float o8[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o8[e] = 0.f;
+    const uint4 v_new = reinterpret_cast<const uint4 *>(sm.v_new)[part];
+#pragma unroll
+    for (int k = 0; k < kAttnBatch; ++k) {
+        const int i = k * (kWarps * D::RPI) + warp * D::RPI + sub, j = j0 + i;
+        if (j < j1) {
+            const float p = sm.scores[i];
+            float f[8];
+            unpack8(j == m.ctx ? v_new : r.v[k], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o8[e] = __fmaf_rn(p, f[e], o8[e]);
+        }
+    }
+#pragma unroll
+    for (int o = D::LPR; o < kWarpSize; o <<= 1)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o8[e] = __fadd_rn(o8[e], __shfl_xor_sync(0xffffffffu, o8[e], o));
+    if (sub == 0)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sm.part[warp][part * 8 + e] = o8[e];
+    __syncthreads();
+    float acc = 0.f;
+    if (t < HD)
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) acc = __fadd_rn(acc, sm.part[w][t]);
+
+    // 6. one split: the output. Several: the split's partial; the last to finish folds them all.
+    if (m.splits == 1) {
+        if (t < HD) a.attn[h * HD + t] = __fdiv_rn(acc, sum);
+        return true;
+    }
+    const int item = h * m.splits + s;
+    if (t < HD) a.part_o[(size_t)item * HD + t] = acc;
+    if (t == 0) {
+        a.part_ml[2 * item] = mx;
+        a.part_ml[2 * item + 1] = sum;
+    }
+    __syncthreads();
+    if (t == 0) {
+        fence_acq_rel();
+        const unsigned old = atomicAdd(tickets + h, 1u);
+        sm.last = old % (unsigned)m.splits == (unsigned)(m.splits - 1);
+        fence_acq_rel();
+    }
+    __syncthreads();
+    if (!sm.last) return false;
+    if (t < HD) {
+        float big = -INFINITY;
+        for (int sp = 0; sp < m.splits; ++sp) big = fmaxf(big, __ldcg(a.part_ml + 2 * (h * m.splits + sp)));
+        float total = 0.f, out = 0.f;
+        for (int sp = 0; sp < m.splits; ++sp) {
+            const int it = h * m.splits + sp;
+            const float e = expf(__fsub_rn(__ldcg(a.part_ml + 2 * it), big));
+            total = __fmaf_rn(__ldcg(a.part_ml + 2 * it + 1), e, total);
+            out = __fmaf_rn(__ldcg(a.part_o + (size_t)it * HD + t), e, out);
+        }
+        a.attn[h * HD + t] = __fdiv_rn(out, total);
+    }
+    return true;
+}
+
+// ---- (A) baseline: one kernel a phase, PDL ------------------------------------------------
+template <class S, int P>
+__global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Acts a, int l) {
+    using G = Gemv<S, P>;
+    __shared__ Smem<S> sm;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
+    Prefetch<S, P> pf;
+    prefetch(pf, m, l, first, stride, lane);
+    Gamma<S::H> gm;
+    if constexpr (G::NORM) load_gamma(gm, (P == kQkv ? m.ln_in : m.ln_post) + (size_t)l * S::H);
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, P == kQkv ? 0 : P + 1, 0);
+    if constexpr (G::NORM) {
+        stage_norm<S::H>(P == kQkv && l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
+    } else {
+        stage_plain<G::COLS>(P == kO ? a.attn : a.act, sm.xs);
+    }
+    gemv_tasks<S, P>(pf, m, a, l, first, stride, lane, sm.xs);
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, P == kQkv ? 0 : P + 1, 1);
+    }
+}
+
+template <class S>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const Model m, const Acts a, unsigned *tickets,
+                                                             int l) {
+    __shared__ Smem<S> sm;
+    const int h = blockIdx.x / m.splits, s = blockIdx.x % m.splits;
+    AttnRegs<S> r;
+    attn_prefetch(r, m, l, h, s);
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, 1, 0);
+    attention_item(r, m, a, tickets, l, h, s, sm);
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 1, 1);
+    }
+}
+
+// ---- (B, C) the persistent kernel ------------------------------------------------------------
+__device__ __forceinline__ unsigned tasks_of_block(int n_tasks) {
+    unsigned c = 0;
+    for (int w = 0; w < kWarps; ++w) {
+        const int first = blockIdx.x * kWarps + w, stride = gridDim.x * kWarps;
+        if (first < n_tasks) c += (n_tasks - 1 - first) / stride + 1;
+    }
+    return c;
+}
+template <class S>
+__device__ __forceinline__ int group_of_qkv_row(int r) {
+    using D = Dims<S>;
+    if (r < D::ATT) return r / S::HD / D::GRP;
+    if (r < D::ATT + S::NKV * S::HD) return (r - D::ATT) / S::HD;
+    return (r - D::ATT - S::NKV * S::HD) / S::HD;
+}
+
+// kBarrier = false: per-dependency counters (the finest correct), and a block with no work in a
+// phase neither waits nor signals there. kBarrier = true: one counter, a grid-wide barrier between
+// phases: every block arrives after every phase and every block waits for all arrivals before the
+// next (a block that skipped waiting could arrive for a later phase early and complete the count of
+// an earlier one). Both issue a phase's weight loads before its wait.
+template <class S, bool kBarrier>
+__global__ void __launch_bounds__(kThreads, 1) persistent_kernel(const Model m, const Acts a, Sync *sy) {
+    using D = Dims<S>;
+    __shared__ Smem<S> sm;
+    __shared__ unsigned s_epoch;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int grid = gridDim.x, first = blockIdx.x * kWarps + warp, stride = grid * kWarps;
+    const int block_first = blockIdx.x * kWarps;   // the block has work in a phase iff warp 0 has
+    const int items = S::NH * m.splits;
+    const int my_item = grid - 1 - (int)blockIdx.x; // attention items go to the last blocks
+    if (threadIdx.x == 0) s_epoch = *(volatile unsigned *)&sy->epoch;
+    __syncthreads();
+    const unsigned epoch = s_epoch;
+
+    Prefetch<S, kQkv> pa;
+    Prefetch<S, kO> pc;
+    Prefetch<S, kGateUp> pd;
+    Prefetch<S, kDown> pe;
+    Gamma<S::H> g_in, g_post;
+    AttnRegs<S> ar;
+
+    prefetch(pa, m, 0, first, stride, lane);
+    load_gamma(g_in, m.ln_in);
+    for (int l = 0; l < S::L; ++l) {
+        const unsigned gl = epoch * S::L + l;            // layers before this one, over all launches
+        const unsigned bar0 = 5u * gl * (unsigned)grid;  // barrier arrivals before this layer
+
+        // (a) RMSNorm + QKV: needs all of x (the previous layer's down rows)
+        const bool has_a = block_first < D::QKV;
+        if (kBarrier) block_wait(&sy->bar, bar0, &sy->abort);
+        else if (has_a && l > 0) block_wait(&sy->down, gl * S::H, &sy->abort);
+        if (has_a) {
+            trace(a, l, 0, 0);
+            stage_norm<S::H>(l == 0 ? a.x_in : a.x, g_in, sm.raw, sm.xs);
+            gemv_tasks<S, kQkv>(pa, m, a, l, first, stride, lane, sm.xs);
+            if (!kBarrier) {   // rows done per KV group
+                __syncthreads();
+                if (threadIdx.x < S::NKV) {
+                    unsigned c = 0;
+                    for (int w = 0; w < kWarps; ++w)
+                        for (int r = block_first + w; r < D::QKV; r += stride)
+                            c += group_of_qkv_row<S>(r) == (int)threadIdx.x;
+                    if (c > 0) {
+                        fence_acq_rel();
+                        red_add(&sy->group[threadIdx.x], c);
+                    }
+                }
+            }
+        }
+        if (kBarrier) block_signal(&sy->bar, 1);
+        if (has_a) trace(a, l, 0, 1);
+
+        // (b) attention: the O rows first (they stream in during it), then each item's K/V rows
+        //     before its wait; head h needs the QKV rows of its KV group
+        prefetch(pc, m, l, first, stride, lane);
+        const bool has_b = my_item < items;
+        if (has_b) attn_prefetch(ar, m, l, my_item / m.splits, my_item % m.splits);
+        if (kBarrier) block_wait(&sy->bar, bar0 + grid, &sy->abort);
+        for (int item = my_item; item < items; item += grid) {
+            const int h = item / m.splits, s = item % m.splits;
+            if (item != my_item) attn_prefetch(ar, m, l, h, s);
+            if (!kBarrier) block_wait(&sy->group[h / D::GRP], (gl + 1) * D::GROUP_ROWS, &sy->abort);
+            if (item == my_item) trace(a, l, 1, 0);
+            const bool done = attention_item(ar, m, a, sy->tickets, l, h, s, sm);
+            if (!kBarrier && done) block_signal(&sy->heads, 1);
+        }
+        if (kBarrier) block_signal(&sy->bar, 1);
+        if (has_b) trace(a, l, 1, 1);
+
+        // (c) O + residual: needs all heads
+        const bool has_c = block_first < S::H;
+        if (kBarrier) block_wait(&sy->bar, bar0 + 2 * grid, &sy->abort);
+        else if (has_c) block_wait(&sy->heads, (gl + 1) * S::NH, &sy->abort);
+        if (has_c) {
+            trace(a, l, 2, 0);
+            stage_plain<D::ATT>(a.attn, sm.xs);
+            gemv_tasks<S, kO>(pc, m, a, l, first, stride, lane, sm.xs);
+            if (!kBarrier) block_signal(&sy->o, tasks_of_block(S::H));
+        }
+        if (kBarrier) block_signal(&sy->bar, 1);
+        if (has_c) trace(a, l, 2, 1);
+
+        // (d) RMSNorm + gate/up + SwiGLU: needs all of x after O
+        prefetch(pd, m, l, first, stride, lane);
+        load_gamma(g_post, m.ln_post + (size_t)l * S::H);
+        const bool has_d = block_first < S::I;
+        if (kBarrier) block_wait(&sy->bar, bar0 + 3 * grid, &sy->abort);
+        else if (has_d) block_wait(&sy->o, (gl + 1) * S::H, &sy->abort);
+        if (has_d) {
+            trace(a, l, 3, 0);
+            stage_norm<S::H>(a.x, g_post, sm.raw, sm.xs);
+            gemv_tasks<S, kGateUp>(pd, m, a, l, first, stride, lane, sm.xs);
+            if (!kBarrier) block_signal(&sy->act, tasks_of_block(S::I));
+        }
+        if (kBarrier) block_signal(&sy->bar, 1);
+        if (has_d) trace(a, l, 3, 1);
+
+        // (e) down + residual: needs all of act
+        prefetch(pe, m, l, first, stride, lane);
+        const bool has_e = block_first < S::H;
+        if (kBarrier) block_wait(&sy->bar, bar0 + 4 * grid, &sy->abort);
+        else if (has_e) block_wait(&sy->act, (gl + 1) * S::I, &sy->abort);
+        if (has_e) {
+            trace(a, l, 4, 0);
+            stage_plain<S::I>(a.act, sm.xs);
+            gemv_tasks<S, kDown>(pe, m, a, l, first, stride, lane, sm.xs);
+            if (!kBarrier) block_signal(&sy->down, tasks_of_block(S::H));
+        }
+        if (kBarrier) block_signal(&sy->bar, 1);
+        if (has_e) trace(a, l, 4, 1);
+
+        if (l + 1 < S::L) {
+            prefetch(pa, m, l + 1, first, stride, lane);
+            load_gamma(g_in, m.ln_in + (size_t)(l + 1) * S::H);
+        }
+    }
+    // The last block to leave advances the epoch: every block read it at its start, before its
+    // own exit ticket, and the next launch starts after this one ends.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned old = atomicAdd(&sy->exit, 1u);
+        if (old + 1 == (epoch + 1) * (unsigned)grid) atomicExch(&sy->epoch, epoch + 1);
+    }
+}
+
+// ---- initialisation ---------------------------------------------------------------------
+__host__ __device__ inline uint32_t hash32(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return (uint32_t)x;
+}
+// p[i] = bf16(offset + scale * u), u uniform in [-1, 1) from (seed, i)
+__global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float offset, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float u = (float)(hash32(((uint64_t)seed << 40) ^ i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+        p[i] = to_bf(offset + scale * u);
+    }
+}
+// rows [row0, rows) of each of the L layers of a [L][rows][width] bf16 array set to zero
+__global__ void zero_rows(uint16_t *p, int layers, int rows, int row0, int width) {
+    const size_t n = (size_t)layers * (rows - row0) * width;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t l = i / ((size_t)(rows - row0) * width), rest = i % ((size_t)(rows - row0) * width);
+        p[(l * rows + row0) * width + rest] = 0;
+    }
+}
+
+// ---- host side -------------------------------------------------------------------------
+float host_bf(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+uint16_t host_to_bf(float f) {   // round to nearest even, as __float2bfloat16_rn (finite values)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+std::vector<uint16_t> fetch_bf(const uint16_t *d, size_t n) {
+    std::vector<uint16_t> h(n);
+    CK(cudaMemcpy(h.data(), d, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+    return h;
+}
+double rel_l2(const std::vector<double> &ref, const float *got, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const double d = (double)got[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The step on the host in fp64 over all layers (weights read back from the device). Row C's k and
+// v are rounded to bf16 as the cache holds them, and used as such, as on the device.
+template <class S>
+void cpu_reference(const Model &m, const std::vector<float> &x_in, const std::vector<float> &rcos,
+                   const std::vector<float> &rsin, std::vector<double> &x, std::vector<double> &krow,
+                   std::vector<double> &vrow) {
+    using D = Dims<S>;
+    constexpr int H = S::H, HD = S::HD, NH = S::NH, NKV = S::NKV, I = S::I, half = HD / 2;
+    const int C = m.ctx;
+    x.assign(x_in.begin(), x_in.end());
+    krow.assign((size_t)S::L * NKV * HD, 0.0);
+    vrow.assign((size_t)S::L * NKV * HD, 0.0);
+    auto rmsnorm = [](const std::vector<double> &v, const std::vector<uint16_t> &w, size_t off, int n) {
+        double ss = 0;
+        for (int i = 0; i < n; ++i) ss += v[i] * v[i];
+        const double inv = 1.0 / std::sqrt(ss / n + (double)kEps);
+        std::vector<double> o(n);
+        for (int i = 0; i < n; ++i) o[i] = v[i] * inv * host_bf(w[off + i]);
+        return o;
+    };
+    auto rope = [&](std::vector<double> &v) {
+        std::vector<double> o(HD);
+        for (int t = 0; t < HD; ++t) {
+            const double c = rcos[t % half], sn = rsin[t % half];
+            o[t] = t < half ? v[t] * c - v[t + half] * sn : v[t] * c + v[t - half] * sn;
+        }
+        v = o;
+    };
+    const size_t row_stride = (size_t)NKV * HD;
+    const std::vector<uint16_t> ln_in = fetch_bf(m.ln_in, (size_t)S::L * H);
+    const std::vector<uint16_t> ln_post = fetch_bf(m.ln_post, (size_t)S::L * H);
+    std::vector<uint16_t> qn, kn;
+    if (S::QKN) qn = fetch_bf(m.q_norm, (size_t)S::L * HD), kn = fetch_bf(m.k_norm, (size_t)S::L * HD);
+    for (int l = 0; l < S::L; ++l) {
+        const std::vector<uint16_t> wqkv = fetch_bf(m.w_qkv + (size_t)l * D::QKV * H, (size_t)D::QKV * H);
+        const std::vector<uint16_t> wo = fetch_bf(m.w_o + (size_t)l * H * D::ATT, (size_t)H * D::ATT);
+        const std::vector<uint16_t> wgu = fetch_bf(m.w_gu + (size_t)l * 2 * I * H, (size_t)2 * I * H);
+        const std::vector<uint16_t> wd = fetch_bf(m.w_down + (size_t)l * H * I, (size_t)H * I);
+        const std::vector<uint16_t> kc = fetch_bf(m.k_cache + (size_t)l * m.max_ctx * row_stride, (size_t)C * row_stride);
+        const std::vector<uint16_t> vc = fetch_bf(m.v_cache + (size_t)l * m.max_ctx * row_stride, (size_t)C * row_stride);
+        // (a)
+        const std::vector<double> xn = rmsnorm(x, ln_in, (size_t)l * H, H);
+        std::vector<double> qkv(D::QKV);
+        for (int r = 0; r < D::QKV; ++r) {
+            double s = 0;
+            for (int c = 0; c < H; ++c) s += host_bf(wqkv[(size_t)r * H + c]) * xn[c];
+            qkv[r] = s;
+        }
+        // (b)
+        std::vector<double> kb((size_t)NKV * HD), vb((size_t)NKV * HD), attn(D::ATT);
+        for (int g = 0; g < NKV; ++g) {
+            std::vector<double> k(qkv.begin() + D::ATT + g * HD, qkv.begin() + D::ATT + (g + 1) * HD);
+            if (S::QKN) k = rmsnorm(k, kn, (size_t)l * HD, HD);
+            rope(k);
+            for (int d = 0; d < HD; ++d) {
+                kb[(size_t)g * HD + d] = host_bf(host_to_bf((float)k[d]));
+                vb[(size_t)g * HD + d] = host_bf(host_to_bf((float)qkv[D::ATT + NKV * HD + g * HD + d]));
+            }
+        }
+        std::copy(kb.begin(), kb.end(), krow.begin() + (size_t)l * NKV * HD);
+        std::copy(vb.begin(), vb.end(), vrow.begin() + (size_t)l * NKV * HD);
+        const double scale = 1.0 / std::sqrt((double)HD);
+        for (int h = 0; h < NH; ++h) {
+            const int g = h / D::GRP;
+            std::vector<double> q(qkv.begin() + h * HD, qkv.begin() + (h + 1) * HD);
+            if (S::QKN) q = rmsnorm(q, qn, (size_t)l * HD, HD);
+            rope(q);
+            std::vector<double> sc(C + 1);
+            double mx = -1e300;
+            for (int j = 0; j <= C; ++j) {
+                double s = 0;
+                for (int d = 0; d < HD; ++d)
+                    s += q[d] * (j < C ? host_bf(kc[(size_t)j * row_stride + g * HD + d]) : kb[(size_t)g * HD + d]);
+                sc[j] = s * scale;
+                mx = std::max(mx, sc[j]);
+            }
+            double total = 0;
+            for (int j = 0; j <= C; ++j) total += (sc[j] = std::exp(sc[j] - mx));
+            for (int d = 0; d < HD; ++d) {
+                double o = 0;
+                for (int j = 0; j <= C; ++j)
+                    o += sc[j] * (j < C ? host_bf(vc[(size_t)j * row_stride + g * HD + d]) : vb[(size_t)g * HD + d]);
+                attn[h * HD + d] = o / total;
+            }
+        }
+        // (c)
+        for (int r = 0; r < H; ++r) {
+            double s = 0;
+            for (int c = 0; c < D::ATT; ++c) s += host_bf(wo[(size_t)r * D::ATT + c]) * attn[c];
+            x[r] += s;
+        }
+        // (d)
+        const std::vector<double> xn2 = rmsnorm(x, ln_post, (size_t)l * H, H);
+        std::vector<double> act(I);
+        for (int i = 0; i < I; ++i) {
+            double gt = 0, up = 0;
+            for (int c = 0; c < H; ++c) {
+                gt += host_bf(wgu[(size_t)i * H + c]) * xn2[c];
+                up += host_bf(wgu[(size_t)(I + i) * H + c]) * xn2[c];
+            }
+            act[i] = gt / (1.0 + std::exp(-gt)) * up;
+        }
+        // (e)
+        for (int r = 0; r < H; ++r) {
+            double s = 0;
+            for (int c = 0; c < I; ++c) s += host_bf(wd[(size_t)r * I + c]) * act[c];
+            x[r] += s;
+        }
+    }
+}
+
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), int grid, cudaStream_t stream, bool pdl, bool cooperative, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        ++n;
+    }
+    if (cooperative) {
+        attr[n].id = cudaLaunchAttributeCooperative;
+        attr[n].val.cooperative = 1;
+        ++n;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+struct VariantResult {
+    std::string name;
+    double us_token = 0, us_layer = 0, frac_floor = 0, speedup = 0;
+    bool stable = false, no_abort = false;
+    std::vector<double> handover_us, work_us;   // --trace, per phase
+};
+struct ConfigResult {
+    std::string shape;
+    int ctx = 0, splits = 0, sms = 0, iters = 0;
+    double bytes_layer = 0, floor_us_layer = 0, bw_gbs = 0;
+    std::vector<VariantResult> variants;
+    bool bit_identical = false, kv_identical = false, pass = false;
+    double ref_err_x = 0, ref_err_k = 0, ref_err_v = 0;
+    int persistent_regs = 0, persistent_local = 0;
+};
+
+// --trace: per phase, mean over layers 1..L-1 of one replay: hand-over = the median block's start
+// of the phase's work minus the last block's end of the phase before; work = the last block's
+// end minus the median start; span = the last end minus the last end before (the spans add up
+// to the layer).
+void report_trace(VariantResult &vr, const std::vector<unsigned long long> &tr, int layers) {
+    const char *phase[5] = {"qkv", "attention", "o+res", "gate/up", "down+res"};
+    double hop[5] = {0}, work[5] = {0}, span[5] = {0};
+    auto at = [&](int l, int p, int b, int k) { return tr[(((size_t)l * 5 + p) * kTraceBlocks + b) * 2 + k]; };
+    std::vector<unsigned long long> end_prev(1, 0);
+    for (int l = 0; l < layers; ++l) {
+        for (int p = 0; p < 5; ++p) {
+            std::vector<unsigned long long> starts;
+            unsigned long long last_end = 0;
+            for (int b = 0; b < kTraceBlocks; ++b) {
+                if (at(l, p, b, 0)) starts.push_back(at(l, p, b, 0));
+                last_end = std::max(last_end, at(l, p, b, 1));
+            }
+            if (starts.empty()) return;
+            std::sort(starts.begin(), starts.end());
+            const double med = (double)starts[starts.size() / 2];
+            if (l > 0) {
+                hop[p] += (med - (double)end_prev[0]) * 1e-3;
+                work[p] += ((double)last_end - med) * 1e-3;
+                span[p] += ((double)last_end - (double)end_prev[0]) * 1e-3;
+            }
+            end_prev[0] = last_end;
+        }
+    }
+    printf("  trace %-18s", vr.name.c_str());
+    double total = 0;
+    for (int p = 0; p < 5; ++p) {
+        printf(" | %s %.2f+%.2f", phase[p], hop[p] / (layers - 1), work[p] / (layers - 1));
+        vr.handover_us.push_back(hop[p] / (layers - 1));
+        vr.work_us.push_back(work[p] / (layers - 1));
+        total += span[p] / (layers - 1);
+    }
+    printf(" | layer %.2f us\n", total);
+}
+
+template <class S>
+ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
+    using D = Dims<S>;
+    ConfigResult res;
+    res.shape = S::kName, res.ctx = ctx, res.sms = sms, res.iters = iters, res.bw_gbs = bw / 1e9;
+    constexpr int L = S::L, H = S::H, HD = S::HD, NKV = S::NKV, I = S::I;
+
+    // persistent kernel: one block per SM, all resident
+    int per_sm_fine = 0, per_sm_bar = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_fine, persistent_kernel<S, false>, kThreads, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_bar, persistent_kernel<S, true>, kThreads, 0));
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, persistent_kernel<S, false>));
+    res.persistent_regs = fa.numRegs, res.persistent_local = (int)fa.localSizeBytes;
+    printf("%s: persistent kernel %d registers a thread, %d bytes local, %zu bytes shared; blocks a SM: %d (barrier variant %d)\n",
+           S::kName, fa.numRegs, (int)fa.localSizeBytes, fa.sharedSizeBytes, per_sm_fine, per_sm_bar);
+    if (per_sm_fine < 1 || per_sm_bar < 1) {
+        fprintf(stderr, "REFUSED: the persistent kernel cannot place one %d-thread block on every SM "
+                        "(occupancy %d / %d); its waits would deadlock. Nothing run for %s.\n",
+                kThreads, per_sm_fine, per_sm_bar, S::kName);
+        exit(1);
+    }
+
+    // attention split: each split one batch of a block (rows <= RB)
+    const int splits = (ctx + 1 + D::RB - 1) / D::RB;
+    const int split_rows = (ctx + 1 + splits - 1) / splits;
+    res.splits = splits;
+    if (S::NH > 32 || S::NKV > 16) { fprintf(stderr, "Sync arrays too small\n"); exit(1); }
+
+    // weights and cache
+    const size_t n_qkv = (size_t)L * D::QKV * H, n_o = (size_t)L * H * D::ATT, n_gu = (size_t)L * 2 * I * H,
+                 n_down = (size_t)L * H * I, n_kv = (size_t)L * (ctx + 1) * NKV * HD;
+    uint16_t *ln_in, *ln_post, *q_norm, *k_norm, *w_qkv, *w_o, *w_gu, *w_down, *k_cache, *v_cache;
+    CK(cudaMalloc(&ln_in, (size_t)L * H * 2));
+    CK(cudaMalloc(&ln_post, (size_t)L * H * 2));
+    CK(cudaMalloc(&q_norm, (size_t)L * HD * 2));
+    CK(cudaMalloc(&k_norm, (size_t)L * HD * 2));
+    CK(cudaMalloc(&w_qkv, n_qkv * 2));
+    CK(cudaMalloc(&w_o, n_o * 2));
+    CK(cudaMalloc(&w_gu, n_gu * 2));
+    CK(cudaMalloc(&w_down, n_down * 2));
+    CK(cudaMalloc(&k_cache, n_kv * 2));
+    CK(cudaMalloc(&v_cache, n_kv * 2));
+    auto fill = [](uint16_t *p, size_t n, uint32_t seed, float off, float scale) {
+        fill_bf16<<<1024, 256>>>(p, n, seed, off, scale);
+        CK(cudaGetLastError());
+    };
+    fill(ln_in, (size_t)L * H, 1, 1.f, 0.05f);
+    fill(ln_post, (size_t)L * H, 2, 1.f, 0.05f);
+    fill(q_norm, (size_t)L * HD, 3, 1.f, 0.05f);
+    fill(k_norm, (size_t)L * HD, 4, 1.f, 0.05f);
+    fill(w_qkv, n_qkv, 5, 0.f, 0.05f);
+    fill(w_o, n_o, 6, 0.f, 0.05f);
+    fill(w_gu, n_gu, 7, 0.f, 0.05f);
+    fill(w_down, n_down, 8, 0.f, 0.05f);
+    fill(k_cache, n_kv, 9, 0.f, 1.f);
+    fill(v_cache, n_kv, 10, 0.f, 1.f);
+    zero_rows<<<256, 256>>>(k_cache, L, ctx + 1, ctx, NKV * HD);
+    CK(cudaGetLastError());
+    zero_rows<<<256, 256>>>(v_cache, L, ctx + 1, ctx, NKV * HD);
+    CK(cudaGetLastError());
+
+    // RoPE at position ctx (host fp64, rounded to fp32; the reference uses the same values)
+    std::vector<float> rcos(HD / 2), rsin(HD / 2);
+    for (int i = 0; i < HD / 2; ++i) {
+        const double ang = (double)ctx * std::pow(kRopeTheta, -2.0 * i / HD);
+        rcos[i] = (float)std::cos(ang), rsin[i] = (float)std::sin(ang);
+    }
+    float *d_cos, *d_sin;
+    CK(cudaMalloc(&d_cos, HD / 2 * sizeof(float)));
+    CK(cudaMalloc(&d_sin, HD / 2 * sizeof(float)));
+    CK(cudaMemcpy(d_cos, rcos.data(), HD / 2 * sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_sin, rsin.data(), HD / 2 * sizeof(float), cudaMemcpyHostToDevice));
+
+    Model m = {ln_in, ln_post, q_norm, k_norm, w_qkv, w_o, w_gu, w_down, k_cache, v_cache, d_cos, d_sin,
+               ctx, ctx + 1, splits, split_rows};
+
+    // activations
+    std::vector<float> x_in(H);
+    for (int i = 0; i < H; ++i) x_in[i] = (float)(hash32(0xabcdef00ull + i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    float *d_x_in, *d_x, *d_qkv, *d_attn, *d_act, *d_po, *d_pml;
+    CK(cudaMalloc(&d_x_in, H * sizeof(float)));
+    CK(cudaMalloc(&d_x, H * sizeof(float)));
+    CK(cudaMalloc(&d_qkv, D::QKV * sizeof(float)));
+    CK(cudaMalloc(&d_attn, D::ATT * sizeof(float)));
+    CK(cudaMalloc(&d_act, I * sizeof(float)));
+    CK(cudaMalloc(&d_po, (size_t)S::NH * splits * HD * sizeof(float)));
+    CK(cudaMalloc(&d_pml, (size_t)S::NH * splits * 2 * sizeof(float)));
+    CK(cudaMemcpy(d_x_in, x_in.data(), H * sizeof(float), cudaMemcpyHostToDevice));
+    const Acts a = {d_x_in, d_x, d_qkv, d_attn, d_act, d_po, d_pml, nullptr};
+    Sync *sync;   // [3]: baseline (tickets only), persistent, persistent_barrier
+    CK(cudaMalloc(&sync, 3 * sizeof(Sync)));
+    CK(cudaMemset(sync, 0, 3 * sizeof(Sync)));
+    CK(cudaDeviceSynchronize());
+
+    // graphs
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto gemv_grid = [&](int tasks) { return std::min(sms, (tasks + kWarps - 1) / kWarps); };
+    auto build = [&](int v, const Acts &acts) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        if (v == 0) {
+            for (int l = 0; l < L; ++l) {
+                launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
+                launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
+                launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
+                launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
+            }
+        } else if (v == 1) {
+            launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
+        } else {
+            launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
+        }
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+        return ge;
+    };
+    cudaGraphExec_t exec[3];
+    for (int v = 0; v < 3; ++v) exec[v] = build(v, a);
+    const char *names[3] = {"baseline", "persistent", "persistent_barrier"};
+
+    // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
+    const size_t row_elems = (size_t)NKV * HD;
+    auto read_rows = [&](uint16_t *cache, std::vector<uint16_t> &out) {
+        out.resize((size_t)L * row_elems);
+        CK(cudaMemcpy2D(out.data(), row_elems * 2, cache + (size_t)ctx * row_elems, (size_t)(ctx + 1) * row_elems * 2,
+                        row_elems * 2, L, cudaMemcpyDeviceToHost));
+    };
+    auto read_abort = [&](int v) {
+        unsigned ab = 0;
+        CK(cudaMemcpy(&ab, &sync[v].abort, sizeof(unsigned), cudaMemcpyDeviceToHost));
+        return ab;
+    };
+    std::vector<float> out[3];
+    std::vector<uint16_t> krows[3], vrows[3];
+    bool no_abort[3];
+    for (int v = 0; v < 3; ++v) {
+        CK(cudaMemsetAsync(d_x, 0xff, H * sizeof(float), stream));
+        zero_rows<<<256, 256, 0, stream>>>(k_cache, L, ctx + 1, ctx, NKV * HD);
+        CK(cudaGetLastError());
+        zero_rows<<<256, 256, 0, stream>>>(v_cache, L, ctx + 1, ctx, NKV * HD);
+        CK(cudaGetLastError());
+        CK(cudaGraphLaunch(exec[v], stream));
+        CK(cudaStreamSynchronize(stream));
+        out[v].resize(H);
+        CK(cudaMemcpy(out[v].data(), d_x, H * sizeof(float), cudaMemcpyDeviceToHost));
+        read_rows(k_cache, krows[v]);
+        read_rows(v_cache, vrows[v]);
+        no_abort[v] = read_abort(v) == 0;
+        if (!no_abort[v]) printf("  %s: a wait timed out (abort flag set): results invalid\n", names[v]);
+    }
+    res.bit_identical = memcmp(out[0].data(), out[1].data(), H * 4) == 0 && memcmp(out[0].data(), out[2].data(), H * 4) == 0;
+    res.kv_identical = krows[0] == krows[1] && krows[0] == krows[2] && vrows[0] == vrows[1] && vrows[0] == vrows[2];
+    if (!res.bit_identical) {
+        for (int v = 1; v < 3; ++v) {
+            int first_diff = -1, n_diff = 0;
+            for (int i = 0; i < H; ++i)
+                if (memcmp(&out[0][i], &out[v][i], 4) != 0) { if (first_diff < 0) first_diff = i; ++n_diff; }
+            if (n_diff) printf("  %s differs from baseline in %d of %d elements (first %d: %.9g vs %.9g)\n", names[v],
+                               n_diff, H, first_diff, out[0][first_diff], out[v][first_diff]);
+        }
+    }
+
+    // CPU reference
+    std::vector<double> ref_x, ref_k, ref_v;
+    cpu_reference<S>(m, x_in, rcos, rsin, ref_x, ref_k, ref_v);
+    std::vector<float> kf(krows[0].size()), vf(vrows[0].size());
+    for (size_t i = 0; i < kf.size(); ++i) kf[i] = host_bf(krows[0][i]), vf[i] = host_bf(vrows[0][i]);
+    res.ref_err_x = rel_l2(ref_x, out[0].data(), H);
+    res.ref_err_k = rel_l2(ref_k, kf.data(), kf.size());
+    res.ref_err_v = rel_l2(ref_v, vf.data(), vf.size());
+    bool finite = true;
+    for (int v = 0; v < 3; ++v)
+        for (float f : out[v]) finite = finite && std::isfinite(f);
+
+    // timing: warm up, then N replays between events
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const double bytes_w = 2.0 * ((double)D::QKV * H + (double)H * D::ATT + 2.0 * I * H + (double)H * I + 2.0 * H +
+                                  (S::QKN ? 2.0 * HD : 0.0));
+    const double bytes_kv = 2.0 * 2.0 * (double)NKV * HD * (ctx + 1);   // K and V: C rows read, row C written
+    res.bytes_layer = bytes_w + bytes_kv;
+    res.floor_us_layer = res.bytes_layer / bw * 1e6;
+    bool all_stable = true;
+    for (int v = 0; v < 3; ++v) {
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(exec[v], stream));
+        CK(cudaEventRecord(e0, stream));
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(exec[v], stream));
+        CK(cudaEventRecord(e1, stream));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        VariantResult vr;
+        vr.name = names[v];
+        vr.us_token = ms * 1e3 / iters;
+        vr.us_layer = vr.us_token / L;
+        vr.frac_floor = res.floor_us_layer / vr.us_layer;
+        std::vector<float> again(H);
+        CK(cudaMemcpy(again.data(), d_x, H * sizeof(float), cudaMemcpyDeviceToHost));
+        vr.stable = memcmp(again.data(), out[v].data(), H * 4) == 0;
+        vr.no_abort = no_abort[v] && read_abort(v) == 0;
+        all_stable = all_stable && vr.stable && vr.no_abort;
+        res.variants.push_back(vr);
+    }
+    for (auto &vr : res.variants) vr.speedup = res.variants[0].us_token / vr.us_token;
+
+    // --trace: one replay of each variant with timestamps (separate graphs; the timed ones have none)
+    std::vector<std::vector<unsigned long long>> traces;
+    const bool can_trace = sms <= kTraceBlocks && S::NH * splits <= kTraceBlocks;
+    if (do_trace && can_trace) {
+        const size_t n_trace = (size_t)L * 5 * kTraceBlocks * 2;
+        unsigned long long *d_trace;
+        CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
+        Acts at = a;
+        at.trace = d_trace;
+        for (int v = 0; v < 3; ++v) {
+            cudaGraphExec_t ge = build(v, at);
+            CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
+            for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, stream));   // the last one's stamps stay
+            CK(cudaStreamSynchronize(stream));
+            traces.emplace_back(n_trace);
+            CK(cudaMemcpy(traces.back().data(), d_trace, n_trace * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+            CK(cudaGraphExecDestroy(ge));
+            if (read_abort(v) != 0) all_stable = false;
+        }
+        CK(cudaFree(d_trace));
+    }
+
+    const bool ref_ok = res.ref_err_x < 1e-3 && res.ref_err_k < 1e-3 && res.ref_err_v < 1e-3;
+    res.pass = res.bit_identical && res.kv_identical && ref_ok && finite && all_stable;
+
+    printf("\n%s, context %d (attention: %d split%s of <= %d rows), %d SMs, %d replays\n", S::kName, ctx, splits,
+           splits > 1 ? "s" : "", split_rows, sms, iters);
+    printf("  bytes a layer %.3f MB (weights %.3f, KV %.3f); copy bandwidth %.0f GB/s; floor %.2f us a layer\n",
+           res.bytes_layer / 1e6, bytes_w / 1e6, bytes_kv / 1e6, bw / 1e9, res.floor_us_layer);
+    printf("  %-20s %12s %12s %14s %14s\n", "variant", "us/token", "us/layer", "floor/layer", "baseline/this");
+    for (const auto &vr : res.variants)
+        printf("  %-20s %12.2f %12.3f %13.1f%% %14.2f\n", vr.name.c_str(), vr.us_token, vr.us_layer, 100.0 * vr.frac_floor,
+               vr.speedup);
+    printf("  checks: x bit-identical across variants %s; K/V row C identical %s; stable over replays %s; finite %s\n",
+           res.bit_identical ? "yes" : "NO", res.kv_identical ? "yes" : "NO", all_stable ? "yes" : "NO",
+           finite ? "yes" : "NO");
+    printf("  vs CPU fp64 reference: rel L2 x %.3g, k row %.3g, v row %.3g (< 1e-3) -> %s\n", res.ref_err_x,
+           res.ref_err_k, res.ref_err_v, ref_ok ? "ok" : "TOO LARGE");
+    if (do_trace && !can_trace) printf("  (no trace: more than %d blocks)\n", kTraceBlocks);
+    if (!traces.empty())
+        printf("  trace, us a layer (mean over layers 1..%d of one replay), per phase: hand-over + work\n", L - 1);
+    for (size_t v = 0; v < traces.size(); ++v) report_trace(res.variants[v], traces[v], L);
+    printf("  %s\n", res.pass ? "PASS" : "FAIL");
+
+    for (int v = 0; v < 3; ++v) CK(cudaGraphExecDestroy(exec[v]));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaStreamDestroy(stream));
+    for (void *p : {(void *)ln_in, (void *)ln_post, (void *)q_norm, (void *)k_norm, (void *)w_qkv, (void *)w_o,
+                    (void *)w_gu, (void *)w_down, (void *)k_cache, (void *)v_cache, (void *)d_cos, (void *)d_sin,
+                    (void *)d_x_in, (void *)d_x, (void *)d_qkv, (void *)d_attn, (void *)d_act, (void *)d_po,
+                    (void *)d_pml, (void *)sync})
+        CK(cudaFree(p));
+    return res;
+}
+
+// Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
+double copy_bandwidth() {
+    const size_t bytes = 1ull << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    CK(cudaMemset(src, 1, bytes));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    const int reps = 5;
+    CK(cudaEventRecord(e0, 0));
+    for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    CK(cudaEventRecord(e1, 0));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+    return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+void write_json(const char *path, const std::vector<ConfigResult> &rs, const char *device, bool pass) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "cannot write %s\n", path);
+        exit(1);
+    }
+    fprintf(f, "{\n  \"device\": \"%s\",\n  \"pass\": %s,\n  \"configs\": [\n", device, pass ? "true" : "false");
+    for (size_t i = 0; i < rs.size(); ++i) {
+        const ConfigResult &r = rs[i];
+        fprintf(f, "    {\"shape\": \"%s\", \"context\": %d, \"attention_splits\": %d, \"sms\": %d, \"replays\": %d,\n",
+                r.shape.c_str(), r.ctx, r.splits, r.sms, r.iters);
+        fprintf(f, "     \"copy_bandwidth_GBps\": %.1f, \"bytes_per_layer\": %.0f, \"floor_us_per_layer\": %.4f,\n",
+                r.bw_gbs, r.bytes_layer, r.floor_us_layer);
+        fprintf(f, "     \"persistent_registers\": %d, \"persistent_local_bytes\": %d,\n", r.persistent_regs,
+                r.persistent_local);
+        fprintf(f, "     \"variants\": {");
+        for (size_t v = 0; v < r.variants.size(); ++v) {
+            const VariantResult &vr = r.variants[v];
+            fprintf(f, "%s\n       \"%s\": {\"us_per_token\": %.3f, \"us_per_layer\": %.4f, \"fraction_of_floor\": %.4f, "
+                       "\"baseline_over_this\": %.4f, \"stable\": %s",
+                    v ? "," : "", vr.name.c_str(), vr.us_token, vr.us_layer, vr.frac_floor, vr.speedup,
+                    vr.stable && vr.no_abort ? "true" : "false");
+            if (!vr.handover_us.empty()) {   // --trace: qkv, attention, o, gate/up, down
+                fprintf(f, ", \"trace_handover_us\": [");
+                for (size_t p = 0; p < vr.handover_us.size(); ++p) fprintf(f, "%s%.3f", p ? ", " : "", vr.handover_us[p]);
+                fprintf(f, "], \"trace_work_us\": [");
+                for (size_t p = 0; p < vr.work_us.size(); ++p) fprintf(f, "%s%.3f", p ? ", " : "", vr.work_us[p]);
+                fprintf(f, "]");
+            }
+            fprintf(f, "}");
+        }
+        fprintf(f, "},\n     \"bit_identical\": %s, \"kv_row_identical\": %s, \"ref_rel_l2_x\": %.3e, "
+                   "\"ref_rel_l2_k\": %.3e, \"ref_rel_l2_v\": %.3e, \"pass\": %s}%s\n",
+                r.bit_identical ? "true" : "false", r.kv_identical ? "true" : "false", r.ref_err_x, r.ref_err_k,
+                r.ref_err_v, r.pass ? "true" : "false", i + 1 < rs.size() ? "," : "");
+    }
+    fprintf(f, "  ]\n}\n");
+    fclose(f);
+}
+
+void usage(const char *argv0) {
+    printf("usage: %s [--shape smollm2|qwen3-0.6b|both] [--context C[,C...]] [--iters N] [--json PATH] [--trace]\n",
+           argv0);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    std::string shape = "both", json;
+    std::vector<int> contexts;
+    int iters = 200;
+    bool trace = false;
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const bool has_value = i + 1 < argc;
+        if (arg == "--shape" && has_value) {
+            shape = argv[++i];
+        } else if (arg == "--context" && has_value) {
+            std::string list = argv[++i];
+            for (size_t p = 0; p <= list.size();) {
+                const size_t q = std::min(list.find(',', p), list.size());
+                contexts.push_back(atoi(list.substr(p, q - p).c_str()));
+                p = q + 1;
+            }
+        } else if (arg == "--iters" && has_value) {
+            iters = atoi(argv[++i]);
+        } else if (arg == "--json" && has_value) {
+            json = argv[++i];
+        } else if (arg == "--trace") {
+            trace = true;
+        } else {
+            usage(argv[0]);
+            return arg == "--help" || arg == "-h" ? 0 : 1;
+        }
+    }
+    if (contexts.empty()) contexts.push_back(64);
+    for (int c : contexts)
+        if (c < 1 || c > 65536) {
+            fprintf(stderr, "context %d out of range [1, 65536]\n", c);
+            return 1;
+        }
+    if (iters < 1 || (shape != "both" && shape != "smollm2" && shape != "qwen3-0.6b")) {
+        usage(argv[0]);
+        return 1;
+    }
+
+    int dev = 0, sms = 0, coop = 0, major = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    if (major < 9 || !coop) {
+        fprintf(stderr, "needs sm_90+ with cooperative launch (PDL, co-resident persistent blocks); %s has sm_%d0, "
+                        "cooperative %d\n", prop.name, major, coop);
+        return 1;
+    }
+    const double bw = copy_bandwidth();
+    printf("%s: %d SMs; device-to-device copy of 1 GiB: %.0f GB/s (read + written)\n", prop.name, sms, bw / 1e9);
+
+    std::vector<ConfigResult> results;
+    bool pass = true;
+    for (int ctx : contexts) {
+        if (shape == "both" || shape == "smollm2") results.push_back(run_config<SmolLM2>(ctx, iters, sms, bw, trace));
+        if (shape == "both" || shape == "qwen3-0.6b") results.push_back(run_config<Qwen3_06B>(ctx, iters, sms, bw, trace));
+    }
+    for (const auto &r : results) pass = pass && r.pass;
+    if (!json.empty()) write_json(json.c_str(), results, prop.name, pass);
+    printf("\n%s\n", pass ? "PASS" : "FAIL");
+    return pass ? 0 : 1;
+}
