@@ -64,8 +64,13 @@ fi
 if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   markers=()
   [ "$MODE" = quick ] && markers=(-m "not slow")
-  timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -q -rs --durations=15 "${markers[@]}" tests > "$OUT/pytest.log" 2>&1
-  note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log")"
+  # -v names each result as it comes, so a run cut by its time limit still names its failures;
+  # pytest-xdist (when installed) runs the files on PYTEST_WORKERS processes sharing the GPU.
+  workers=()
+  python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-4}" --dist loadfile)
+  timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -rfs --durations=15 "${workers[@]}" "${markers[@]}" \
+    tests > "$OUT/pytest.log" 2>&1
+  note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log"); results named FAILED or ERROR: $(grep -cE '(FAILED|ERROR) tests/' "$OUT/pytest.log")"
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
   SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
     bash scripts/sanitize.sh ${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck} > "$OUT/sanitize.log" 2>&1
@@ -94,7 +99,8 @@ note "bench: rc=$?"
 if [ "$MODE" = real ]; then
   echo "==== real model"; tail -n 12 "$OUT/pytest-real.log"; cat "$OUT/demo.log"; tail -n 6 "$OUT/perplexity-gpu.log"
 elif [ "$MODE" != bench ]; then
-  echo "==== pytest (tail)"; tail -n 20 "$OUT/pytest.log"
+  echo "==== pytest (failures, then the tail)"; grep -E '(FAILED|ERROR) tests/' "$OUT/pytest.log" | head -n 20
+  tail -n 3 "$OUT/pytest.log"
   echo "==== sanitize"; grep -E "^(memcheck|initcheck|racecheck|synccheck) " "$OUT/sanitize.log"
 fi
 echo "==== bench"; tail -n 30 "$OUT/bench.log"
