@@ -704,7 +704,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         loc1 = loc2;
         locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
         attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
-                                hd, p.inv_sqrt_hd, lane, st);
+                                      hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
     }
