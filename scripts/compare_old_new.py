@@ -9,9 +9,14 @@ DIR holds, per model, these documents (int8 KV, bf16 weights, E engines each):
                           pipelined, as generate runs it; from `python -m bench` (this layout) it
                           reads as new-MODEL.json does
   old-stepped-MODEL.json  runtime.bench only: the same with --pipeline off, its "onegraph-graph"
-                          the graph stepped one token at a time
+                          the graph stepped one token at a time (alternating with the non-graph
+                          path)
   new-MODEL.json          `python -m bench`: "onegraph-graph" (stepped), "onegraph-graph-pipelined"
                           and "onegraph-nongraph"
+  new-stepped-MODEL.json  with old-stepped only: `python -m bench --pipeline off`, the same two
+                          modes in turn as old-stepped's, so that the stepped and non-graph rows
+                          compare runs of the same modes (a mode's rate can move a few percent
+                          with the modes it alternates with)
 Each row: the median engine's tok/s (old, new), new / old, each side's spread over its engines
 (min-max tok/s), and the token checks: graph == non-graph within each run, old == new (the same
 seed gives the same weights and prompt, so an unchanged computation gives the same tokens).
@@ -23,12 +28,14 @@ import json
 import os
 import sys
 
-# (row label, (old document, old runtime), new runtime): an old tree of 2a59be2's layout, and
-# one of this layout
-MODES = [("non-graph", ("old", "onegraph-nongraph"), "onegraph-nongraph"),
-         ("graph, stepped", ("old-stepped", "onegraph-graph"), "onegraph-graph"),
-         ("graph, pipelined", ("old", "onegraph-graph"), "onegraph-graph-pipelined")]
-SAME_LAYOUT_MODES = [(label, ("old", new), new) for label, _, new in MODES]
+# (row label, (old document, old runtime), (new document, new runtime)): an old tree of
+# 2a59be2's layout, and one of this layout
+MODES = [("non-graph", ("old-stepped", "onegraph-nongraph"), ("new-stepped", "onegraph-nongraph")),
+         ("graph, stepped", ("old-stepped", "onegraph-graph"), ("new-stepped", "onegraph-graph")),
+         ("graph, pipelined", ("old", "onegraph-graph"), ("new", "onegraph-graph-pipelined"))]
+SAME_LAYOUT_MODES = [(label, ("old", runtime), ("new", runtime))
+                     for label, runtime in (("non-graph", "onegraph-nongraph"), ("graph, stepped", "onegraph-graph"),
+                                            ("graph, pipelined", "onegraph-graph-pipelined"))]
 
 
 def record(doc: dict, runtime: str) -> dict | None:
@@ -43,11 +50,12 @@ def spread(r: dict) -> str:
 
 
 def compare(docs: dict[str, dict], model: str) -> tuple[list[list[str]], list[str]]:
-    """(table rows, failed checks) for one model; docs maps "old", "old-stepped", "new" to documents."""
+    """(table rows, failed checks) for one model; docs maps "old", "new" and, for an old tree of
+    2a59be2's layout, "old-stepped" and "new-stepped" to documents."""
     rows, failed = [], []
     modes = MODES if "old-stepped" in docs else SAME_LAYOUT_MODES
-    for label, (old_doc, old_runtime), new_runtime in modes:
-        old, new = record(docs[old_doc], old_runtime), record(docs["new"], new_runtime)
+    for label, (old_doc, old_runtime), (new_doc, new_runtime) in modes:
+        old, new = record(docs[old_doc], old_runtime), record(docs[new_doc], new_runtime)
         if old is None or new is None:
             failed.append(f"{model} {label}: no record (old {old is not None}, new {new is not None})")
             continue
@@ -85,7 +93,7 @@ def main(argv: list[str]) -> int:
     for model in models:
         docs = {}
         stepped = os.path.join(folder, f"old-stepped-{model}.json")
-        kinds = ("old", "old-stepped", "new") if os.path.exists(stepped) else ("old", "new")
+        kinds = ("old", "old-stepped", "new", "new-stepped") if os.path.exists(stepped) else ("old", "new")
         for kind in kinds:
             path = os.path.join(folder, f"{kind}-{model}.json")
             try:

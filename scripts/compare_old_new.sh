@@ -10,11 +10,14 @@
 #       old  python -m runtime.bench (graph pipelined + non-graph)       -> $OUT/old-MODEL.json
 #       new  python -m bench (graph stepped, graph pipelined, non-graph)  -> $OUT/new-MODEL.json
 #       old  python -m runtime.bench --pipeline off (graph stepped)       -> $OUT/old-stepped-MODEL.json
+#       new  python -m bench --pipeline off (graph stepped, the same modes) -> $OUT/new-stepped-MODEL.json
 #   - or a tree of this layout (bench/__main__.py; e.g. `git worktree add` of another commit
 #     or branch, copied without .git): old and new both run python -m bench.
 # PROFILE=1 also times each kernel of a decode step of each model on both sides (Nsight Compute,
 # scripts/profile_kernels.py; the old layout's copy of that script is OLD/scripts) and prints
-# the two summaries. Everything else goes to $OUT/compare.log. 8 files at most land in $OUT.
+# the two summaries. Everything else goes to $OUT/compare.log; the table is $OUT/compare.txt
+# (the JSON documents, four a model with an old tree of 2a59be2's layout, may be more files than
+# a device call brings back).
 #   bash scripts/compare_old_new.sh                 # qwen3-0.6b and qwen3-8b
 #   bash scripts/compare_old_new.sh qwen3-0.6b      # some models
 # Environment: OLD (the old tree), ENGINES (3), BUILD_JOBS (16), BENCH_TIMEOUT (seconds per
@@ -64,20 +67,23 @@ old_bench() {  # model, json, extra flags, run from the old tree (its package `r
   echo "old $model $*: rc=$rc"
   [ $rc -eq 0 ] || status=1
 }
-new_bench() {  # model, json
-  local model=$1 json=$2
-  echo "==== new: python -m bench --preset $model ${common[*]}" >> "$LOG"
+new_bench() {  # model, json, extra flags
+  local model=$1 json=$2; shift 2
+  echo "==== new: python -m bench --preset $model ${common[*]} $*" >> "$LOG"
   (source scripts/source_tree_env.sh && unset ONEGRAPH_LIB &&
-     timeout "$LIMIT" python3 -m bench --preset "$model" "${common[@]}" --json "$json") >> "$LOG" 2>&1
+     timeout "$LIMIT" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
   local rc=$?
-  echo "new $model: rc=$rc"
+  echo "new $model $*: rc=$rc"
   [ $rc -eq 0 ] || status=1
 }
 
 for model in "${models[@]}"; do
   old_bench "$model" "$OUT/old-$model.json"
   new_bench "$model" "$OUT/new-$model.json"
-  [ "$OLD_LAYOUT" = runtime ] && old_bench "$model" "$OUT/old-stepped-$model.json" --pipeline off
+  if [ "$OLD_LAYOUT" = runtime ]; then
+    old_bench "$model" "$OUT/old-stepped-$model.json" --pipeline off
+    new_bench "$model" "$OUT/new-stepped-$model.json" --pipeline off
+  fi
 done
 
 # Per-kernel times of a decode step (each kernel alone, non-graph path), old and new.

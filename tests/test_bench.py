@@ -688,9 +688,9 @@ def test_sampled_modes_time_generate_next_to_greedy(monkeypatch, tmp_path):
 # ---- scripts/compare_old_new.py: the old-vs-new table --------------------------------------------
 
 def test_compare_old_new_pairs_the_modes_and_flags_token_mismatches(tmp_path):
-    """Old pipelined graph ~ new graph-pipelined, old --pipeline off graph ~ new graph, non-graph ~
-    non-graph; a run whose graph and non-graph tokens differ, or old and new tokens that differ,
-    fails the script (exit 1) and is named."""
+    """Old pipelined graph ~ new graph-pipelined; the --pipeline off runs (graph stepped and
+    non-graph in turn) of old and new ~ each other; a run whose graph and non-graph tokens differ,
+    or old and new tokens that differ, fails the script (exit 1) and is named."""
     script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
 
     def record(runtime, tps, tokens, same=None):
@@ -707,18 +707,20 @@ def test_compare_old_new_pairs_the_modes_and_flags_token_mismatches(tmp_path):
     write("old", record("onegraph-graph", 200.0, t, True), record("onegraph-nongraph", 160.0, t))
     write("old-stepped", record("onegraph-graph", 180.0, t, True), record("onegraph-nongraph", 161.0, t))
     write("new", record("onegraph-graph", 189.0, t, True), record("onegraph-graph-pipelined", 210.0, t, True),
-          record("onegraph-nongraph", 160.0, t))
+          record("onegraph-nongraph", 150.0, t))
+    write("new-stepped", record("onegraph-graph", 185.0, t, True), record("onegraph-nongraph", 158.0, t))
     done = subprocess.run([sys.executable, str(script), str(tmp_path), "m"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {re.split(r"\s{2,}", line)[1]: line for line in done.stdout.splitlines()[1:]}
     assert set(rows) == {"non-graph", "graph, stepped", "graph, pipelined"}
-    assert "160.0" in rows["non-graph"] and f"{160.0 / 160.0:.3f}" in rows["non-graph"]
-    assert "180.0" in rows["graph, stepped"] and f"{189.0 / 180.0:.3f}" in rows["graph, stepped"]
+    assert "161.0" in rows["non-graph"] and f"{158.0 / 161.0:.3f}" in rows["non-graph"]
+    assert "180.0" in rows["graph, stepped"] and f"{185.0 / 180.0:.3f}" in rows["graph, stepped"]
     assert "200.0" in rows["graph, pipelined"] and f"{210.0 / 200.0:.3f}" in rows["graph, pipelined"]
     assert "199.0-202.0" in rows["graph, pipelined"]  # the old side's spread over its engines
 
     write("new", record("onegraph-graph", 189.0, t, True), record("onegraph-graph-pipelined", 210.0, t, False),
-          record("onegraph-nongraph", 160.0, [5, 6, 8]))
+          record("onegraph-nongraph", 160.0, t))
+    write("new-stepped", record("onegraph-graph", 185.0, t, True), record("onegraph-nongraph", 158.0, [5, 6, 8]))
     done = subprocess.run([sys.executable, str(script), str(tmp_path), "m"], capture_output=True, text=True)
     assert done.returncode == 1
     assert "FAILED: m non-graph: old and new tokens differ" in done.stdout
