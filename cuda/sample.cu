@@ -32,30 +32,24 @@ __device__ __forceinline__ int packed_id(unsigned long long p) {
     return (int)(0xffffffffu - (unsigned)(p & 0xffffffffu));
 }
 
-__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v,
-                                                            unsigned long long *scratch) {
-    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-        const unsigned long long o = __shfl_xor_sync(kFullMask, v, offset);
-        v = o > v ? o : v;
-    }
+// The block's reduction of v by op (max or sum), in every thread. Integers: the grouping does
+// not change a sum.
+template <class Op>
+__device__ __forceinline__ unsigned long long block_reduce_u64(unsigned long long v, unsigned long long *scratch,
+                                                               Op op) {
+    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(kFullMask, v, offset));
     __syncthreads();
     if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
     __syncthreads();
     v = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x / kWarpSize); ++w) v = scratch[w] > v ? scratch[w] : v;
+    for (int w = 1; w < (int)(blockDim.x / kWarpSize); ++w) v = op(v, scratch[w]);
     return v;
 }
-
-// The block's sum of v, in every thread (integers: the grouping does not change it).
-__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v,
-                                                            unsigned long long *scratch) {
-    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-    __syncthreads();
-    if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
-    __syncthreads();
-    v = 0;
-    for (int w = 0; w < (int)(blockDim.x / kWarpSize); ++w) v += scratch[w];
-    return v;
+__device__ __forceinline__ unsigned long long block_max_u64(unsigned long long v, unsigned long long *scratch) {
+    return block_reduce_u64(v, scratch, [](unsigned long long a, unsigned long long b) { return b > a ? b : a; });
+}
+__device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long *scratch) {
+    return block_reduce_u64(v, scratch, [](unsigned long long a, unsigned long long b) { return a + b; });
 }
 
 // The sum of v over the threads before this one (in thread order).
