@@ -23,6 +23,9 @@ export PYTHONUNBUFFERED=1
 MODE=${1:-full}
 summary=()
 note() { summary+=("$1"); }
+# The tests a pytest log names as failed or in error, once each (progress lines with or without
+# xdist, and the -rf summary).
+failed_tests() { grep -E 'FAILED|ERROR' "$1" | grep -oE 'tests/[^ ]+::[^ ]+' | sort -u; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import numpy, safetensors, ml_dtypes, cuda.bindings; print('python deps ok')" >> "$OUT/gpu.txt" 2>&1
@@ -70,7 +73,7 @@ if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-4}" --dist loadfile)
   timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -rfs --durations=15 "${workers[@]}" "${markers[@]}" \
     tests > "$OUT/pytest.log" 2>&1
-  note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log"); results named FAILED or ERROR: $(grep -cE '(FAILED|ERROR) tests/' "$OUT/pytest.log")"
+  note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log"); tests failed or in error: $(failed_tests "$OUT/pytest.log" | wc -l)"
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
   SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
     bash scripts/sanitize.sh ${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck} > "$OUT/sanitize.log" 2>&1
@@ -99,7 +102,7 @@ note "bench: rc=$?"
 if [ "$MODE" = real ]; then
   echo "==== real model"; tail -n 12 "$OUT/pytest-real.log"; cat "$OUT/demo.log"; tail -n 6 "$OUT/perplexity-gpu.log"
 elif [ "$MODE" != bench ]; then
-  echo "==== pytest (failures, then the tail)"; grep -E '(FAILED|ERROR) tests/' "$OUT/pytest.log" | head -n 20
+  echo "==== pytest (failures, then the tail)"; failed_tests "$OUT/pytest.log" | head -n 20
   tail -n 3 "$OUT/pytest.log"
   echo "==== sanitize"; grep -E "^(memcheck|initcheck|racecheck|synccheck) " "$OUT/sanitize.log"
 fi
