@@ -219,14 +219,11 @@ class AdaptiveK:
         """E(k) / C(k) of a verify step of k drafts (1..k_max)."""
         return float(self.gains()[k - 1])
 
-    @staticmethod
-    def _best_k(gains: np.ndarray) -> int:
-        best = int(np.argmax(gains))
-        return best + 1 if gains[best] > 1.0 else 0
-
     def next_k(self) -> int:
         """The draft length for the next step; 0: decode it without drafting."""
-        return self._best_k(self.gains())
+        gains = self.gains()
+        best = int(np.argmax(gains))
+        return best + 1 if gains[best] > 1.0 else 0
 
     def pays(self, k: int) -> bool:
         """Whether a verify step of k proposed drafts (the drafter may give fewer than asked)
@@ -236,11 +233,10 @@ class AdaptiveK:
     def drafts(self, drafter: Drafter, context: Sequence[int], limit: int) -> list[int]:
         """The drafts worth a verify step after context (its last token not yet fed): up to
         min(next_k(), limit) from the drafter, or [] when it proposes none or they would not pay
-        (it may give fewer than asked)."""
-        gains = self.gains()   # next_k()'s and pays()'s, computed once (asked after every plain token)
-        k = min(self._best_k(gains), limit)
+        (it may give fewer than asked). A policy overrides next_k() and pays(), not this."""
+        k = min(self.next_k(), limit)
         drafts = drafter.propose(context, k) if k > 0 else []
-        return drafts if drafts and gains[len(drafts) - 1] > 1.0 else []
+        return drafts if drafts and self.pays(len(drafts)) else []
 
     def plain_steps(self, n: int) -> None:
         """n steps ran without drafting."""

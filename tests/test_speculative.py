@@ -172,6 +172,21 @@ def test_adaptive_k_with_seed_costs_drafts_long_runs_and_stops_on_free_text():
     assert c.next_k() == 1
 
 
+
+def test_adaptive_k_drafts_follow_the_policy_hooks():
+    """drafts() asks next_k() for the length and pays() for what the drafter gave, so a policy
+    that overrides those two (EverySixth) decides on every path that drafts."""
+    context = [1, 2, 3, 4, 5, 6, 1, 2]            # the 2-gram [1, 2] proposes 3, 4, 5, 6, 1, 2
+    never = AdaptiveK()
+    never.update(8, 0)                            # its own gains: no k pays
+    assert never.drafts(NgramDrafter(), context, 8) == []
+    policy = EverySixth()
+    policy.update(8, 0)
+    assert policy.drafts(NgramDrafter(), context, 8) == []    # 0 plain steps since: no drafts
+    policy.plain_steps(5)
+    assert policy.drafts(NgramDrafter(), context, 8) == [3, 4, 5, 6]
+    assert policy.drafts(NgramDrafter(), context, 2) == [3, 4]
+
 # ---- the reference's verify and rollback --------------------------------------------------
 @pytest.mark.parametrize("kv", ["fp32", "int8"])
 def test_reference_verify_equals_steps_and_truncate_rolls_back(kv):

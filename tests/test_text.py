@@ -40,6 +40,16 @@ CONVERSATIONS = [
 ]
 
 
+def reference_transformers():
+    """transformers, the reference tokenizer. Its GGUF reader before 5.24 is not one: 5.17 gives
+    SmolLM2's GGUF eos id 1 (the file says 2) and leaves out the BOS of add_bos_token."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    if (major, minor) < (5, 24):
+        pytest.skip(f"transformers {transformers.__version__} misreads GGUF tokenizers; the reference needs >= 5.24")
+    return transformers
+
+
 @pytest.fixture(scope="module")
 def gguf_path():
     return smollm2_gguf()
@@ -52,8 +62,7 @@ def ours(gguf_path):
 
 @pytest.fixture(scope="module")
 def hf(gguf_path):
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+    return reference_transformers().AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                                       gguf_file=os.path.basename(gguf_path))
 
 
@@ -142,7 +151,7 @@ def write_gguf_tokenizer(path, metadata, pre, eot_token_id=None):
 def test_gguf_pre_tokenizers_match_transformers(smollm2_tokenizer_metadata, tmp_path, pre):
     """The split regexes of the Llama 3 and Qwen2 families (and plain GPT-2), with add_bos_token,
     against transformers' GGUF converter, which maps these names to the same splits."""
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    transformers = reference_transformers()
     path = write_gguf_tokenizer(tmp_path / "tokenizer.gguf", smollm2_tokenizer_metadata, pre)
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     tokenizer = Tokenizer.from_model(path)
@@ -244,7 +253,7 @@ def test_folder_template_list_and_config_tokens(saved_folder, hf):
     """tokenizer_config.json's chat_template as a list of named templates, a special token as an
     AddedToken dict, and a tokenizer.json post-processor that adds BOS (as Llama folders have):
     transformers reads the same folder."""
-    transformers = pytest.importorskip("transformers")
+    transformers = reference_transformers()
     from tokenizers import Tokenizer as Backend, processors
     template = (saved_folder / "chat_template.jinja").read_text()
     os.remove(saved_folder / "chat_template.jinja")
@@ -273,7 +282,7 @@ def test_folder_template_list_and_config_tokens(saved_folder, hf):
 
 def test_template_environment_matches_transformers(saved_folder):
     """tojson without HTML escaping, loop controls, bos/eos variables, raise_exception."""
-    transformers = pytest.importorskip("transformers")
+    transformers = reference_transformers()
     (saved_folder / "chat_template.jinja").write_text(
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}\n"
         "  {{ m.role }}: {{ m | tojson }}\n{% endfor %}{% if add_generation_prompt %}>>{% endif %}{{ eos_token }}")
