@@ -1,7 +1,7 @@
 """The table scripts/compare_old_new.sh prints last: the old library's benchmark against the new
 one's, per model and decode mode, from the JSON documents the two benchmarks wrote.
 
-    python3 scripts/compare_old_new.py DIR MODEL [MODEL ...]
+    python3 scripts/compare_old_new.py DIR [MODEL ...]
 
 DIR holds, per model, these documents (int8 KV, bf16 weights, E engines each):
   old-MODEL.json          the old tree's benchmark. From `python -m runtime.bench` (2a59be2's
@@ -20,6 +20,10 @@ DIR holds, per model, these documents (int8 KV, bf16 weights, E engines each):
 Each row: the median engine's tok/s (old, new), new / old, each side's spread over its engines
 (min-max tok/s), and the token checks: graph == non-graph within each run, old == new (the same
 seed gives the same weights and prompt, so an unchanged computation gives the same tokens).
+Then, for each pair old-upper-PRESET.json / new-upper-PRESET.json in DIR (`python -m
+bench.speculative --upper-bound`, this layout on both sides), the verify path's ceiling per k:
+a verify step's time in plain steps and the speedup over plain decoding, old and new, and
+whether each side's output was plain decoding's.
 Exit status 1 when a document is missing or a token check fails.
 """
 from __future__ import annotations
@@ -78,14 +82,34 @@ def compare(docs: dict[str, dict], model: str) -> tuple[list[list[str]], list[st
 def format_table(rows: list[list[str]]) -> str:
     header = ["model", "mode", "old tok/s", "new tok/s", "new/old", "old engines", "new engines",
               "tokens"]
+    return format_rows(header, rows, (0, 1, 7))
+
+
+def upper_bound_rows(old: dict, new: dict, preset: str) -> tuple[list[list[str]], list[str]]:
+    """(table rows, failed checks) of one preset's upper-bound documents, per k both hold."""
+    rows, failed = [], []
+    new_rows = {r["k"]: r for r in new["rows"]}
+    for o in old["rows"]:
+        n = new_rows.get(o["k"])
+        if n is None:
+            continue
+        for side, r in (("old", o), ("new", n)):
+            if not r["identical"]:
+                failed.append(f"{preset} k={r['k']}: {side} output differs from plain decoding")
+        rows.append([preset, str(o["k"]), f"{o['verify_per_plain_step']:.2f}", f"{n['verify_per_plain_step']:.2f}",
+                     f"{o['ratio']:.2f}", f"{n['ratio']:.2f}",
+                     "yes" if o["identical"] and n["identical"] else "NO"])
+    return rows, failed
+
+
+def format_rows(header: list[str], rows: list[list[str]], left: tuple[int, ...]) -> str:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i in (0, 1, 7) else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in [header] + rows]
-    return "\n".join(lines)
+    return "\n".join("  ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in [header] + rows)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
+    if len(argv) < 1:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     folder, models = argv[0], argv[1:]
@@ -107,6 +131,24 @@ def main(argv: list[str]) -> int:
             failed += f
     if rows:
         print(format_table(rows))
+    upper = []
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("old-upper-") and name.endswith(".json")):
+            continue
+        preset = name[len("old-upper-"):-len(".json")]
+        try:
+            with open(os.path.join(folder, name)) as f_old, open(os.path.join(folder, f"new-upper-{preset}.json")) as f_new:
+                r, f = upper_bound_rows(json.load(f_old), json.load(f_new), preset)
+        except (OSError, ValueError, KeyError) as e:
+            failed.append(f"{preset} upper bound: {e}")
+            continue
+        upper += r
+        failed += f
+    if upper:
+        if rows:
+            print()
+        print(format_rows(["preset", "k", "old verify/plain", "new verify/plain", "old speedup", "new speedup",
+                           "same as plain"], upper, (0,)))
     for line in failed:
         print(f"FAILED: {line}")
     return 1 if failed else 0

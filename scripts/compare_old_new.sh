@@ -18,10 +18,14 @@
 # the two summaries. Everything else goes to $OUT/compare.log; the table is $OUT/compare.txt
 # (the JSON documents, four a model with an old tree of 2a59be2's layout, may be more files than
 # a device call brings back).
+# UPPER_BOUND="smollm2-135m qwen3-8b" (an old tree of this layout) also runs the verify path's
+# ceiling on both sides (python -m bench.speculative --upper-bound --preset P) -> $OUT/old-upper-P.json
+# and $OUT/new-upper-P.json, and the table compares a verify step's cost per k.
 #   bash scripts/compare_old_new.sh                 # qwen3-0.6b and qwen3-8b
 #   bash scripts/compare_old_new.sh qwen3-0.6b      # some models
+#   UPPER_BOUND=smollm2-135m bash scripts/compare_old_new.sh none   # the verify path only
 # Environment: OLD (the old tree), ENGINES (3), BUILD_JOBS (16), BENCH_TIMEOUT (seconds per
-# bench run, 150), PROFILE (0).
+# bench run, 150), PROFILE (0), UPPER_BOUND (none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
@@ -36,6 +40,7 @@ NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 export PYTHONUNBUFFERED=1
 models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(qwen3-0.6b qwen3-8b)
+[ "${models[*]}" = none ] && models=()
 : > "$LOG"
 status=0
 
@@ -76,6 +81,20 @@ new_bench() {  # model, json, extra flags
   echo "new $model $*: rc=$rc"
   [ $rc -eq 0 ] || status=1
 }
+
+for preset in ${UPPER_BOUND:-}; do
+  if [ "$OLD_LAYOUT" != bench ]; then echo "upper bound $preset: the old tree has no bench.speculative"; status=1; continue; fi
+  for side in old new; do
+    tree=$NEW; [ $side = old ] && tree=$OLD
+    echo "==== $side: python -m bench.speculative --upper-bound --preset $preset" >> "$LOG"
+    (cd "$tree" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh &&
+       timeout "$LIMIT" python3 -m bench.speculative --upper-bound --preset "$preset" \
+         --json "$OUT/$side-upper-$preset.json") >> "$LOG" 2>&1
+    rc=$?
+    echo "$side upper bound $preset: rc=$rc"
+    [ $rc -eq 0 ] || status=1
+  done
+done
 
 for model in "${models[@]}"; do
   old_bench "$model" "$OUT/old-$model.json"

@@ -727,6 +727,32 @@ def test_compare_old_new_pairs_the_modes_and_flags_token_mismatches(tmp_path):
     assert "FAILED: m graph, pipelined: new graph and non-graph tokens differ" in done.stdout
 
 
+def test_compare_old_new_upper_bound_table(tmp_path):
+    """old-upper-P.json / new-upper-P.json (bench.speculative --upper-bound): one row per k both
+    hold, a verify step's cost in plain steps and the speedup on each side; no plain models
+    needed; an output that differs from plain decoding fails the script and is named."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+
+    def doc(costs, identical=True):
+        return {"rows": [{"k": k, "verify_per_plain_step": c, "ratio": (k + 1) / c, "identical": identical}
+                         for k, c in costs.items()]}
+
+    (tmp_path / "old-upper-p.json").write_text(json.dumps(doc({1: 1.5, 4: 3.0, 8: 6.0})))
+    (tmp_path / "new-upper-p.json").write_text(json.dumps(doc({1: 1.5, 4: 2.5, 8: 3.0})))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:2] == ["preset", "k"]
+    rows = {tuple(re.split(r"\s{2,}", line)[:2]): re.split(r"\s{2,}", line) for line in lines[1:]}
+    assert rows[("p", "8")][2:] == ["6.00", "3.00", "1.50", "3.00", "yes"]
+    assert rows[("p", "4")][2:4] == ["3.00", "2.50"]
+    assert len(rows) == 3
+    (tmp_path / "new-upper-p.json").write_text(json.dumps(doc({1: 1.5, 4: 2.5, 8: 3.0}, identical=False)))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "FAILED: p k=8: new output differs from plain decoding" in done.stdout
+
+
 def test_compare_old_new_with_an_old_tree_of_this_layout(tmp_path):
     """Without an old-stepped document the old one is read as the new one is (python -m bench on
     both sides): each mode pairs with the same runtime, and a non-graph record whose graph check
