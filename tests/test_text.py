@@ -63,7 +63,7 @@ def ours(gguf_path):
 @pytest.fixture(scope="module")
 def hf(gguf_path):
     return reference_transformers().AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                      gguf_file=os.path.basename(gguf_path))
+                                                                  gguf_file=os.path.basename(gguf_path))
 
 
 @pytest.fixture(scope="module")
