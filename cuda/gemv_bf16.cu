@@ -334,42 +334,6 @@ const void *bf16_kernel_nv(GemvMode mode, int warps, int unroll) {
     return nullptr;
 }
 
-template <int MODE, int WARPS, int NV>
-cudaError_t launch_bf16_of(int unroll, dim3 grid, int smem, cudaStream_t stream, bool pdl,
-                           const GemvParams &p) {
-    const dim3 block(WARPS * kWarpSize);
-    switch (unroll) {
-        case 4: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 4, NV>, grid, block, smem, stream, pdl, p);
-        case 8: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 8, NV>, grid, block, smem, stream, pdl, p);
-        case 12: return launch_kernel(gemv_bf16_kernel<MODE, WARPS, 12, NV>, grid, block, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidConfiguration;
-}
-
-template <int WARPS, int NV>
-cudaError_t launch_warps(GemvMode mode, int unroll, dim3 grid, int smem, cudaStream_t stream,
-                         bool pdl, const GemvParams &p) {
-    switch (mode) {
-        case kGemvPlain: return launch_bf16_of<kGemvPlain, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
-        case kGemvNorm: return launch_bf16_of<kGemvNorm, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
-        case kGemvResidual: return launch_bf16_of<kGemvResidual, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
-        case kGemvNormSwiglu:
-            return launch_bf16_of<kGemvNormSwiglu, WARPS, NV>(unroll, grid, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidValue;
-}
-
-template <int NV>
-cudaError_t launch_bf16_nv(GemvMode mode, int warps, int unroll, dim3 grid, int smem,
-                           cudaStream_t stream, bool pdl, const GemvParams &p) {
-    switch (warps) {
-        case 2: return launch_warps<2, NV>(mode, unroll, grid, smem, stream, pdl, p);
-        case 4: return launch_warps<4, NV>(mode, unroll, grid, smem, stream, pdl, p);
-        case 8: return launch_warps<8, NV>(mode, unroll, grid, smem, stream, pdl, p);
-    }
-    return cudaErrorInvalidConfiguration;
-}
-
 }  // namespace
 
 // bf16: chunks per lane in flight U = 4, 8 or 12 (the smallest that holds a whole row when one
@@ -394,12 +358,11 @@ const void *bf16_kernel_for(GemvMode mode, int warps, int unroll, int nv) {
 cudaError_t launch_bf16(GemvMode mode, int warps, int unroll, dim3 grid, int smem, cudaStream_t stream,
                         bool pdl, const GemvParams &p) {
     if (p.nv < 1 || p.nv > kGemvMaxVectors) return cudaErrorInvalidValue;
-    switch (bf16_instance(p.nv)) {
-        case 1: return launch_bf16_nv<1>(mode, warps, unroll, grid, smem, stream, pdl, p);
-        case 2: return launch_bf16_nv<2>(mode, warps, unroll, grid, smem, stream, pdl, p);
-        case 4: return launch_bf16_nv<4>(mode, warps, unroll, grid, smem, stream, pdl, p);
-        default: return launch_bf16_nv<kGemvMaxVectors>(mode, warps, unroll, grid, smem, stream, pdl, p);
-    }
+    // Every instance is a void(GemvParams) kernel: the one bf16_kernel_for names is launched.
+    const void *kernel = bf16_kernel_for(mode, warps, unroll, bf16_instance(p.nv));
+    if (kernel == nullptr) return cudaErrorInvalidConfiguration;
+    return launch_kernel(reinterpret_cast<void (*)(GemvParams)>(kernel), grid, dim3(warps * kWarpSize), smem,
+                         stream, pdl, p);
 }
 
 }  // namespace og
