@@ -58,42 +58,36 @@ if [ $old_rc -ne 0 ] || [ $new_rc -ne 0 ]; then tail -n 30 "$LOG"; exit 1; fi
 
 common=(--kv int8 --weights bf16 --engines "$ENGINES")
 if [ -f "$OLD/bench/__main__.py" ]; then OLD_LAYOUT=bench; else OLD_LAYOUT=runtime; fi
-old_bench() {  # model, json, extra flags, run from the old tree (its package `runtime`, or this layout)
-  local model=$1 json=$2; shift 2
-  echo "==== old ($OLD_LAYOUT layout): --preset $model ${common[*]} $*" >> "$LOG"
-  if [ "$OLD_LAYOUT" = bench ]; then
-    (cd "$OLD" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh &&   # its tree first on the path
-       timeout "$LIMIT" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
+# Run "$@" from tree $2 (its package first on the path; the old layout's `runtime` from its
+# folder), logged under label $1; a failure sets status.
+in_tree() {
+  local label=$1 tree=$2; shift 2
+  echo "==== $label: $*" >> "$LOG"
+  if [ "$tree" = "$OLD" ] && [ "$OLD_LAYOUT" = runtime ]; then
+    (cd "$tree" && env -u PYTHONPATH -u ONEGRAPH_LIB timeout "$LIMIT" "$@") >> "$LOG" 2>&1
   else
-    (cd "$OLD" && env -u PYTHONPATH -u ONEGRAPH_LIB timeout "$LIMIT" \
-       python3 -m runtime.bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
+    (cd "$tree" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh && timeout "$LIMIT" "$@") >> "$LOG" 2>&1
   fi
   local rc=$?
-  echo "old $model $*: rc=$rc"
+  echo "$label: rc=$rc"
   [ $rc -eq 0 ] || status=1
+}
+old_bench() {  # model, json, extra flags
+  local model=$1 json=$2; shift 2
+  local package=bench; [ "$OLD_LAYOUT" = runtime ] && package=runtime.bench
+  in_tree "old $model $*" "$OLD" python3 -m $package --preset "$model" "${common[@]}" "$@" --json "$json"
 }
 new_bench() {  # model, json, extra flags
   local model=$1 json=$2; shift 2
-  echo "==== new: python -m bench --preset $model ${common[*]} $*" >> "$LOG"
-  (source scripts/source_tree_env.sh && unset ONEGRAPH_LIB &&
-     timeout "$LIMIT" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json") >> "$LOG" 2>&1
-  local rc=$?
-  echo "new $model $*: rc=$rc"
-  [ $rc -eq 0 ] || status=1
+  in_tree "new $model $*" "$NEW" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json"
 }
 
 for preset in ${UPPER_BOUND:-}; do
   if [ "$OLD_LAYOUT" != bench ]; then echo "upper bound $preset: the old tree has no bench.speculative"; status=1; continue; fi
-  for side in old new; do
-    tree=$NEW; [ $side = old ] && tree=$OLD
-    echo "==== $side: python -m bench.speculative --upper-bound --preset $preset" >> "$LOG"
-    (cd "$tree" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh &&
-       timeout "$LIMIT" python3 -m bench.speculative --upper-bound --preset "$preset" \
-         --json "$OUT/$side-upper-$preset.json") >> "$LOG" 2>&1
-    rc=$?
-    echo "$side upper bound $preset: rc=$rc"
-    [ $rc -eq 0 ] || status=1
-  done
+  in_tree "old upper bound $preset" "$OLD" python3 -m bench.speculative --upper-bound --preset "$preset" \
+    --json "$OUT/old-upper-$preset.json"
+  in_tree "new upper bound $preset" "$NEW" python3 -m bench.speculative --upper-bound --preset "$preset" \
+    --json "$OUT/new-upper-$preset.json"
 done
 
 for model in "${models[@]}"; do
