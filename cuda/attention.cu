@@ -91,7 +91,7 @@ struct AttnParams {
 
 // Shared-memory carve-up, in floats (every region a multiple of 4 floats: 16-byte aligned).
 struct AttnSmem {
-    int q, o, m, l, f, stats, factors, new_k, new_v, row_floats, k_head, scales, total;
+    int q, o, m, l, sums, factors, new_k, new_v, row_floats, k_head, scales, total;
 };
 __host__ __device__ inline int round4(int n) { return (n + 3) & ~3; }
 // rows: the new rows a block may hold (AttentionArgs::n_rows).
@@ -103,8 +103,7 @@ __host__ __device__ inline AttnSmem attn_smem(int head_group, int hd, int n_bloc
     s.o = off;        off += round4(kAttnWarps * head_group * hd);       // [warps, HG, hd]
     s.m = off;        off += round4(kAttnWarps * head_group);            // [warps, HG]
     s.l = off;        off += round4(kAttnWarps * head_group);
-    s.f = off;        off += round4(kAttnWarps * head_group);
-    s.stats = off;    off += round4(2 * head_group);
+    s.sums = off;     off += round4(head_group);                         // [HG]
     s.factors = off;  off += round4(head_group * n_blocks);              // [HG, B]
     s.row_floats = round4((hd * elem_bytes + 3) / 4);                    // a new row's bytes
     s.new_k = off;    off += rows * s.row_floats;                        // [rows, row_floats]
@@ -678,9 +677,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     float *o_s = smem + lay.o;       // [warps, HG, hd]
     float *m_s = smem + lay.m;       // [warps, HG]
     float *l_s = smem + lay.l;
-    float *f_s = smem + lay.f;
-    float *stats = smem + lay.stats; // [2, HG]: max, sum
-    const int stats_stride = HG;
+    float *sums = smem + lay.sums;   // [HG]: the last block's sum over the partials
     float *partial_o = partials;                                            // [n_heads, B, hd]
     float *partial_m = partials + (size_t)a.n_heads * B * hd;               // [n_heads, B]
     float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
@@ -749,37 +746,31 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         }
     }
     __syncthreads();
-    for (int j = tid; j < heads_here; j += kAttnThreads) {
-        float m = -INFINITY;
-        for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
-        float l = 0.f;
-        for (int w = 0; w < kAttnWarps; ++w) {
-            const float f = expf(m_s[w * HG + j] - m);  // 0 for a warp without rows
-            f_s[w * HG + j] = f;
-            l = fmaf(l_s[w * HG + j], f, l);
-        }
-        stats[j] = m;
-        stats[stats_stride + j] = l;
-    }
-    __syncthreads();
+    // Each output element combines the warps itself (m, the factors and l recomputed per
+    // element: the same values in the same order for every element of a head, with no further
+    // barrier); a warp without rows has m = -inf and factor 0.
     for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
         const int j = i / hd;
         const int d = i - j * hd;
-        float o = 0.f;
+        float m = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w)
-            o = fmaf(f_s[w * HG + j], o_s[(w * HG + j) * hd + d], o);
+        for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
+        float l = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w) {
+            const float f = expf(m_s[w * HG + j] - m);
+            l = fmaf(l_s[w * HG + j], f, l);
+            o = fmaf(f, o_s[(w * HG + j) * hd + d], o);
+        }
         const size_t head = (size_t)head0 + j;
-        if (n_active == 1)
-            out[head * hd + d] = o / stats[stats_stride + j];
-        else
+        if (n_active == 1) {
+            out[head * hd + d] = o / l;
+        } else {
             partial_o[(head * B + b) * hd + d] = o;
-    }
-    if (n_active > 1) {
-        for (int j = tid; j < heads_here; j += kAttnThreads) {
-            const size_t head = (size_t)head0 + j;
-            partial_m[head * B + b] = stats[j];
-            partial_l[head * B + b] = stats[stats_stride + j];
+            if (d == 0) {
+                partial_m[head * B + b] = m;
+                partial_l[head * B + b] = l;
+            }
         }
     }
     if (n_active == 1) {
@@ -801,7 +792,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     }
     __threadfence();
 
-    // factors[j, s] = exp(m_s - M); stats[stride + j] = L = sum_s l_s * factors[j, s]
+    // factors[j, s] = exp(m_s - M); sums[j] = L = sum_s l_s * factors[j, s]
     float *factors = smem + lay.factors;
     for (int j = warp; j < heads_here; j += kAttnWarps) {
         const size_t base = (size_t)(head0 + j) * B;
@@ -815,7 +806,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             l = fmaf(__ldcg(partial_l + base + s), f, l);
         }
         l = warp_sum(l);
-        if (lane == 0) stats[stats_stride + j] = l;
+        if (lane == 0) sums[j] = l;
     }
     __syncthreads();
     for (int i = tid; i < heads_here * hd; i += kAttnThreads) {
@@ -825,7 +816,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         float o = 0.f;
         for (int s = 0; s < n_active; ++s)
             o = fmaf(factors[j * B + s], __ldcg(partial_o + (head * B + s) * hd + d), o);
-        out[head * hd + d] = o / stats[stats_stride + j];
+        out[head * hd + d] = o / sums[j];
     }
     if (tid == 0) counters[blockIdx.x] = 0u;
     ATTN_TRACE_END();
@@ -833,12 +824,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
 
 using AttnKernel = void (*)(AttnParams);
 
-// Head-group sizes compiled: 1, 2, 4 and 8 for head_dim 128 (where the real models are), the
-// largest the registers allow for the other head dims.
+// Head-group sizes compiled: 1, 2, 4 and 8 (up to what the registers allow) for head_dim 64 and
+// 128 (where the real models are), the largest the registers allow for the other head dims.
 template <int KV, int HD, bool ROWS>
 AttnKernel kernel_for_group(int head_group) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
-    if constexpr (HD == 128) {
+    if constexpr (HD == 64 || HD == 128) {
         if (head_group == 1) return attention_kernel<KV, HD, 1, ROWS>;
         if (head_group == 2) return attention_kernel<KV, HD, 2, ROWS>;
         if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2), ROWS>;
@@ -909,7 +900,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
     int head_group = max_group;
-    if (head_dim == 128) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
+    const bool grouped = head_dim == 64 || head_dim == 128;  // kernel_for_group's choices
+    if (grouped) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
     const bool chosen_split = split_len == 0;
     // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
     // single pass and longer ones spread over blocks.
@@ -946,12 +938,12 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     int wave = 0;
     OG_CUDA_RETURN_IF(blocks_for(head_group, &wave));
     // A cache whose longest context still fits one chunk per block of a narrower head group
-    // (the engine's chunking, head_dim 128) takes the narrowest such group: with no more chunks
+    // (the engine's chunking, head_dim 64 or 128) takes the narrowest such group: with no more chunks
     // than the wide group has blocks, its blocks beyond the chunks sit idle while each busy one
     // folds its rows for HG heads one after another; the narrower group puts those heads on
     // blocks of their own, and no block ever takes a second chunk. Longer caches keep the
     // widest group, which reads each K/V row the fewest times.
-    if (chosen_split && head_dim == 128) {
+    if (chosen_split && grouped) {
         for (int hg = head_group / 2; hg >= 1; hg /= 2) {
             int narrow_wave = 0;
             if (blocks_for(hg, &narrow_wave) != cudaSuccess || narrow_wave < n_splits) {

@@ -37,15 +37,16 @@ ATTN_RECORD = np.dtype([("layer", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("
                         ("sm", "i4"), ("n_active", "i4")])
 
 
-def kind(launch: dict, vocab: int, hidden: int) -> str:
-    if launch["rows"] == vocab:
+def kind(launch: dict, config) -> str:
+    if launch["rows"] == config.vocab_size:
         return "lm_head"
     if launch["mode"] == 1:
         return "qkv"
     if launch["mode"] == 3:
         return "gate_up"
     if launch["mode"] == 2:
-        return "o_proj" if launch["cols"] <= hidden else "down"
+        # the down projection reads the FFN's intermediate; O reads n_heads * head_dim
+        return "down" if launch["cols"] == config.intermediate_size else "o_proj"
     return MODES.get(launch["mode"], "?")
 
 
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     per_kind: dict = {}
     prev_end = None
     for i, d in enumerate(rows):
-        k = kind(d, config.vocab_size, config.hidden_size)
+        k = kind(d, config)
         handover = d["wait"] - prev_end if prev_end is not None else float("nan")
         prev_end = d["end"]
         s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": []})
@@ -146,7 +147,7 @@ def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> 
     query heads ready - wait (median block); rows = rows folded in - prologue; combine = done -
     rows; out = the O projection's wait - the attention's last block."""
     us = lambda t: (float(t) - base) / 1e3
-    kinds = [kind(d, config.vocab_size, config.hidden_size) for d in rows]
+    kinds = [kind(d, config) for d in rows]
     qkv = [d for d, k in zip(rows, kinds) if k == "qkv"]
     o_proj = [d for d, k in zip(rows, kinds) if k == "o_proj"]
     layers = sorted(np.unique(attn["layer"]), key=lambda l: attn["t_wait"][attn["layer"] == l].min())
