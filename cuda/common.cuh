@@ -110,6 +110,17 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The wait, and the next kernel's launch. kEarly: the next kernel may launch before this one
+// waits (the GEMV in front of the attention kernel, whose work before its own wait, the step
+// record, the block table and the K/V rows of earlier steps, is a chain of dependent loads that
+// reads nothing this kernel or the one before writes). Its pdl_wait() still waits for this
+// kernel, which waits for the one before.
+template <bool kEarly>
+__device__ __forceinline__ void pdl_wait_then_launch() {
+    if constexpr (kEarly) pdl_launch_dependents();
+    pdl_wait();
+    if constexpr (!kEarly) pdl_launch_dependents();
+}
 
 // ---- cp.async (sm_80+): global -> shared without registers ------------------------------
 __device__ __forceinline__ uint32_t smem_address(const void *p) {

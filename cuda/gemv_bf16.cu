@@ -237,8 +237,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     if (mode_has_norm(MODE)) {
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
     }
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_wait_then_launch<MODE == kGemvNorm>();
 
     if constexpr (NV == 1) {
         stage_x<MODE, kThreads>(p, 0, x_smem4, w_smem, scratch);

@@ -279,8 +279,7 @@ __global__ void __maxnreg__(80) gemv_int8_kernel(const QuantGemvParams p) {
 #pragma unroll
         for (int k = 0; k < kStageFloat4s; ++k) ws[k] = load4_or_zero(p.norm_weight, stage_col(k), p.cols);
     }
-    pdl_wait();
-    pdl_launch_dependents();
+    pdl_wait_then_launch<MODE == kGemvNorm>();
     if (MODE == kQuantMoeGateUp) {
 #pragma unroll
         for (int s = 0; s < S - 1; ++s) issue();

@@ -436,9 +436,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
-    pdl_wait();
+    pdl_wait_then_launch<MODE == kGemvNorm>();
     Q4_TRACE_WAITED();
-    pdl_launch_dependents();
     if (MODE == kQ4MoeGateUp) {
 #pragma unroll
         for (int k = 0; k < S; ++k) {
@@ -576,9 +575,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
-    pdl_wait();
+    pdl_wait_then_launch<MODE == kGemvNorm>();
     Q4_TRACE_WAITED();
-    pdl_launch_dependents();
     stager.load_x(p.x, p.cols);
     if (lane == 0)
         for (int k = kQ4BulkPreWait; k < NS && k < my_chunks; ++k) issue(k);

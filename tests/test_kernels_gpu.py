@@ -421,21 +421,22 @@ def test_attention_full_context_engine_split(kv_dtype):
         assert_within(out, ref, tol, f"attention len={visible_len} split={split}")
 
 
-# A cache no longer than a few chunks (the engine's chunking, head_dim 128): the plan gives each
-# query head blocks of its own (head group 1) where that still leaves a block per chunk; a long
-# cache keeps the widest group. (n_heads, n_kv): the 8B, 0.6b and 30B-A3B attention shapes.
-SHORT_CACHE_SHAPES = [(32, 8), (16, 8), (32, 4), (8, 1)]
+# A cache no longer than a few chunks (the engine's chunking, head_dim 64 or 128): the plan gives
+# each query head blocks of its own (head group 1) where that still leaves a block per chunk; a
+# long cache keeps the widest group. (n_heads, n_kv, hd): the 8B, 0.6b, 30B-A3B and SmolLM2-135M
+# attention shapes.
+SHORT_CACHE_SHAPES = [(32, 8, 128), (16, 8, 128), (32, 4, 128), (8, 1, 128), (9, 3, 64)]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda k: KV_NAMES[k])
-@pytest.mark.parametrize("n_heads,n_kv", SHORT_CACHE_SHAPES)
-def test_attention_short_cache_head_group_one(n_heads, n_kv, kv_dtype):
-    hd, max_seq = 128, 97  # the default bench's cache: 32 prompt + 64 decoded rows
+@pytest.mark.parametrize("n_heads,n_kv,hd", SHORT_CACHE_SHAPES)
+def test_attention_short_cache_head_group_one(n_heads, n_kv, hd, kv_dtype):
+    max_seq = 97  # the default bench's cache: 32 prompt + 64 decoded rows
     plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype)
     assert plan["head_group"] == 1, plan
     long_plan = ct.attention_plan(n_heads, n_kv, hd, 8192 + 16, kv_dtype)
     assert long_plan["head_group"] > 1 or n_heads == n_kv, long_plan
-    rng = rng_for("attn_short", n_heads, n_kv, kv_dtype)
+    rng = rng_for("attn_short", n_heads, n_kv, hd, kv_dtype)
     for visible_len in (1, 31, 64, 97):
         k, v, ks, vs, kv, vv = random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len)
         q = rng.standard_normal(n_heads * hd).astype(np.float32)
