@@ -938,11 +938,11 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     int wave = 0;
     OG_CUDA_RETURN_IF(blocks_for(head_group, &wave));
     // A cache whose longest context still fits one chunk per block of a narrower head group
-    // (the engine's chunking, head_dim 64 or 128) takes the narrowest such group: with no more chunks
-    // than the wide group has blocks, its blocks beyond the chunks sit idle while each busy one
-    // folds its rows for HG heads one after another; the narrower group puts those heads on
-    // blocks of their own, and no block ever takes a second chunk. Longer caches keep the
-    // widest group, which reads each K/V row the fewest times.
+    // (the engine's chunking, head_dim 64 or 128) takes the narrowest such group: with no more
+    // chunks than the wide group has blocks, its blocks beyond the chunks sit idle while each
+    // busy one folds its rows for HG heads one after another; the narrower group puts those
+    // heads on blocks of their own, and no block ever takes a second chunk. Longer caches keep
+    // the widest group, which reads each K/V row the fewest times.
     if (chosen_split && grouped) {
         for (int hg = head_group / 2; hg >= 1; hg /= 2) {
             int narrow_wave = 0;

@@ -110,11 +110,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-// The wait, and the next kernel's launch. kEarly: the next kernel may launch before this one
-// waits (the GEMV in front of the attention kernel, whose work before its own wait, the step
-// record, the block table and the K/V rows of earlier steps, is a chain of dependent loads that
-// reads nothing this kernel or the one before writes). Its pdl_wait() still waits for this
-// kernel, which waits for the one before.
+// The wait, and the next kernel's launch. kEarly (the GEMVs that norm their input): the next
+// kernel may launch before this one waits. After the QKV projection that is the attention
+// kernel, whose work before its own wait (the step record, the block table, the K/V rows of
+// earlier steps: a chain of dependent loads) reads nothing this kernel or the one before writes;
+// after the router and the lm_head, the top-k and the argmax / sampling kernels, which do nothing
+// before their wait. A successor's pdl_wait() still waits for this kernel, which waits for the
+// one before.
 template <bool kEarly>
 __device__ __forceinline__ void pdl_wait_then_launch() {
     if constexpr (kEarly) pdl_launch_dependents();
