@@ -900,7 +900,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
     int head_group = max_group;
-    const bool grouped = head_dim == 64 || head_dim == 128;  // kernel_for_group's choices
+    // Shapes with narrower head groups compiled (kernel_for_group): a one-head instance exists.
+    const bool grouped = kernel_for(kv_dtype, head_dim, 1, false) != nullptr;
     if (grouped) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
     const bool chosen_split = split_len == 0;
     // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
