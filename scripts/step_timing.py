@@ -11,7 +11,8 @@ below it are allocated, their content unspecified), so a long context costs no p
 context, each variant's graph is captured anew (settings an experimental build reads from the
 environment at launch take effect there) and timed over --steps replays (median), the variants
 in turn --repeats times; the table gives the median over the rounds. The first variant's
-logits at the first context are the reference the others are compared with (max |diff|).
+logits at the first context are the reference the others are compared with (max |diff|);
+--save-logits writes them, so that runs with different libraries can be compared.
 
 The whole step moves by a few percent from one engine to the next (placement of the weights),
 more than many of the effects worth measuring: compare variants inside one engine where a
@@ -89,6 +90,8 @@ def measure(args) -> dict:
                             diffs.setdefault(v, float("nan"))
                         elif context == args.contexts[0]:
                             reference = logits if reference is None else reference
+                            if args.save_logits and v == args.variants[0]:
+                                np.save(args.save_logits, logits)
                             diffs[v] = max(diffs.get(v, 0.0), float(np.max(np.abs(logits - reference))))
     return {"ms": ms, "diffs": diffs}
 
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="timed replays per variant and round")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the variants")
     p.add_argument("--label", default="", help="printed before each row (e.g. which library)")
+    p.add_argument("--save-logits", default="", metavar="PATH.npy",
+                   help="save the first variant's logits at the first context (to compare libraries)")
     args = p.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.variants = args.variants or [""]
