@@ -71,7 +71,11 @@ if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   # pytest-xdist (when installed) runs the files on PYTEST_WORKERS processes sharing the GPU.
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-4}" --dist loadfile)
-  timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -rfs --durations=15 "${workers[@]}" "${markers[@]}" \
+  # Each worker's BLAS and torch would otherwise take every core: the CPU oracle tests crawl.
+  threads=$(nproc)
+  [ ${#workers[@]} -gt 0 ] && threads=$(( threads / ${PYTEST_WORKERS:-4} > 0 ? threads / ${PYTEST_WORKERS:-4} : 1 ))
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$threads} \
+    timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -rfs --durations=15 "${workers[@]}" "${markers[@]}" \
     tests > "$OUT/pytest.log" 2>&1
   note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log"); tests failed or in error: $(failed_tests "$OUT/pytest.log" | wc -l)"
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
