@@ -52,3 +52,25 @@ def test_30b_a3b_shape_matches_reference():
     print(f"qwen3-30b-a3b (4 layers) int8 KV: worst logits rel L2 {worst:.3g}")
     assert_below("moe/qwen3-30b-a3b-4l/kv=int8", worst)
     assert tokens == ref_tokens
+
+
+@pytest.mark.slow
+def test_30b_a3b_shape_decodes_identically_every_time():
+    """The 30B-A3B shape (4 layers), graph and non-graph in turn, three times over: every run's
+    tokens and every step's logits bit-identical to the first run's. A result that changes from
+    run to run is a race that some timings expose (scripts/repeat_decode.py repeats it more)."""
+    import numpy as np
+    config, tensors = synthetic("qwen3-30b-a3b", layers=4)
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, device="gpu") as engine:
+        first = None
+        for run in range(3):
+            for graph in (True, False):
+                engine.reset()
+                engine.set_graph(graph)
+                tokens, logits = _decode(engine.step, PROMPT, 64)
+                if first is None:
+                    first = tokens, logits
+                    continue
+                differing = [i for i, (a, b) in enumerate(zip(logits, first[1])) if not np.array_equal(a, b)]
+                assert tokens == first[0] and not differing, \
+                    f"run {run}, graph={graph}: steps {differing[:5]} differ from the first run"
