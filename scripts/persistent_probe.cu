@@ -1,16 +1,23 @@
 // persistent_probe.cu — what does one dense transformer layer cost at batch 1 when the whole
 // token's layer loop runs as ONE persistent kernel (one block per SM, dependencies between phases
 // as counters in global memory, each phase's weights loaded into registers before the block waits
-// on its counter), against the same phases as separate kernels chained with PDL in a CUDA graph?
+// on its counter), or as TWO kernels a layer whose inner dependencies stay inside thread block
+// clusters, against the same phases as five kernels a layer chained with PDL in a CUDA graph?
 // Standalone experiment, not part of the library.
 //
 //   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/persistent_probe scripts/persistent_probe.cu
 //   run:   /tmp/persistent_probe                       (both shapes, context 64, 200 replays)
 //          /tmp/persistent_probe --context 64,512 --trace --json /tmp/persistent_probe.json
+//          /tmp/persistent_probe --calibrate           (what a kernel boundary costs alone)
 //          options: --shape smollm2|qwen3-0.6b|both  --context C[,C...]  --iters N  --json PATH
 //                   --trace (one extra replay a variant with per-block %globaltimer stamps; prints
 //                   per phase the hand-over, the median block's start minus the last block's end
-//                   of the phase before, and the work, the last end minus that start)
+//                   of the phase before, and the work, the last end minus that start; then the
+//                   first / median / last block's start and end; for the clustered variants the
+//                   median and last block at each point of the two kernels)
+//                   --calibrate (graphs of 150 chained kernels with no weights: one that only
+//                   waits, and one that reads the previous kernel's output from L2, reduces it
+//                   over the block and writes one element; µs a kernel per grid size)
 //
 // Shapes (layers only: no embedding, no lm_head; the residual stream x [hidden] fp32 is the input
 // and the output; bf16 weights uniform in +-0.05 and RMSNorm weights 1 +- 0.05 from a fixed-seed
@@ -39,6 +46,10 @@
 //   persistent_barrier   the same kernel with a grid-wide barrier between phases instead: one
 //                        counter, every block arrives after and waits before every phase (weights
 //                        still loaded before the wait)
+//   clusters_8, _16      two kernels a layer (section (D) below): attention block and FFN block,
+//                        each cluster of 8 or 16 blocks keeping its dependencies inside it, the O
+//                        and down projections split over K with the partial sums taken by the next
+//                        kernel; weights into shared memory by cp.async before the PDL wait
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -49,9 +60,12 @@
 // What it prints: per shape and context, the D2D copy bandwidth (1 GiB cudaMemcpyAsync, bytes read
 // + written), the bytes a layer reads and writes (weights, norm weights, K/V rows read and the
 // row written), the floor a layer = bytes / bandwidth, and per variant: µs a token, µs a layer,
-// floor / layer time, baseline / variant. Then the checks: the three variants' x and K/V row C
-// bit-identical (memcmp), each stable over the timed replays, and against a CPU reference (fp64
-// host loop over all layers, relative L2 error < 1e-3). PASS/FAIL; exit code 1 on any failure.
+// floor / layer time, baseline / variant. Then the checks: the first three variants' x and K/V
+// row C bit-identical (memcmp); every variant stable over the timed replays and within a relative
+// L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the clustered variants sum
+// the O and down projections in another order, so they are held to the reference only.
+// PASS/FAIL; exit code 1 on any failure. A clustered variant that cannot place one cluster is
+// not run (said so in the output).
 //
 // Why the outputs are bit-identical: every output element is computed by the same code with the
 // same reduction order in all variants (per-row chunk order and butterfly; RMSNorm sums by each
@@ -98,6 +112,7 @@
 //   kernel at 255 registers or fewer without spills; longer contexts take more splits.
 // - Not modelled: the embedding, the final norm and lm_head, the per-step H2D/D2H copies, paged KV.
 #include <cuda_bf16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -118,6 +133,8 @@
             exit(1);                                                                               \
         }                                                                                          \
     } while (0)
+
+namespace cg = cooperative_groups;
 
 namespace {
 
@@ -184,6 +201,11 @@ struct Acts {
     float *part_o;       // [NH * splits][HD] attention split partials
     float *part_ml;      // [NH * splits][2]  their max and sum
     unsigned long long *trace;   // --trace: [L][5 phases][kTraceBlocks][2] %globaltimer, or null
+    // the clustered body only:
+    float *x_res;        // [H] the attention block's input x, the FFN block's residual
+    float *qkvh;         // [NH][3 head_dim] each query head's q and its KV head's k, v
+    float *attn_part;    // [NH][H] each head's share of the O projection
+    float *ffn_part;     // [clusters][H] each FFN cluster's share of the down projection
 };
 struct Sync {            // one per variant, zeroed once
     unsigned epoch, exit, heads, o, act, down, bar, abort;
@@ -204,6 +226,14 @@ constexpr int kTraceBlocks = 1024;
 __device__ __forceinline__ void trace(const Acts &a, int l, int phase, int k) {
     if (a.trace != nullptr && threadIdx.x == 0)
         a.trace[(((size_t)l * 5 + phase) * kTraceBlocks + blockIdx.x) * 2 + k] = globaltimer();
+}
+// The clustered variants' trace: [L][kStamps][kTraceBlocks] %globaltimer, a stamp a point of each
+// kernel (fused_*_kernel: kStampAttn* in the attention kernel, kStampFfn* in the FFN kernel).
+enum Stamp { kStampAttnEntry, kStampAttnWait, kStampAttnStaged, kStampAttnQkv, kStampAttnHeads, kStampAttnEnd,
+             kStampFfnEntry, kStampFfnWait, kStampFfnStaged, kStampFfnAct, kStampFfnGather, kStampFfnEnd, kStamps };
+__device__ __forceinline__ void stamp(const Acts &a, int l, int point) {
+    if (a.trace != nullptr && threadIdx.x == 0)
+        a.trace[((size_t)l * kStamps + point) * kTraceBlocks + blockIdx.x] = globaltimer();
 }
 __device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
@@ -443,13 +473,11 @@ __device__ __forceinline__ void load_gamma(Gamma<N> &g, const uint16_t *w) {
     }
 }
 
-// xs = RMSNorm(src) * gamma. Every warp sums the squares itself in lane-strided order, so all
-// threads hold the same 1/rms without a block reduction, and it does not depend on the block.
+// xs = RMSNorm(raw) * gamma, raw staged and visible to the block. Every warp sums the squares
+// itself in lane-strided order, so all threads hold the same 1/rms without a block reduction, and
+// it does not depend on the block.
 template <int N>
-__device__ __forceinline__ void stage_norm(const float *src, const Gamma<N> &g, float *raw, float *xs) {
-#pragma unroll 4
-    for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = __ldcg(src + i);
-    __syncthreads();
+__device__ __forceinline__ void norm_raw(const Gamma<N> &g, const float *raw, float *xs) {
     float ss = 0.f;
     for (int i = threadIdx.x % kWarpSize; i < N; i += kWarpSize) ss = __fmaf_rn(raw[i], raw[i], ss);
     ss = warp_sum(ss);
@@ -460,6 +488,14 @@ __device__ __forceinline__ void stage_norm(const float *src, const Gamma<N> &g, 
         if (i < N) xs[i] = __fmul_rn(__fmul_rn(raw[i], inv), g.g[k]);
     }
     __syncthreads();
+}
+// xs = RMSNorm(src) * gamma.
+template <int N>
+__device__ __forceinline__ void stage_norm(const float *src, const Gamma<N> &g, float *raw, float *xs) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = __ldcg(src + i);
+    __syncthreads();
+    norm_raw(g, raw, xs);
 }
 template <int N>
 __device__ __forceinline__ void stage_plain(const float *src, float *xs) {
@@ -527,12 +563,61 @@ __device__ __forceinline__ void attn_prefetch(AttnRegs<S> &r, const Model &m, in
     }
 }
 
+// Head h's output element t from its splits' partials (written by other blocks: read from L2),
+// folded in split order.
+template <class S>
+__device__ __forceinline__ float fold_splits(const Acts &a, int h, int splits, int t) {
+    float big = -INFINITY;
+    for (int sp = 0; sp < splits; ++sp) big = fmaxf(big, __ldcg(a.part_ml + 2 * (h * splits + sp)));
+    float total = 0.f, out = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+        const int it = h * splits + sp;
+        const float e = expf(__fsub_rn(__ldcg(a.part_ml + 2 * it), big));
+        total = __fmaf_rn(__ldcg(a.part_ml + 2 * it + 1), e, total);
+        out = __fmaf_rn(__ldcg(a.part_o + (size_t)it * S::HD + t), e, out);
+    }
+    return __fdiv_rn(out, total);
+}
+
+// fold_splits with every load in flight at once (splits <= MAXS), the same arithmetic in the same
+// order; the clustered body's blocks fold CS or more splits, where a loop's dependent loads cost a
+// round trip to L2 each.
+template <class S, int MAXS>
+__device__ __forceinline__ float fold_splits_batched(const Acts &a, int h, int splits, int t) {
+    float mx[MAXS], sm[MAXS], po[MAXS];
+#pragma unroll
+    for (int sp = 0; sp < MAXS; ++sp) {
+        const int it = h * splits + sp;
+        const bool in = sp < splits;
+        mx[sp] = in ? __ldcg(a.part_ml + 2 * it) : -INFINITY;
+        sm[sp] = in ? __ldcg(a.part_ml + 2 * it + 1) : 0.f;
+        po[sp] = in ? __ldcg(a.part_o + (size_t)it * S::HD + t) : 0.f;
+    }
+    float big = -INFINITY;
+#pragma unroll
+    for (int sp = 0; sp < MAXS; ++sp)
+        if (sp < splits) big = fmaxf(big, mx[sp]);
+    float total = 0.f, out = 0.f;
+#pragma unroll
+    for (int sp = 0; sp < MAXS; ++sp) {
+        if (sp < splits) {
+            const float e = expf(__fsub_rn(mx[sp], big));
+            total = __fmaf_rn(sm[sp], e, total);
+            out = __fmaf_rn(po[sp], e, out);
+        }
+    }
+    return __fdiv_rn(out, total);
+}
+
 // One (head, split) item, the whole block. Returns true (block-uniform) when this call completed
 // head h's output: always with one split; with several, only in the last split to finish, which
 // folds the partials of all splits in split order.
-template <class S>
-__device__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts &a, unsigned *tickets, int l,
-                               int h, int s, Smem<S> &sm) {
+// q_src, k_src, v_src: head h's q and its KV head's k and v, [head_dim] each. fold = false (the
+// clustered body): a split only writes its partial; the cluster folds them after its barrier.
+template <class S, class Sm>
+__device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts &a, unsigned *tickets, int l,
+                               int h, int s, Sm &sm, const float *q_src, const float *k_src,
+                               const float *v_src, bool fold) {
     using D = Dims<S>;
     constexpr int HD = S::HD, half = HD / 2;
     const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
@@ -542,9 +627,9 @@ __device__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts 
     // 1. this step's q (head h), k and v (KV head g), from the QKV GEMV
     float v_t = 0.f;
     if (t < HD) {
-        sm.q_raw[t] = __ldcg(a.qkv + h * HD + t);
-        sm.k_raw[t] = __ldcg(a.qkv + D::ATT + g * HD + t);
-        v_t = __ldcg(a.qkv + D::ATT + S::NKV * HD + g * HD + t);
+        sm.q_raw[t] = __ldcg(q_src + t);
+        sm.k_raw[t] = __ldcg(k_src + t);
+        v_t = __ldcg(v_src + t);
     }
     __syncthreads();
     // 2. QK-norm (every warp sums the squares in the same order), RoPE, row C in bf16
@@ -666,6 +751,7 @@ __device__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts 
         a.part_ml[2 * item] = mx;
         a.part_ml[2 * item + 1] = sum;
     }
+    if (!fold) return false;
     __syncthreads();
     if (t == 0) {
         fence_acq_rel();
@@ -675,19 +761,16 @@ __device__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts 
     }
     __syncthreads();
     if (!sm.last) return false;
-    if (t < HD) {
-        float big = -INFINITY;
-        for (int sp = 0; sp < m.splits; ++sp) big = fmaxf(big, __ldcg(a.part_ml + 2 * (h * m.splits + sp)));
-        float total = 0.f, out = 0.f;
-        for (int sp = 0; sp < m.splits; ++sp) {
-            const int it = h * m.splits + sp;
-            const float e = expf(__fsub_rn(__ldcg(a.part_ml + 2 * it), big));
-            total = __fmaf_rn(__ldcg(a.part_ml + 2 * it + 1), e, total);
-            out = __fmaf_rn(__ldcg(a.part_o + (size_t)it * HD + t), e, out);
-        }
-        a.attn[h * HD + t] = __fdiv_rn(out, total);
-    }
+    if (t < HD) a.attn[h * HD + t] = fold_splits<S>(a, h, m.splits, t);
     return true;
+}
+template <class S>
+__device__ __forceinline__ bool attention_item(const AttnRegs<S> &r, const Model &m, const Acts &a,
+                                               unsigned *tickets, int l, int h, int s, Smem<S> &sm) {
+    using D = Dims<S>;
+    const int g = h / D::GRP;
+    return attention_core(r, m, a, tickets, l, h, s, sm, a.qkv + h * S::HD, a.qkv + D::ATT + g * S::HD,
+                          a.qkv + D::ATT + S::NKV * S::HD + g * S::HD, true);
 }
 
 // ---- (A) baseline: one kernel a phase, PDL ------------------------------------------------
@@ -881,6 +964,298 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(const Model m, 
     }
 }
 
+
+// ---- (D) the clustered body: two kernels a layer ---------------------------------------------
+// Thread block clusters of CS blocks (distributed shared memory, a hardware barrier across the
+// cluster) keep every dependency inside a layer local to a cluster but two:
+//   attention kernel, one cluster per query head h (grid NH * CS):
+//     x = x_mid + sum_c ffn_part[c] (layer 0: x_in); RMSNorm; the QKV rows head h needs (its q,
+//     its KV head's k and v: 3 head_dim rows, RB3 a block) -> qkvh[h]; cluster barrier;
+//     attention over splits s = rank, rank + CS, ... (partials); cluster barrier; every block
+//     folds the splits; O projection of head h's columns, HPB rows a block -> attn_part[h]
+//   FFN kernel, NC clusters, cluster c owning act[c IC, (c + 1) IC):
+//     x_mid = x + sum_h attn_part[h]; RMSNorm; gate/up + SwiGLU of IPB act rows a block;
+//     cluster barrier; every block gathers the cluster's IC act values from the others' shared
+//     memory; down projection of those IC columns, HPB rows a block -> ffn_part[c]
+// The O and down projections are split over K (heads, act chunks): their sums are taken by the
+// next kernel, in a fixed order, by every block alike (so the outputs are deterministic but not
+// bit-identical to the other variants, which sum each row in one pass). The K/V rows of a head
+// group are computed by each of the group's clusters (GRP x the K/V weight bytes, mostly from L2).
+// Each block's weights go to shared memory by cp.async before its PDL wait.
+constexpr int kFfnBlocks = 128;   // NC * CS
+
+template <class S, int CS>
+struct Fused {
+    static constexpr int NC = kFfnBlocks / CS;          // FFN clusters
+    static constexpr int RB3 = 3 * S::HD / CS;          // QKV rows a block
+    static constexpr int HPB = S::H / CS;               // O / down rows a block
+    static constexpr int IC = S::I / NC;                // act columns a cluster
+    static constexpr int IPB = IC / CS;                 // act rows a block
+    static constexpr int ATTN_SMEM = (RB3 * S::H + HPB * S::HD) * 2;
+    static constexpr int FFN_SMEM = (2 * IPB * S::H + HPB * IC) * 2;
+    static_assert(3 * S::HD % CS == 0 && S::H % CS == 0 && S::I % NC == 0 && IC % CS == 0, "cluster split");
+    static_assert(IC % 8 == 0 && S::HD % 8 == 0, "16-byte segments");
+};
+
+template <class S>
+struct FusedSmem {
+    alignas(16) float raw[S::H];
+    alignas(16) float xs[S::H];
+    alignas(16) float head[S::HD];             // head h's attention output
+    // attention_core's
+    alignas(16) float q[S::HD];
+    float q_raw[S::HD], k_raw[S::HD];
+    alignas(16) uint16_t k_new[S::HD];
+    alignas(16) uint16_t v_new[S::HD];
+    alignas(16) float part[kWarps][S::HD];
+    float scores[Dims<S>::RB];
+    float red[2][kWarps];
+    unsigned last;
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Rows 0..n-1 of `cols` bf16 each (row(r): global address) into dst [n][cols], 16 bytes a copy.
+template <class RowPtr>
+__device__ __forceinline__ void copy_rows(uint16_t *dst, int n, int cols, RowPtr row) {
+    const int per_row = cols / 8;
+    for (int i = threadIdx.x; i < n * per_row; i += kThreads) {
+        const int r = i / per_row, c = i % per_row;
+        cp_async16(dst + (size_t)r * cols + c * 8, row(r) + c * 8);
+    }
+}
+
+// A whole row of COLS (shared memory) times xs, one warp: dot_task's order and butterfly.
+template <int COLS>
+__device__ __forceinline__ float dot_row(const uint16_t *row, const float *xs, int lane) {
+    constexpr int kChunks = COLS / 8, U = (kChunks + kWarpSize - 1) / kWarpSize;
+    const uint4 *w = reinterpret_cast<const uint4 *>(row);
+    const float4 *xs4 = reinterpret_cast<const float4 *>(xs);
+    const int swap = (lane >> 2) & 1;
+    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = lane + u * kWarpSize;
+        if (c < kChunks) {
+            const float4 h0 = xs4[2 * c + swap], h1 = xs4[2 * c + 1 - swap];
+            acc = dot8(w[c], swap ? h1 : h0, swap ? h0 : h1, acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Rows 0..n-1 of SEG columns each (shared memory, [n][SEG]) times xs [SEG]: a group of LG lanes a
+// row (LG the power of two >= SEG / 8, at most 32), each lane chunks sub, sub + LG, ...; the
+// group reduced by a butterfly; emit(row, value) by the group's first lane.
+template <int SEG, class Emit>
+__device__ __forceinline__ void seg_gemv(const uint16_t *w, int n, const float *xs, int warp, int lane, Emit emit) {
+    constexpr int kChunks = SEG / 8;
+    constexpr int LG = kChunks >= 32 ? 32 : kChunks > 8 ? (kChunks > 16 ? 32 : 16) : (kChunks > 4 ? 8 : 4);
+    constexpr int RPS = kWarpSize / LG, UC = (kChunks + LG - 1) / LG;
+    const uint4 *w4 = reinterpret_cast<const uint4 *>(w);
+    const float4 *xs4 = reinterpret_cast<const float4 *>(xs);
+    const int sub = lane % LG;
+    for (int step = warp; step * RPS < n; step += kWarps) {
+        const int row = step * RPS + lane / LG;
+        float acc = 0.f;
+        if (row < n) {
+#pragma unroll
+            for (int k = 0; k < UC; ++k) {
+                const int c = k * LG + sub;
+                if (c < kChunks) acc = dot8(w4[(size_t)row * kChunks + c], xs4[2 * c], xs4[2 * c + 1], acc);
+            }
+        }
+#pragma unroll
+        for (int o = LG / 2; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        if (sub == 0 && row < n) emit(row, acc);
+    }
+}
+
+// raw = base + parts[0] + ... + parts[np - 1] (in that order; parts [np][N]), written to out too
+// when out is not null; then xs = RMSNorm(raw) * gamma. Every load of a thread is in flight at once.
+template <int N, int NPMAX>
+__device__ __forceinline__ void stage_sum_norm(const float *base, const float *parts, int np, const Gamma<N> &g,
+                                               float *raw, float *xs, float *out) {
+    constexpr int K = (N + kThreads - 1) / kThreads;
+    float v[K][NPMAX + 1];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+#pragma unroll
+        for (int p = 0; p <= NPMAX; ++p)
+            v[k][p] = i < N && (p == 0 || p <= np) ? __ldcg((p == 0 ? base : parts + (size_t)(p - 1) * N) + i) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+        float sum = v[k][0];
+#pragma unroll
+        for (int p = 1; p <= NPMAX; ++p)
+            if (p <= np) sum = __fadd_rn(sum, v[k][p]);
+        if (i < N) {
+            raw[i] = sum;
+            if (out != nullptr) out[i] = sum;
+        }
+    }
+    __syncthreads();
+    norm_raw(g, raw, xs);
+}
+
+template <class S, int CS>
+__global__ void __launch_bounds__(kThreads, 1) fused_attention_kernel(const Model m, const Acts a, int l) {
+    using D = Dims<S>;
+    using F = Fused<S, CS>;
+    constexpr int H = S::H, HD = S::HD;
+    extern __shared__ uint4 dyn_smem[];
+    uint16_t *wq = reinterpret_cast<uint16_t *>(dyn_smem);   // [RB3][H]
+    uint16_t *wo = wq + F::RB3 * H;                            // [HPB][HD]
+    __shared__ FusedSmem<S> sm;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank(), h = blockIdx.x / CS, g = h / D::GRP;
+    const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+    stamp(a, l, kStampAttnEntry);
+
+    // before the wait: this block's QKV and O rows, the norm weights, its first split's K/V rows
+    const uint16_t *wqkv = m.w_qkv + (size_t)l * D::QKV * H;
+    copy_rows(wq, F::RB3, H, [&](int r) {
+        const int i = rank * F::RB3 + r;
+        const int row = i < HD ? h * HD + i : i < 2 * HD ? D::ATT + g * HD + i - HD
+                                                       : D::ATT + S::NKV * HD + g * HD + i - 2 * HD;
+        return wqkv + (size_t)row * H;
+    });
+    copy_rows(wo, F::HPB, HD, [&](int r) {
+        return m.w_o + (size_t)l * H * D::ATT + (size_t)(rank * F::HPB + r) * D::ATT + h * HD;
+    });
+    Gamma<H> gm;
+    load_gamma(gm, m.ln_in + (size_t)l * H);
+    AttnRegs<S> ar;
+    attn_prefetch(ar, m, l, h, rank);
+    pdl_wait();
+    pdl_launch_dependents();
+    stamp(a, l, kStampAttnWait);
+
+    stage_sum_norm<H, F::NC>(l == 0 ? a.x_in : a.x, a.ffn_part, l == 0 ? 0 : F::NC, gm, sm.raw, sm.xs,
+                             h == 0 && rank == 0 ? a.x_res : nullptr);
+    cp_async_wait_all();
+    __syncthreads();
+    stamp(a, l, kStampAttnStaged);
+    float *qkvh = a.qkvh + (size_t)h * 3 * HD;
+    for (int r = warp; r < F::RB3; r += kWarps) {
+        const float v = dot_row<H>(wq + (size_t)r * H, sm.xs, lane);
+        if (lane == 0) qkvh[rank * F::RB3 + r] = v;
+    }
+    cluster.sync();
+    stamp(a, l, kStampAttnQkv);
+    for (int s = rank; s < m.splits; s += CS) {
+        if (s != rank) attn_prefetch(ar, m, l, h, s);
+        attention_core(ar, m, a, nullptr, l, h, s, sm, qkvh, qkvh + HD, qkvh + 2 * HD, false);
+    }
+    cluster.sync();
+    stamp(a, l, kStampAttnHeads);
+    if (t < HD) sm.head[t] = m.splits <= 16 ? fold_splits_batched<S, 16>(a, h, m.splits, t) : fold_splits<S>(a, h, m.splits, t);
+    __syncthreads();
+    float *out = a.attn_part + (size_t)h * H + rank * F::HPB;
+    seg_gemv<HD>(wo, F::HPB, sm.head, warp, lane, [&](int row, float v) { out[row] = v; });
+    if (a.trace != nullptr) {
+        __syncthreads();
+        stamp(a, l, kStampAttnEnd);
+    }
+}
+
+template <class S, int CS>
+__global__ void __launch_bounds__(kThreads, 1) fused_ffn_kernel(const Model m, const Acts a, int l) {
+    using F = Fused<S, CS>;
+    constexpr int H = S::H, I = S::I;
+    extern __shared__ uint4 dyn_smem[];
+    uint16_t *wgu = reinterpret_cast<uint16_t *>(dyn_smem);  // [2 IPB][H]: gate rows, then up rows
+    uint16_t *wd = wgu + 2 * F::IPB * H;                       // [HPB][IC]
+    __shared__ alignas(16) float raw[H];
+    __shared__ alignas(16) float xs[H];
+    __shared__ float act_own[F::IPB];
+    __shared__ alignas(16) float act[F::IC];
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank(), c = blockIdx.x / CS;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int a0 = c * F::IC + rank * F::IPB;   // this block's first act row
+    stamp(a, l, kStampFfnEntry);
+
+    copy_rows(wgu, 2 * F::IPB, H, [&](int r) {
+        const int row = (r < F::IPB ? 0 : I) + a0 + r % F::IPB;
+        return m.w_gu + (size_t)l * 2 * I * H + (size_t)row * H;
+    });
+    copy_rows(wd, F::HPB, F::IC, [&](int r) {
+        return m.w_down + (size_t)l * H * I + (size_t)(rank * F::HPB + r) * I + c * F::IC;
+    });
+    Gamma<H> gm;
+    load_gamma(gm, m.ln_post + (size_t)l * H);
+    pdl_wait();
+    pdl_launch_dependents();
+    stamp(a, l, kStampFfnWait);
+
+    stage_sum_norm<H, S::NH>(a.x_res, a.attn_part, S::NH, gm, raw, xs, c == 0 && rank == 0 ? a.x : nullptr);
+    cp_async_wait_all();
+    __syncthreads();
+    stamp(a, l, kStampFfnStaged);
+    for (int i = warp; i < F::IPB; i += kWarps) {
+        const float gt = dot_row<H>(wgu + (size_t)i * H, xs, lane);
+        const float up = dot_row<H>(wgu + (size_t)(F::IPB + i) * H, xs, lane);
+        if (lane == 0) act_own[i] = __fmul_rn(__fdiv_rn(gt, __fadd_rn(1.f, expf(-gt))), up);
+    }
+    cluster.sync();
+    stamp(a, l, kStampFfnAct);
+    for (int i = threadIdx.x; i < F::IC; i += kThreads)
+        act[i] = cluster.map_shared_rank(act_own, i / F::IPB)[i % F::IPB];
+    cluster.sync();   // no block leaves (or reuses act_own) while another still reads it
+    stamp(a, l, kStampFfnGather);
+    float *out = a.ffn_part + (size_t)c * H + rank * F::HPB;
+    seg_gemv<F::IC>(wd, F::HPB, act, warp, lane, [&](int row, float v) { out[row] = v; });
+    if (a.trace != nullptr) {
+        __syncthreads();
+        stamp(a, l, kStampFfnEnd);
+    }
+}
+
+// The step's output: x = x_mid + the last layer's FFN partials.
+template <class S, int CS>
+__global__ void __launch_bounds__(kThreads) fused_final_kernel(const Acts a) {
+    using F = Fused<S, CS>;
+    pdl_wait();
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::H; i += gridDim.x * kThreads) {
+        float sum = __ldcg(a.x + i);
+        for (int p = 0; p < F::NC; ++p) sum = __fadd_rn(sum, __ldcg(a.ffn_part + (size_t)p * S::H + i));
+        a.x[i] = sum;
+    }
+}
+
+// ---- calibration: the cost of a kernel boundary alone --------------------------------------
+// kCalEmpty: a kernel that only waits (PDL) and lets the next one launch. kCalChain: each block
+// also reads the whole of the previous kernel's output (n floats, from L2), sums it over the block
+// and writes one element of its own output: one dependent L2 round trip and a block reduction a
+// kernel, with no weights, the least a GEMV in the chain does after its wait.
+enum CalMode { kCalEmpty = 0, kCalChain = 1 };
+template <int MODE>
+__global__ void __launch_bounds__(kThreads) calibration_kernel(const float *in, float *out, int n) {
+    __shared__ float red[kWarps];
+    pdl_wait();
+    pdl_launch_dependents();
+    if (MODE == kCalChain) {
+        float v = 0.f;
+        for (int i = threadIdx.x; i < n; i += kThreads) v = __fadd_rn(v, __ldcg(in + i));
+        v = warp_sum(v);
+        if (threadIdx.x % kWarpSize == 0) red[threadIdx.x / kWarpSize] = v;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float total = 0.f;
+            for (int w = 0; w < kWarps; ++w) total = __fadd_rn(total, red[w]);
+            out[blockIdx.x] = __fmul_rn(total, 0.5f);
+        }
+    }
+}
+
 // ---- initialisation ---------------------------------------------------------------------
 __host__ __device__ inline uint32_t hash32(uint64_t x) {
     x ^= x >> 33;
@@ -1069,8 +1444,58 @@ void launch(void (*kernel)(KArgs...), int grid, cudaStream_t stream, bool pdl, b
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
+// A clustered kernel: grid blocks in clusters of `cluster`, `smem` bytes of dynamic shared memory.
+template <typename... KArgs, typename... Args>
+void launch_cluster(void (*kernel)(KArgs...), int grid, int cluster, int smem, cudaStream_t stream, bool pdl,
+                    Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 2 : 1;
+    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// How many clusters of the kernel can be resident at once (0: it cannot run at all).
+template <typename... KArgs>
+int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (cluster > 8) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+constexpr int kVariants = 5;   // baseline, persistent, persistent_barrier, clusters of 8, of 16
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16};
+
 struct VariantResult {
     std::string name;
+    double ref_err_x = 0, ref_err_k = 0, ref_err_v = 0;   // against the CPU reference
     double us_token = 0, us_layer = 0, frac_floor = 0, speedup = 0;
     bool stable = false, no_abort = false;
     std::vector<double> handover_us, work_us;   // --trace, per phase
@@ -1092,20 +1517,27 @@ struct ConfigResult {
 void report_trace(VariantResult &vr, const std::vector<unsigned long long> &tr, int layers) {
     const char *phase[5] = {"qkv", "attention", "o+res", "gate/up", "down+res"};
     double hop[5] = {0}, work[5] = {0}, span[5] = {0};
+    double spread[5][6] = {};   // starts: first, median, last; ends: first, median, last (after the last end before)
     auto at = [&](int l, int p, int b, int k) { return tr[(((size_t)l * 5 + p) * kTraceBlocks + b) * 2 + k]; };
     std::vector<unsigned long long> end_prev(1, 0);
     for (int l = 0; l < layers; ++l) {
         for (int p = 0; p < 5; ++p) {
-            std::vector<unsigned long long> starts;
+            std::vector<unsigned long long> starts, ends;
             unsigned long long last_end = 0;
             for (int b = 0; b < kTraceBlocks; ++b) {
                 if (at(l, p, b, 0)) starts.push_back(at(l, p, b, 0));
+                if (at(l, p, b, 1)) ends.push_back(at(l, p, b, 1));
                 last_end = std::max(last_end, at(l, p, b, 1));
             }
-            if (starts.empty()) return;
+            if (starts.empty() || ends.empty()) return;
             std::sort(starts.begin(), starts.end());
+            std::sort(ends.begin(), ends.end());
             const double med = (double)starts[starts.size() / 2];
             if (l > 0) {
+                const double e0 = (double)end_prev[0];
+                const double q[6] = {(double)starts.front(), med, (double)starts.back(), (double)ends.front(),
+                                     (double)ends[ends.size() / 2], (double)ends.back()};
+                for (int k = 0; k < 6; ++k) spread[p][k] += (q[k] - e0) * 1e-3;
                 hop[p] += (med - (double)end_prev[0]) * 1e-3;
                 work[p] += ((double)last_end - med) * 1e-3;
                 span[p] += ((double)last_end - (double)end_prev[0]) * 1e-3;
@@ -1122,6 +1554,45 @@ void report_trace(VariantResult &vr, const std::vector<unsigned long long> &tr, 
         total += span[p] / (layers - 1);
     }
     printf(" | layer %.2f us\n", total);
+    printf("    blocks' starts and ends (first / median / last), us after the phase before ended:\n");
+    for (int p = 0; p < 5; ++p) {
+        const double n = layers - 1;
+        printf("      %-9s start %.2f / %.2f / %.2f   end %.2f / %.2f / %.2f\n", phase[p], spread[p][0] / n,
+               spread[p][1] / n, spread[p][2] / n, spread[p][3] / n, spread[p][4] / n, spread[p][5] / n);
+    }
+}
+
+// The clustered variants' trace, mean over layers 1..L-1 of one replay: each point's median over
+// the blocks, in us after the previous kernel's last block ended (the ends: the last block's).
+void report_fused_trace(const char *name, const std::vector<unsigned long long> &tr, int layers) {
+    static const char *point[kStamps] = {"entry", "wait", "staged", "qkv synced", "heads synced", "end",
+                                         "entry", "wait", "staged", "act synced", "gathered", "end"};
+    auto at = [&](int l, int p, int b) { return tr[((size_t)l * kStamps + p) * kTraceBlocks + b]; };
+    double sum[kStamps] = {0}, last[kStamps] = {0};
+    for (int l = 0; l < layers; ++l) {
+        for (int k = 0; k < 2; ++k) {   // the attention kernel, then the FFN kernel
+            const int p0 = k * 6;
+            // the previous kernel's end: the FFN kernel of layer l - 1, or this layer's attention
+            unsigned long long ref = 0;
+            const int prev_end = k == 0 ? kStampFfnEnd : kStampAttnEnd, prev_l = k == 0 ? l - 1 : l;
+            if (prev_l < 0) continue;
+            for (int b = 0; b < kTraceBlocks; ++b) ref = std::max(ref, at(prev_l, prev_end, b));
+            for (int p = p0; p < p0 + 6; ++p) {
+                std::vector<double> v;
+                for (int b = 0; b < kTraceBlocks; ++b)
+                    if (at(l, p, b)) v.push_back((double)at(l, p, b) - (double)ref);
+                if (v.empty()) return;
+                std::sort(v.begin(), v.end());
+                if (l > 0) sum[p] += (p == p0 + 5 ? v.back() : v[v.size() / 2]) * 1e-3, last[p] += v.back() * 1e-3;
+            }
+        }
+    }
+    printf("  trace %s, us after the previous kernel's end (medians; end: the last block)\n    attention:", name);
+    for (int p = 0; p < 6; ++p) printf(" %s %.2f%s", point[p], sum[p] / (layers - 1), p < 5 ? "," : "\n    FFN:      ");
+    for (int p = 6; p < 12; ++p) printf(" %s %.2f%s", point[p], sum[p] / (layers - 1), p < 11 ? "," : "\n");
+    printf("    the last block at each point:\n    attention:");
+    for (int p = 0; p < 6; ++p) printf(" %s %.2f%s", point[p], last[p] / (layers - 1), p < 5 ? "," : "\n    FFN:      ");
+    for (int p = 6; p < 12; ++p) printf(" %s %.2f%s", point[p], last[p] / (layers - 1), p < 11 ? "," : "\n");
 }
 
 template <class S>
@@ -1217,6 +1688,38 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     Sync *sync;   // [3]: baseline (tickets only), persistent, persistent_barrier
     CK(cudaMalloc(&sync, 3 * sizeof(Sync)));
     CK(cudaMemset(sync, 0, 3 * sizeof(Sync)));
+
+    // the clustered variants: their own split partials (splits a multiple of the cluster size)
+    auto fused_splits = [&](int cs) { return cs * ((splits + cs - 1) / cs); };
+    const int fs_max = std::max(fused_splits(8), fused_splits(16));
+    float *d_xres, *d_qkvh, *d_apart, *d_fpart, *d_fpo, *d_fpml;
+    CK(cudaMalloc(&d_xres, H * sizeof(float)));
+    CK(cudaMalloc(&d_qkvh, (size_t)S::NH * 3 * HD * sizeof(float)));
+    CK(cudaMalloc(&d_apart, (size_t)S::NH * H * sizeof(float)));
+    CK(cudaMalloc(&d_fpart, (size_t)(kFfnBlocks / 8) * H * sizeof(float)));
+    CK(cudaMalloc(&d_fpo, (size_t)S::NH * fs_max * HD * sizeof(float)));
+    CK(cudaMalloc(&d_fpml, (size_t)S::NH * fs_max * 2 * sizeof(float)));
+    Acts af = a;
+    af.part_o = d_fpo, af.part_ml = d_fpml, af.x_res = d_xres, af.qkvh = d_qkvh, af.attn_part = d_apart,
+    af.ffn_part = d_fpart;
+    auto fused_model = [&](int cs) {
+        Model fm = m;
+        fm.splits = fused_splits(cs);
+        fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
+        return fm;
+    };
+    bool ran[kVariants] = {true, true, true, false, false};
+    auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
+        const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
+        const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
+        printf("%s: clusters of %d: attention kernel %d B dynamic shared, %d clusters resident at most; FFN "
+               "kernel %d B, %d clusters\n", S::kName, cs, attn_smem, na, ffn_smem, nf);
+        return na > 0 && nf > 0;
+    };
+    ran[3] = fused_runs(fused_attention_kernel<S, 8>, fused_ffn_kernel<S, 8>, 8, Fused<S, 8>::ATTN_SMEM,
+                        Fused<S, 8>::FFN_SMEM);
+    ran[4] = fused_runs(fused_attention_kernel<S, 16>, fused_ffn_kernel<S, 16>, 16, Fused<S, 16>::ATTN_SMEM,
+                        Fused<S, 16>::FFN_SMEM);
     CK(cudaDeviceSynchronize());
 
     // graphs
@@ -1237,17 +1740,34 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             }
         } else if (v == 1) {
             launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
-        } else {
+        } else if (v == 2) {
             launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
+        } else if (v == 3) {
+            using F = Fused<S, 8>;
+            const Model fm = fused_model(8);
+            for (int l = 0; l < L; ++l) {
+                launch_cluster(fused_attention_kernel<S, 8>, S::NH * 8, 8, F::ATTN_SMEM, stream, l > 0, fm, af, l);
+                launch_cluster(fused_ffn_kernel<S, 8>, kFfnBlocks, 8, F::FFN_SMEM, stream, true, fm, af, l);
+            }
+            launch(fused_final_kernel<S, 8>, 1, stream, true, false, af);
+        } else {
+            using F = Fused<S, 16>;
+            const Model fm = fused_model(16);
+            for (int l = 0; l < L; ++l) {
+                launch_cluster(fused_attention_kernel<S, 16>, S::NH * 16, 16, F::ATTN_SMEM, stream, l > 0, fm, af, l);
+                launch_cluster(fused_ffn_kernel<S, 16>, kFfnBlocks, 16, F::FFN_SMEM, stream, true, fm, af, l);
+            }
+            launch(fused_final_kernel<S, 16>, 1, stream, true, false, af);
         }
         CK(cudaStreamEndCapture(stream, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
         return ge;
     };
-    cudaGraphExec_t exec[3];
-    for (int v = 0; v < 3; ++v) exec[v] = build(v, a);
-    const char *names[3] = {"baseline", "persistent", "persistent_barrier"};
+    cudaGraphExec_t exec[kVariants] = {};
+    for (int v = 0; v < kVariants; ++v)
+        if (ran[v]) exec[v] = build(v, a);
+    const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -1258,13 +1778,15 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     };
     auto read_abort = [&](int v) {
         unsigned ab = 0;
+        if (v >= 3) return ab;   // the clustered variants never wait on counters
         CK(cudaMemcpy(&ab, &sync[v].abort, sizeof(unsigned), cudaMemcpyDeviceToHost));
         return ab;
     };
-    std::vector<float> out[3];
-    std::vector<uint16_t> krows[3], vrows[3];
-    bool no_abort[3];
-    for (int v = 0; v < 3; ++v) {
+    std::vector<float> out[kVariants];
+    std::vector<uint16_t> krows[kVariants], vrows[kVariants];
+    bool no_abort[kVariants] = {};
+    for (int v = 0; v < kVariants; ++v) {
+        if (!ran[v]) continue;
         CK(cudaMemsetAsync(d_x, 0xff, H * sizeof(float), stream));
         zero_rows<<<256, 256, 0, stream>>>(k_cache, L, ctx + 1, ctx, NKV * HD);
         CK(cudaGetLastError());
@@ -1300,7 +1822,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     res.ref_err_k = rel_l2(ref_k, kf.data(), kf.size());
     res.ref_err_v = rel_l2(ref_v, vf.data(), vf.size());
     bool finite = true;
-    for (int v = 0; v < 3; ++v)
+    for (int v = 0; v < kVariants; ++v)
         for (float f : out[v]) finite = finite && std::isfinite(f);
 
     // timing: warm up, then N replays between events
@@ -1313,7 +1835,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     res.bytes_layer = bytes_w + bytes_kv;
     res.floor_us_layer = res.bytes_layer / bw * 1e6;
     bool all_stable = true;
-    for (int v = 0; v < 3; ++v) {
+    for (int v = 0; v < kVariants; ++v) {
+        if (!ran[v]) continue;
         for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(exec[v], stream));
         CK(cudaEventRecord(e0, stream));
         for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(exec[v], stream));
@@ -1331,6 +1854,11 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         vr.stable = memcmp(again.data(), out[v].data(), H * 4) == 0;
         vr.no_abort = no_abort[v] && read_abort(v) == 0;
         all_stable = all_stable && vr.stable && vr.no_abort;
+        std::vector<float> vk(krows[v].size()), vv(vrows[v].size());
+        for (size_t i = 0; i < vk.size(); ++i) vk[i] = host_bf(krows[v][i]), vv[i] = host_bf(vrows[v][i]);
+        vr.ref_err_x = rel_l2(ref_x, out[v].data(), H);
+        vr.ref_err_k = rel_l2(ref_k, vk.data(), vk.size());
+        vr.ref_err_v = rel_l2(ref_v, vv.data(), vv.size());
         res.variants.push_back(vr);
     }
     for (auto &vr : res.variants) vr.speedup = res.variants[0].us_token / vr.us_token;
@@ -1356,18 +1884,45 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         }
         CK(cudaFree(d_trace));
     }
+    std::vector<std::pair<int, std::vector<unsigned long long>>> fused_traces;
+    if (do_trace && S::NH * 16 <= kTraceBlocks) {
+        const size_t n_trace = (size_t)L * kStamps * kTraceBlocks;
+        unsigned long long *d_trace;
+        CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
+        const Acts saved = af;
+        af.trace = d_trace;
+        for (int v = 3; v < kVariants; ++v) {
+            if (!ran[v]) continue;
+            cudaGraphExec_t ge = build(v, a);
+            CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
+            for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, stream));
+            CK(cudaStreamSynchronize(stream));
+            fused_traces.emplace_back(v, std::vector<unsigned long long>(n_trace));
+            CK(cudaMemcpy(fused_traces.back().second.data(), d_trace, n_trace * sizeof(unsigned long long),
+                          cudaMemcpyDeviceToHost));
+            CK(cudaGraphExecDestroy(ge));
+        }
+        af = saved;
+        CK(cudaFree(d_trace));
+    }
 
     const bool ref_ok = res.ref_err_x < 1e-3 && res.ref_err_k < 1e-3 && res.ref_err_v < 1e-3;
-    res.pass = res.bit_identical && res.kv_identical && ref_ok && finite && all_stable;
+    bool clusters_ok = true;   // the clustered variants sum in another order: the reference only
+    for (const auto &vr : res.variants)
+        clusters_ok = clusters_ok && vr.ref_err_x < 1e-3 && vr.ref_err_k < 1e-3 && vr.ref_err_v < 1e-3;
+    res.pass = res.bit_identical && res.kv_identical && ref_ok && clusters_ok && finite && all_stable;
 
     printf("\n%s, context %d (attention: %d split%s of <= %d rows), %d SMs, %d replays\n", S::kName, ctx, splits,
            splits > 1 ? "s" : "", split_rows, sms, iters);
     printf("  bytes a layer %.3f MB (weights %.3f, KV %.3f); copy bandwidth %.0f GB/s; floor %.2f us a layer\n",
            res.bytes_layer / 1e6, bytes_w / 1e6, bytes_kv / 1e6, bw / 1e9, res.floor_us_layer);
-    printf("  %-20s %12s %12s %14s %14s\n", "variant", "us/token", "us/layer", "floor/layer", "baseline/this");
+    printf("  %-20s %12s %12s %14s %14s %12s\n", "variant", "us/token", "us/layer", "floor/layer", "baseline/this",
+           "ref rel L2 x");
     for (const auto &vr : res.variants)
-        printf("  %-20s %12.2f %12.3f %13.1f%% %14.2f\n", vr.name.c_str(), vr.us_token, vr.us_layer, 100.0 * vr.frac_floor,
-               vr.speedup);
+        printf("  %-20s %12.2f %12.3f %13.1f%% %14.2f %12.3g\n", vr.name.c_str(), vr.us_token, vr.us_layer,
+               100.0 * vr.frac_floor, vr.speedup, vr.ref_err_x);
+    for (int v = 3; v < kVariants; ++v)
+        if (!ran[v]) printf("  %s: not run (no cluster of %d fits)\n", names[v], kClusterOf[v]);
     printf("  checks: x bit-identical across variants %s; K/V row C identical %s; stable over replays %s; finite %s\n",
            res.bit_identical ? "yes" : "NO", res.kv_identical ? "yes" : "NO", all_stable ? "yes" : "NO",
            finite ? "yes" : "NO");
@@ -1377,16 +1932,19 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     if (!traces.empty())
         printf("  trace, us a layer (mean over layers 1..%d of one replay), per phase: hand-over + work\n", L - 1);
     for (size_t v = 0; v < traces.size(); ++v) report_trace(res.variants[v], traces[v], L);
+    for (const auto &ft : fused_traces) report_fused_trace(names[ft.first], ft.second, L);
     printf("  %s\n", res.pass ? "PASS" : "FAIL");
 
-    for (int v = 0; v < 3; ++v) CK(cudaGraphExecDestroy(exec[v]));
+    for (int v = 0; v < kVariants; ++v)
+        if (ran[v]) CK(cudaGraphExecDestroy(exec[v]));
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     CK(cudaStreamDestroy(stream));
     for (void *p : {(void *)ln_in, (void *)ln_post, (void *)q_norm, (void *)k_norm, (void *)w_qkv, (void *)w_o,
                     (void *)w_gu, (void *)w_down, (void *)k_cache, (void *)v_cache, (void *)d_cos, (void *)d_sin,
                     (void *)d_x_in, (void *)d_x, (void *)d_qkv, (void *)d_attn, (void *)d_act, (void *)d_po,
-                    (void *)d_pml, (void *)sync})
+                    (void *)d_pml, (void *)sync, (void *)d_xres, (void *)d_qkvh, (void *)d_apart, (void *)d_fpart,
+                    (void *)d_fpo, (void *)d_fpml})
         CK(cudaFree(p));
     return res;
 }
@@ -1416,6 +1974,51 @@ double copy_bandwidth() {
     return 2.0 * bytes * reps / (ms * 1e-3);
 }
 
+// --calibrate: µs a kernel in a graph of 150 chained kernels (PDL unless stated), per mode and grid.
+void calibrate(int sms, int iters) {
+    constexpr int kKernels = 150;
+    float *buf;
+    CK(cudaMalloc(&buf, 2 * 4096 * sizeof(float)));
+    CK(cudaMemset(buf, 0, 2 * 4096 * sizeof(float)));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    struct Case { const char *name; int mode, grid; bool pdl; };
+    const Case cases[] = {{"empty, no PDL", kCalEmpty, sms, false}, {"empty", kCalEmpty, sms, true},
+                          {"chain", kCalChain, sms, true},          {"chain", kCalChain, 2 * sms, true},
+                          {"chain", kCalChain, 72, true},           {"chain", kCalChain, 9, true},
+                          {"chain, no PDL", kCalChain, sms, false}};
+    printf("\ncalibration: %d chained kernels a graph, 256 threads a block, %d replays\n", kKernels, iters);
+    for (const Case &c : cases) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int k = 0; k < kKernels; ++k) {
+            float *in = buf + (k % 2) * 4096, *out = buf + ((k + 1) % 2) * 4096;
+            if (c.mode == kCalEmpty) launch(calibration_kernel<kCalEmpty>, c.grid, stream, c.pdl && k > 0, false, in, out, c.grid);
+            else launch(calibration_kernel<kCalChain>, c.grid, stream, c.pdl && k > 0, false, in, out, c.grid);
+        }
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, stream));
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+        CK(cudaEventRecord(e1, stream));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        printf("  %-14s grid %4d: %.3f us a kernel\n", c.name, c.grid, ms * 1e3 / iters / kKernels);
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+        CK(cudaGraphExecDestroy(ge));
+    }
+    CK(cudaStreamDestroy(stream));
+    CK(cudaFree(buf));
+}
+
 void write_json(const char *path, const std::vector<ConfigResult> &rs, const char *device, bool pass) {
     FILE *f = fopen(path, "w");
     if (!f) {
@@ -1435,8 +2038,8 @@ void write_json(const char *path, const std::vector<ConfigResult> &rs, const cha
         for (size_t v = 0; v < r.variants.size(); ++v) {
             const VariantResult &vr = r.variants[v];
             fprintf(f, "%s\n       \"%s\": {\"us_per_token\": %.3f, \"us_per_layer\": %.4f, \"fraction_of_floor\": %.4f, "
-                       "\"baseline_over_this\": %.4f, \"stable\": %s",
-                    v ? "," : "", vr.name.c_str(), vr.us_token, vr.us_layer, vr.frac_floor, vr.speedup,
+                       "\"baseline_over_this\": %.4f, \"ref_rel_l2_x\": %.3e, \"stable\": %s",
+                    v ? "," : "", vr.name.c_str(), vr.us_token, vr.us_layer, vr.frac_floor, vr.speedup, vr.ref_err_x,
                     vr.stable && vr.no_abort ? "true" : "false");
             if (!vr.handover_us.empty()) {   // --trace: qkv, attention, o, gate/up, down
                 fprintf(f, ", \"trace_handover_us\": [");
@@ -1457,7 +2060,7 @@ void write_json(const char *path, const std::vector<ConfigResult> &rs, const cha
 }
 
 void usage(const char *argv0) {
-    printf("usage: %s [--shape smollm2|qwen3-0.6b|both] [--context C[,C...]] [--iters N] [--json PATH] [--trace]\n",
+    printf("usage: %s [--shape smollm2|qwen3-0.6b|both] [--context C[,C...]] [--iters N] [--json PATH] [--trace] [--calibrate]\n",
            argv0);
 }
 
@@ -1467,7 +2070,7 @@ int main(int argc, char **argv) {
     std::string shape = "both", json;
     std::vector<int> contexts;
     int iters = 200;
-    bool trace = false;
+    bool trace = false, calibrate_only = false;
     for (int i = 1; i < argc; ++i) {
         const std::string arg = argv[i];
         const bool has_value = i + 1 < argc;
@@ -1486,6 +2089,8 @@ int main(int argc, char **argv) {
             json = argv[++i];
         } else if (arg == "--trace") {
             trace = true;
+        } else if (arg == "--calibrate") {
+            calibrate_only = true;
         } else {
             usage(argv[0]);
             return arg == "--help" || arg == "-h" ? 0 : 1;
@@ -1516,6 +2121,10 @@ int main(int argc, char **argv) {
     }
     const double bw = copy_bandwidth();
     printf("%s: %d SMs; device-to-device copy of 1 GiB: %.0f GB/s (read + written)\n", prop.name, sms, bw / 1e9);
+    if (calibrate_only) {
+        calibrate(sms, iters);
+        return 0;
+    }
 
     std::vector<ConfigResult> results;
     bool pass = true;
