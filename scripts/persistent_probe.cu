@@ -122,6 +122,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #define CK(call)                                                                                   \
@@ -1256,6 +1257,76 @@ __global__ void __launch_bounds__(kThreads) calibration_kernel(const float *in, 
     }
 }
 
+// A square GEMV (N x N bf16, a warp a row, grid N / 8) built up step by step, to see what each
+// part of a GEMV kernel adds to a dependent kernel's cost: kGcStage stages the input and writes
+// out[row] = in[row]; kGcDot adds the row's weights (loaded before the wait) and the dot product;
+// kGcNormWarp adds an RMSNorm whose squares every warp sums itself (norm_raw); kGcNormBlock the
+// same norm through a block reduction and a normalising pass (two more barriers); kGcNormFold
+// the norm's scale applied after the dot, y = inv_rms * W x (each warp's sum of squares left
+// beside the staged x before the staging's barrier, summed by every thread after it: no further
+// barrier or pass); kGcResid is kGcDot plus the residual's read after the dot.
+enum GemvCal { kGcStage, kGcDot, kGcNormWarp, kGcNormBlock, kGcNormFold, kGcResid, kGemvCals };
+template <int N, int V>
+__global__ void __launch_bounds__(kThreads) calibration_gemv(const uint16_t *w, const float *in, float *out) {
+    __shared__ alignas(16) float raw[N];
+    __shared__ alignas(16) float xs[N];
+    __shared__ float red[kWarps];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int row = blockIdx.x * kWarps + warp;
+    Task<N, 1> t;
+    if (V != kGcStage) {
+        const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)row * N);
+#pragma unroll
+        for (int u = 0; u < Task<N, 1>::U; ++u) {
+            const int c = lane + u * kWarpSize;
+            t.w[0][u] = c < Task<N, 1>::kChunks ? __ldcs(wr + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    Gamma<N> ones;
+#pragma unroll
+    for (int k = 0; k < (N + kThreads - 1) / kThreads; ++k) ones.g[k] = 1.f;
+    pdl_wait();
+    pdl_launch_dependents();
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N; i += kThreads) {
+        const float v = __ldcg(in + i);
+        (V == kGcNormWarp ? raw : xs)[i] = v;
+        ss = __fmaf_rn(v, v, ss);
+    }
+    if (V == kGcNormFold) {
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+    }
+    __syncthreads();
+    float inv = 1.f;
+    if (V == kGcNormFold) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < kWarps; ++k) total = __fadd_rn(total, red[k]);
+        inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)N), kEps)));
+    }
+    if (V == kGcNormWarp) norm_raw(ones, raw, xs);
+    if (V == kGcNormBlock) {
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < kWarps; ++k) total = __fadd_rn(total, red[k]);
+        const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)N), kEps)));
+        for (int i = threadIdx.x; i < N; i += kThreads) xs[i] = __fmul_rn(xs[i], inv);
+        __syncthreads();
+    }
+    if (V == kGcStage) {
+        if (lane == 0) out[row] = xs[row];
+        return;
+    }
+    float acc[1];
+    dot_task(t, xs, lane, acc);
+    if (lane == 0) out[row] = V == kGcResid ? __fadd_rn(__ldcg(in + row), acc[0]) : __fmul_rn(inv, acc[0]);
+}
+
 // ---- initialisation ---------------------------------------------------------------------
 __host__ __device__ inline uint32_t hash32(uint64_t x) {
     x ^= x >> 33;
@@ -2015,6 +2086,61 @@ void calibrate(int sms, int iters) {
         CK(cudaEventDestroy(e1));
         CK(cudaGraphExecDestroy(ge));
     }
+    // the GEMV built up step by step (calibration_gemv), N = 576 and 1024; weights: one matrix for
+    // all kernels (L2-resident) or a matrix each (streamed from memory)
+    auto gemv_case = [&](auto n_tag, int v, bool distinct) {
+        constexpr int N = decltype(n_tag)::value;
+        uint16_t *w;
+        const size_t mats = distinct ? kKernels : 1;
+        CK(cudaMalloc(&w, mats * N * N * sizeof(uint16_t)));
+        fill_bf16<<<1024, 256>>>(w, mats * N * N, 77, 0.f, 0.05f);
+        CK(cudaGetLastError());
+        float *xb;
+        CK(cudaMalloc(&xb, 2 * N * sizeof(float)));
+        CK(cudaMemset(xb, 0, 2 * N * sizeof(float)));
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        for (int k = 0; k < kKernels; ++k) {
+            const uint16_t *wk = w + (distinct ? (size_t)k * N * N : 0);
+            float *in = xb + (k % 2) * N, *out = xb + ((k + 1) % 2) * N;
+            switch (v) {
+                case kGcStage: launch(calibration_gemv<N, kGcStage>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+                case kGcDot: launch(calibration_gemv<N, kGcDot>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+                case kGcNormWarp: launch(calibration_gemv<N, kGcNormWarp>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+                case kGcNormBlock: launch(calibration_gemv<N, kGcNormBlock>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+                case kGcNormFold: launch(calibration_gemv<N, kGcNormFold>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+                default: launch(calibration_gemv<N, kGcResid>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+            }
+        }
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, stream));
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+        CK(cudaEventRecord(e1, stream));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        static const char *vname[kGemvCals] = {"stage only", "+ dot", "+ dot, norm per warp",
+                                               "+ dot, norm per block", "+ dot, norm after the dot",
+                                               "+ dot, residual"};
+        printf("  gemv %4d x %-4d %-26s %-9s: %.3f us a kernel\n", N, N, vname[v], distinct ? "streamed" : "L2",
+               ms * 1e3 / iters / kKernels);
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaFree(w));
+        CK(cudaFree(xb));
+    };
+    for (int v = 0; v < kGemvCals; ++v) gemv_case(std::integral_constant<int, 576>(), v, false);
+    for (int v = 1; v < kGemvCals; ++v) gemv_case(std::integral_constant<int, 576>(), v, true);
+    for (int v = 0; v < kGemvCals; ++v) gemv_case(std::integral_constant<int, 1024>(), v, false);
+    for (int v = 1; v < kGemvCals; ++v) gemv_case(std::integral_constant<int, 1024>(), v, true);
     CK(cudaStreamDestroy(stream));
     CK(cudaFree(buf));
 }
