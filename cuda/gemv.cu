@@ -115,6 +115,7 @@ static GemvParams bf16_params(GemvMode mode, const GemvArgs &args, int rows, int
     p.n_tasks = gemv_tasks(mode, rows, OG_WEIGHTS_BF16);
     p.out_rows = mode == kGemvNormSwiglu ? rows / 2 : rows;
     p.eps = args.eps;
+    p.residual_settled = mode == kGemvResidual && n == 1 && args.residual_settled;
     p.nv = n;
     p.x_stride = x_stride;
     p.y_stride = y_stride;

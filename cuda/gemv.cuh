@@ -19,6 +19,7 @@ struct GemvParams {
     float *normed_out;
     int rows, cols, ld, n_tasks, out_rows;
     float eps;
+    int residual_settled;    // kGemvResidual, one vector: y may be read before the PDL wait
     int nv;                  // vectors: 1, or up to kGemvMaxVectors (the verify body)
     int64_t x_stride;        // floats from one vector's x (and normed_out) to the next's
     int64_t y_stride;        // floats from one vector's y to the next's

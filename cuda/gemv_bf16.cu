@@ -15,7 +15,10 @@
 // U = 4, 8 or 12 chunks of each in flight per step (chosen from the row length, so a row of
 // up to 3072 columns is one step), accumulates in fp32 in chunk order and the warp reduces
 // with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
-// tasks, so each block stages x once. No L2 prefetch of a warp's next task's rows: the rows in
+// tasks, so each block stages x once. The residual modes read a task's two y values as the task
+// begins, so that its end does not wait on an L2 round trip; with a settled residual
+// (GemvArgs::residual_settled, one vector) the first task's before the PDL wait, as the q4 kernel
+// does. No L2 prefetch of a warp's next task's rows: the rows in
 // flight would exceed L2 and be evicted before use. The weights do not depend on earlier
 // kernels, so before
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
@@ -228,11 +231,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     // norm weights.
     uint4 v0[U], v1[U];
     int r0 = 0, r1 = 0;
+    // The residual modes' y values of the current task (one vector; lane 0).
+    float res0 = 0.f, res1 = 0.f;
+    constexpr bool kEarlyResidual = MODE == kGemvResidual && NV == 1;
     if (task < p.n_tasks) {
         task_rows<MODE>(p, task, r0, r1);
         load_chunks<U>(reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld),
                        reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld), lane,
                        n_chunks, v0, v1);
+        if (kEarlyResidual && p.residual_settled && lane == 0) res0 = __ldcg(p.y + r0), res1 = __ldcg(p.y + r1);
     }
     if (mode_has_norm(MODE)) {
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
@@ -253,6 +260,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 
     for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
         if (!first) task_rows<MODE>(p, task, r0, r1);
+        if (kEarlyResidual && (!first || !p.residual_settled) && lane == 0)
+            res0 = __ldcg(p.y + r0), res1 = __ldcg(p.y + r1);
         const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
         float acc0[NV], acc1[NV];
@@ -289,6 +298,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
                     if (MODE == kGemvNormSwiglu) {
                         const float silu = a0 / (1.0f + expf(-a0));
                         y[task] = silu * a1;
+                    } else if (kEarlyResidual) {
+                        y[r0] = res0 + a0;
+                        if (r1 != r0) y[r1] = res1 + a1;
                     } else if (MODE == kGemvResidual) {
                         y[r0] += a0;
                         if (r1 != r0) y[r1] += a1;
