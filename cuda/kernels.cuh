@@ -56,8 +56,8 @@ struct GemvArgs {
     float eps;                    // RMSNorm epsilon (norm modes)
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
-    // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4
-    // kernel may read y before its PDL wait. Why that is safe: every kernel of the body
+    // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4 and
+    // bf16 kernels may read y before their PDL wait (the bf16 kernel for one vector). Why that is safe: every kernel of the body
     // triggers its dependents only after its own wait, so this kernel's blocks start only after
     // every block of the kernel right before it has passed that wait, which returns once the
     // kernel before that has completed and its writes are visible.
