@@ -17,10 +17,9 @@
 // with shuffles. The grid is at most what fits on the GPU at once and warps stride over the
 // tasks, so each block stages x once. The residual modes read a task's two y values as the task
 // begins, so that its end does not wait on an L2 round trip; with a settled residual
-// (GemvArgs::residual_settled, one vector) the first task's before the PDL wait, as the q4 kernel
-// does. No L2 prefetch of a warp's next task's rows: the rows in
-// flight would exceed L2 and be evicted before use. The weights do not depend on earlier
-// kernels, so before
+// (GemvArgs::residual_settled, one vector) the first task's before the PDL wait, as the q4
+// kernel does. No L2 prefetch of a warp's next task's rows: the rows in flight would exceed L2
+// and be evicted before use. The weights do not depend on earlier kernels, so before
 // waiting on the previous kernel (PDL) each warp loads its first step of its first task into
 // registers, and norm modes stage the norm weights: after the wait, only x's staging (and its
 // norm) stands before the arithmetic. The rest of those rows is not prefetched into L2 there:
@@ -239,7 +238,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         load_chunks<U>(reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld),
                        reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld), lane,
                        n_chunks, v0, v1);
-        if (kEarlyResidual && p.residual_settled && lane == 0) res0 = __ldcg(p.y + r0), res1 = __ldcg(p.y + r1);
+        if (kEarlyResidual && p.residual_settled && lane == 0) {
+            res0 = __ldcg(p.y + r0);
+            res1 = __ldcg(p.y + r1);
+        }
     }
     if (mode_has_norm(MODE)) {
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
@@ -260,8 +262,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
 
     for (bool first = true; task < p.n_tasks; task += task_stride, first = false) {
         if (!first) task_rows<MODE>(p, task, r0, r1);
-        if (kEarlyResidual && (!first || !p.residual_settled) && lane == 0)
-            res0 = __ldcg(p.y + r0), res1 = __ldcg(p.y + r1);
+        if (kEarlyResidual && (!first || !p.residual_settled) && lane == 0) {
+            res0 = __ldcg(p.y + r0);
+            res1 = __ldcg(p.y + r1);
+        }
         const uint4 *w0 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r0 * p.ld);
         const uint4 *w1 = reinterpret_cast<const uint4 *>(p.weight + (size_t)r1 * p.ld);
         float acc0[NV], acc1[NV];

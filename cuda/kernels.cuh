@@ -57,10 +57,11 @@ struct GemvArgs {
     float *y;                     // [rows], or [rows / 2] for kGemvNormSwiglu
     float *normed_out;            // optional [cols] (kGemvNorm)
     // kGemvResidual: y's last writer is two or more kernels back in the stream, so the q4 and
-    // bf16 kernels may read y before their PDL wait (the bf16 kernel for one vector). Why that is safe: every kernel of the body
-    // triggers its dependents only after its own wait, so this kernel's blocks start only after
-    // every block of the kernel right before it has passed that wait, which returns once the
-    // kernel before that has completed and its writes are visible.
+    // bf16 kernels may read y before their PDL wait (the bf16 kernel for one vector). Why that
+    // is safe: every kernel of the body triggers its dependents only after its own wait, so
+    // this kernel's blocks start only after every block of the kernel right before it has
+    // passed that wait, which returns once the kernel before that has completed and its writes
+    // are visible.
     bool residual_settled = false;
 };
 
