@@ -197,7 +197,9 @@ def test_graph_ablation_script_measures_every_kind(hooks):
         preset="tiny-dense", kv="int8", weights="bf16", quantize="all", quantize_lm_head=False,
         context=8, steps=3, repeats=1, keep_only=True))
     assert [r["kind"] for r in alone["kinds"]] == list(ablation.KINDS)
-    assert 0 < alone["none_ms"] < alone["whole_ms"] and all(r["ms_alone"] > 0 for r in alone["kinds"])
+    # Only that every graph was timed: which of two graphs of a tiny model is faster depends on
+    # what else shares the GPU (the suite's workers do), so no order between them is asserted.
+    assert alone["none_ms"] > 0 and alone["whole_ms"] > 0 and all(r["ms_alone"] > 0 for r in alone["kinds"])
     assert "kept alone" in ablation.table(alone)
 
 
