@@ -43,10 +43,11 @@ cudaError_t gemv_plan(GemvMode mode, int rows, int cols, GemvPlan *plan, int for
         return cudaErrorInvalidValue;
     int sm_count = 0;
     OG_CUDA_RETURN_IF(current_sm_count(&sm_count));
-    // Fewer warps per block when the matrix has few rows, so that about two blocks land on
-    // every SM (a block stages x once, so larger blocks are cheaper when there is work).
+    // Fewer warps per block when the matrix has few rows, so that about three quarters of the
+    // SMs get a block (a block stages x once, and every block of a grid adds to the time its
+    // launch and its end take, so larger blocks are cheaper when there is work).
     const int tasks = gemv_tasks(mode, rows, format);
-    const int blocks_wanted = 2 * sm_count;
+    const int blocks_wanted = 3 * sm_count / 4;
     int warps = kGemvMaxWarps;
     // Quantized: a block of 8 warps per 16-row task (the warps split its columns).
     while (format == OG_WEIGHTS_BF16 && warps > 2 && ceil_div(tasks, warps) < blocks_wanted) warps /= 2;
