@@ -1813,22 +1813,19 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
         } else if (v == 2) {
             launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
-        } else if (v == 3) {
-            using F = Fused<S, 8>;
-            const Model fm = fused_model(8);
-            for (int l = 0; l < L; ++l) {
-                launch_cluster(fused_attention_kernel<S, 8>, S::NH * 8, 8, F::ATTN_SMEM, stream, l > 0, fm, af, l);
-                launch_cluster(fused_ffn_kernel<S, 8>, kFfnBlocks, 8, F::FFN_SMEM, stream, true, fm, af, l);
-            }
-            launch(fused_final_kernel<S, 8>, 1, stream, true, false, af);
-        } else {
-            using F = Fused<S, 16>;
-            const Model fm = fused_model(16);
-            for (int l = 0; l < L; ++l) {
-                launch_cluster(fused_attention_kernel<S, 16>, S::NH * 16, 16, F::ATTN_SMEM, stream, l > 0, fm, af, l);
-                launch_cluster(fused_ffn_kernel<S, 16>, kFfnBlocks, 16, F::FFN_SMEM, stream, true, fm, af, l);
-            }
-            launch(fused_final_kernel<S, 16>, 1, stream, true, false, af);
+        } else {   // the clustered body, clusters of kClusterOf[v]
+            auto clustered = [&](auto cs_tag) {
+                constexpr int CS = decltype(cs_tag)::value;
+                using F = Fused<S, CS>;
+                const Model fm = fused_model(CS);
+                for (int l = 0; l < L; ++l) {
+                    launch_cluster(fused_attention_kernel<S, CS>, S::NH * CS, CS, F::ATTN_SMEM, stream, l > 0, fm, af, l);
+                    launch_cluster(fused_ffn_kernel<S, CS>, kFfnBlocks, CS, F::FFN_SMEM, stream, true, fm, af, l);
+                }
+                launch(fused_final_kernel<S, CS>, 1, stream, true, false, af);
+            };
+            if (kClusterOf[v] == 8) clustered(std::integral_constant<int, 8>());
+            else clustered(std::integral_constant<int, 16>());
         }
         CK(cudaStreamEndCapture(stream, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
@@ -2021,28 +2018,56 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
 }
 
 // Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
+// ms between two events on `stream` around what work() enqueues there.
+template <class Work>
+float elapsed_ms(cudaStream_t stream, Work work) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0, stream));
+    work();
+    CK(cudaEventRecord(e1, stream));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return ms;
+}
+
 double copy_bandwidth() {
     const size_t bytes = 1ull << 30;
     void *src, *dst;
     CK(cudaMalloc(&src, bytes));
     CK(cudaMalloc(&dst, bytes));
     CK(cudaMemset(src, 1, bytes));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
     const int reps = 5;
-    CK(cudaEventRecord(e0, 0));
-    for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-    CK(cudaEventRecord(e1, 0));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
+    const float ms = elapsed_ms(0, [&] {
+        for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    });
     CK(cudaFree(src));
     CK(cudaFree(dst));
     return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+// µs a kernel of a graph of `kernels` kernels that enqueue(stream) captures: 20 replays to warm
+// up, then `iters` replays between two events.
+template <class Enqueue>
+double us_per_kernel(cudaStream_t stream, int kernels, int iters, Enqueue enqueue) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue(stream);
+    CK(cudaStreamEndCapture(stream, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphDestroy(g));
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
+    const float ms = elapsed_ms(stream, [&] {
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+    });
+    CK(cudaGraphExecDestroy(ge));
+    return ms * 1e3 / iters / kernels;
 }
 
 // --calibrate: µs a kernel in a graph of 150 chained kernels (PDL unless stated), per mode and grid.
@@ -2060,31 +2085,16 @@ void calibrate(int sms, int iters) {
                           {"chain, no PDL", kCalChain, sms, false}};
     printf("\ncalibration: %d chained kernels a graph, 256 threads a block, %d replays\n", kKernels, iters);
     for (const Case &c : cases) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int k = 0; k < kKernels; ++k) {
-            float *in = buf + (k % 2) * 4096, *out = buf + ((k + 1) % 2) * 4096;
-            if (c.mode == kCalEmpty) launch(calibration_kernel<kCalEmpty>, c.grid, stream, c.pdl && k > 0, false, in, out, c.grid);
-            else launch(calibration_kernel<kCalChain>, c.grid, stream, c.pdl && k > 0, false, in, out, c.grid);
-        }
-        CK(cudaStreamEndCapture(stream, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphDestroy(g));
-        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, stream));
-        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
-        CK(cudaEventRecord(e1, stream));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        printf("  %-14s grid %4d: %.3f us a kernel\n", c.name, c.grid, ms * 1e3 / iters / kKernels);
-        CK(cudaEventDestroy(e0));
-        CK(cudaEventDestroy(e1));
-        CK(cudaGraphExecDestroy(ge));
+        const double us = us_per_kernel(stream, kKernels, iters, [&](cudaStream_t st) {
+            for (int k = 0; k < kKernels; ++k) {
+                float *in = buf + (k % 2) * 4096, *out = buf + ((k + 1) % 2) * 4096;
+                if (c.mode == kCalEmpty)
+                    launch(calibration_kernel<kCalEmpty>, c.grid, st, c.pdl && k > 0, false, in, out, c.grid);
+                else
+                    launch(calibration_kernel<kCalChain>, c.grid, st, c.pdl && k > 0, false, in, out, c.grid);
+            }
+        });
+        printf("  %-14s grid %4d: %.3f us a kernel\n", c.name, c.grid, us);
     }
     // the GEMV built up step by step (calibration_gemv), N = 576 and 1024; weights: one matrix for
     // all kernels (L2-resident) or a matrix each (streamed from memory)
@@ -2098,42 +2108,26 @@ void calibrate(int sms, int iters) {
         float *xb;
         CK(cudaMalloc(&xb, 2 * N * sizeof(float)));
         CK(cudaMemset(xb, 0, 2 * N * sizeof(float)));
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        for (int k = 0; k < kKernels; ++k) {
-            const uint16_t *wk = w + (distinct ? (size_t)k * N * N : 0);
-            float *in = xb + (k % 2) * N, *out = xb + ((k + 1) % 2) * N;
-            switch (v) {
-                case kGcStage: launch(calibration_gemv<N, kGcStage>, N / kWarps, stream, k > 0, false, wk, in, out); break;
-                case kGcDot: launch(calibration_gemv<N, kGcDot>, N / kWarps, stream, k > 0, false, wk, in, out); break;
-                case kGcNormWarp: launch(calibration_gemv<N, kGcNormWarp>, N / kWarps, stream, k > 0, false, wk, in, out); break;
-                case kGcNormBlock: launch(calibration_gemv<N, kGcNormBlock>, N / kWarps, stream, k > 0, false, wk, in, out); break;
-                case kGcNormFold: launch(calibration_gemv<N, kGcNormFold>, N / kWarps, stream, k > 0, false, wk, in, out); break;
-                default: launch(calibration_gemv<N, kGcResid>, N / kWarps, stream, k > 0, false, wk, in, out); break;
+        const double us = us_per_kernel(stream, kKernels, iters, [&](cudaStream_t st) {
+            for (int k = 0; k < kKernels; ++k) {
+                const uint16_t *wk = w + (distinct ? (size_t)k * N * N : 0);
+                float *in = xb + (k % 2) * N, *out = xb + ((k + 1) % 2) * N;
+                const int grid = N / kWarps;
+                const bool pdl = k > 0;
+                switch (v) {
+                    case kGcStage: launch(calibration_gemv<N, kGcStage>, grid, st, pdl, false, wk, in, out); break;
+                    case kGcDot: launch(calibration_gemv<N, kGcDot>, grid, st, pdl, false, wk, in, out); break;
+                    case kGcNormWarp: launch(calibration_gemv<N, kGcNormWarp>, grid, st, pdl, false, wk, in, out); break;
+                    case kGcNormBlock: launch(calibration_gemv<N, kGcNormBlock>, grid, st, pdl, false, wk, in, out); break;
+                    case kGcNormFold: launch(calibration_gemv<N, kGcNormFold>, grid, st, pdl, false, wk, in, out); break;
+                    default: launch(calibration_gemv<N, kGcResid>, grid, st, pdl, false, wk, in, out); break;
+                }
             }
-        }
-        CK(cudaStreamEndCapture(stream, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphDestroy(g));
-        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, stream));
-        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
-        CK(cudaEventRecord(e1, stream));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
+        });
         static const char *vname[kGemvCals] = {"stage only", "+ dot", "+ dot, norm per warp",
                                                "+ dot, norm per block", "+ dot, norm after the dot",
                                                "+ dot, residual"};
-        printf("  gemv %4d x %-4d %-26s %-9s: %.3f us a kernel\n", N, N, vname[v], distinct ? "streamed" : "L2",
-               ms * 1e3 / iters / kKernels);
-        CK(cudaEventDestroy(e0));
-        CK(cudaEventDestroy(e1));
-        CK(cudaGraphExecDestroy(ge));
+        printf("  gemv %4d x %-4d %-26s %-9s: %.3f us a kernel\n", N, N, vname[v], distinct ? "streamed" : "L2", us);
         CK(cudaFree(w));
         CK(cudaFree(xb));
     };
