@@ -19,8 +19,8 @@ Target GPU architecture, first match wins: the ``arch`` argument; ``$ONEGRAPH_CU
 the compute capability nvidia-smi reports for GPU 0; sm_90 (H100/H200). Machine code for
 that architecture is embedded together with its PTX, so newer GPUs can JIT it.
 ``--debug`` (or ``$ONEGRAPH_DEBUG=1``) builds with ``-G -lineinfo`` for compute-sanitizer;
-``--trace`` (implies ``--testing``) adds per-block timestamps to the q4 GEMV and the attention
-kernel (``scripts/q4_trace.py``).
+``--trace`` (implies ``--testing``) adds per-block timestamps to the q4 and bf16 GEMVs and the
+attention kernel (``scripts/q4_trace.py``).
 Never ``--use_fast_math``: the numerics contract relies on IEEE division and sqrt.
 
 The .cu files (nvcc) and .c files (the host C compiler) compile in parallel and link into one shared library with the CUDA runtime
@@ -190,8 +190,8 @@ def build_library(out_dir: str | os.PathLike | None = None, arch: str | None = N
                   jobs: int | None = None, trace: bool = False, testing: bool = False) -> str | None:
     """Compile cuda/*.cu into out_dir/libonegraph.so (testing: libonegraph_testing.so, with
     -DOG_TESTING and the testing files); return its path, or None without nvcc.
-    trace: the diagnostic testing build with per-block timestamps in the q4 GEMV and the
-    attention kernel (scripts/q4_trace.py)."""
+    trace: the diagnostic testing build with per-block timestamps in the q4 and bf16 GEMVs and
+    the attention kernel (scripts/q4_trace.py)."""
     nvcc = find_nvcc()
     if nvcc is None:
         print("onegraph: nvcc not found (install the CUDA toolkit or set CUDA_HOME); "

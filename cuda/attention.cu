@@ -1002,11 +1002,5 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
 }  // namespace og
 
 #ifdef OG_Q4_TRACE
-// The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
-extern "C" __attribute__((visibility("default"))) int og_attn_trace_read(void *records, int max_records) {
-    return og::trace_ring_read(og::g_attn_trace, og::g_attn_trace_count, records, max_records);
-}
-extern "C" __attribute__((visibility("default"))) int og_attn_trace_reset(void) {
-    return og::trace_ring_reset(og::g_attn_trace_count);
-}
+OG_TRACE_READERS(attn, og::g_attn_trace, og::g_attn_trace_count)
 #endif

@@ -366,24 +366,19 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
 // when the PDL wait returns, when its input is staged and when its last warp is done, into a
 // ring of records read with og_q4_trace_read(). The normal build has none of it.
 #ifdef OG_Q4_TRACE
-struct Q4TraceRecord {
-    unsigned long long weight, t_start, t_wait, t_quant, t_staged, t_end;  // weight: identifies the launch
-    int mode, rows, cols, block, sm, warps;
-};
-constexpr unsigned kQ4TraceRecords = 1u << 16;
-__device__ Q4TraceRecord g_q4_trace[kQ4TraceRecords];
+__device__ GemvTraceRecord g_q4_trace[kGemvTraceRecords];
 __device__ unsigned g_q4_trace_count;
 // The record slot is taken at the start, while the block waits anyway: an atomic after the
 // staging would put its round trip into the staging's figure.
 #define Q4_TRACE_START()                                                                \
     const unsigned long long trace_start = trace_now();                                 \
     __shared__ unsigned trace_slot;                                                     \
-    if (threadIdx.x == 0) trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kQ4TraceRecords
+    if (threadIdx.x == 0) trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kGemvTraceRecords
 #define Q4_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
 #define Q4_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
 #define Q4_TRACE_STAGED()                                                                                    \
     if (threadIdx.x == 0) {                                                                                  \
-        g_q4_trace[trace_slot] = Q4TraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,        \
+        g_q4_trace[trace_slot] = GemvTraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,        \
                                                trace_quant, trace_now(), 0ull, MODE, p.rows, p.cols,         \
                                                (int)blockIdx.x, trace_sm(), WARPS};                          \
     }                                                                                                        \
@@ -920,11 +915,5 @@ cudaError_t launch_moe_down_q4(const void *weights, const void *scales, const fl
 }  // namespace og
 
 #ifdef OG_Q4_TRACE
-// The trace build's readers (no header: scripts/q4_trace.py calls them through ctypes).
-extern "C" __attribute__((visibility("default"))) int og_q4_trace_read(void *records, int max_records) {
-    return og::trace_ring_read(og::g_q4_trace, og::g_q4_trace_count, records, max_records);
-}
-extern "C" __attribute__((visibility("default"))) int og_q4_trace_reset(void) {
-    return og::trace_ring_reset(og::g_q4_trace_count);
-}
+OG_TRACE_READERS(q4, og::g_q4_trace, og::g_q4_trace_count)
 #endif

@@ -21,6 +21,15 @@ __device__ __forceinline__ int trace_sm() {
     return s;
 }
 
+// A GEMV block's record (the q4 and bf16 kernels): the launch's weight pointer identifies the
+// launch; the block's start, the PDL wait's return, the q4 input's quantization (the bf16
+// kernel: its staging), the staged input and its last warp's end, in %globaltimer ns.
+struct GemvTraceRecord {
+    unsigned long long weight, t_start, t_wait, t_quant, t_staged, t_end;
+    int mode, rows, cols, block, sm, warps;
+};
+constexpr unsigned kGemvTraceRecords = 1u << 16;
+
 // Copy up to max_records of the ring's records (the newest N if it wrapped) to `records`;
 // returns how many, or -1 on a CUDA error.
 template <typename Record, unsigned N>
@@ -40,4 +49,14 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 }
 
 }  // namespace og
+
+// The trace build's two readers of a ring, og_<name>_trace_read and og_<name>_trace_reset (no
+// header: scripts/q4_trace.py calls them through ctypes); at file scope, after the ring.
+#define OG_TRACE_READERS(name, ring, count)                                                                  \
+    extern "C" __attribute__((visibility("default"))) int og_##name##_trace_read(void *records, int max_records) { \
+        return og::trace_ring_read(ring, count, records, max_records);                                         \
+    }                                                                                                          \
+    extern "C" __attribute__((visibility("default"))) int og_##name##_trace_reset(void) {                       \
+        return og::trace_ring_reset(count);                                                                    \
+    }
 #endif

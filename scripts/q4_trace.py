@@ -1,11 +1,13 @@
-"""Where a q4 GEMV's time goes inside the captured decode graph: per-block timestamps.
+"""Where a q4 or bf16 GEMV's time goes inside the captured decode graph: per-block timestamps.
 
     python3 build.py --trace --out build/trace --arch sm_90
     ONEGRAPH_LIB=$PWD/build/trace/libonegraph_testing.so python3 scripts/q4_trace.py --preset qwen3-8b
+    ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset qwen3-0.6b --weights bf16
 
-The trace build (a testing library with -DOG_Q4_TRACE, cuda/gemv_q4.cu) has every block of the dense q4 GEMV record
-%globaltimer when it starts, when the PDL wait returns, when its input is staged and when its
-last warp is done. This script decodes at a pinned context, replays the graph a few times,
+The trace build (a testing library with -DOG_Q4_TRACE: cuda/gemv_q4.cu, cuda/gemv_bf16.cu) has
+every block of the dense q4 GEMV (--weights q4, the default: every matrix and the lm_head in
+q4) or of the bf16 GEMV (--weights bf16) record %globaltimer when it starts, when the PDL wait
+returns, when its input is staged and when its last warp is done. This script decodes at a pinned context, replays the graph a few times,
 then once more with the trace cleared, and groups the records by launch (a launch's weight
 pointer is unique within a step). Per launch, in µs from the step's first block:
 
@@ -54,15 +56,18 @@ def trace(args) -> tuple[np.ndarray, object]:
     from bench import targets, timing
     from onegraph.engine import Engine
     target = targets.preset_target(args.preset, None, 0)
+    quantized = args.weights == "q4"
     engine = Engine(target.config, target.source, kv=args.kv, max_seq_len=args.context + 8, graph=True,
-                    device="gpu", weights="q4", quantize="all", quantize_lm_head=True)
+                    device="gpu", weights=args.weights, quantize="all", quantize_lm_head=quantized)
     with engine:
         gpu = engine.session
-        if not hasattr(gpu.lib, "og_q4_trace_read"):
+        if not hasattr(gpu.lib, "og_q4_trace_read") or not hasattr(gpu.lib, "og_bf16_trace_read"):
             raise SystemExit("this library has no trace: build it with build.py --trace and point "
                              "ONEGRAPH_LIB at its libonegraph_testing.so")
-        gpu.lib.og_q4_trace_read.restype = ctypes.c_int
-        gpu.lib.og_q4_trace_reset.restype = ctypes.c_int
+        read_gemv = gpu.lib.og_q4_trace_read if quantized else gpu.lib.og_bf16_trace_read
+        reset_gemv = gpu.lib.og_q4_trace_reset if quantized else gpu.lib.og_bf16_trace_reset
+        read_gemv.restype = ctypes.c_int
+        reset_gemv.restype = ctypes.c_int
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int
         gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
         engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
@@ -71,17 +76,17 @@ def trace(args) -> tuple[np.ndarray, object]:
                 gpu.begin(0)
                 gpu.capture().replay()
                 gpu.end()
-            if gpu.lib.og_q4_trace_reset() != 0 or gpu.lib.og_attn_trace_reset() != 0:
-                raise SystemExit("og_q4_trace_reset / og_attn_trace_reset failed")
+            if reset_gemv() != 0 or gpu.lib.og_attn_trace_reset() != 0:
+                raise SystemExit("the GEMV's or the attention's trace reset failed")
             gpu.begin(0)
             gpu.capture().replay()
             gpu.end()
             records = np.zeros(1 << 16, RECORD)
-            n = gpu.lib.og_q4_trace_read(records.ctypes.data_as(ctypes.c_void_p), len(records))
+            n = read_gemv(records.ctypes.data_as(ctypes.c_void_p), len(records))
             attn = np.zeros(1 << 14, ATTN_RECORD)
             n_attn = gpu.lib.og_attn_trace_read(attn.ctypes.data_as(ctypes.c_void_p), len(attn))
         if n < 0 or n_attn < 0:
-            raise SystemExit("og_q4_trace_read / og_attn_trace_read failed")
+            raise SystemExit("the GEMV's or the attention's trace read failed")
         return records[:n], attn[:n_attn], target.config
 
 
@@ -103,6 +108,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3-8b", help="a preset, or preset:layers")
     p.add_argument("--kv", default="int8", choices=("int8", "bf16", "fp32"))
+    p.add_argument("--weights", default="q4", choices=("q4", "bf16"),
+                   help="the GEMV traced: q4 (every matrix and the lm_head in q4) or bf16")
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
     p.add_argument("--dump", help="also save the raw records (q4, attn) to this .npz")
