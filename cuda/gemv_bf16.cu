@@ -30,32 +30,13 @@
 namespace og {
 
 // ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py --weights bf16) --
-// The diagnostic build's record of every block of this kernel, as the q4 kernel's: its start,
-// the PDL wait's return, its staged input (t_quant = t_staged: nothing is quantized) and its
-// last warp's end, into a ring read with og_bf16_trace_read(). The normal build has none of it.
+// The diagnostic build's record of every block of this kernel, as the q4 kernel's (trace.cuh's
+// GEMV_TRACE_*): its start, the PDL wait's return, its staged input (nothing is quantized: the
+// record's t_quant is taken there too) and its last warp's end, into a ring read with
+// og_bf16_trace_read(). The normal build has none of it.
 #ifdef OG_Q4_TRACE
 __device__ GemvTraceRecord g_bf16_trace[kGemvTraceRecords];
 __device__ unsigned g_bf16_trace_count;
-#define BF16_TRACE_START()                                                               \
-    const unsigned long long trace_start = trace_now();                                  \
-    __shared__ unsigned trace_slot;                                                      \
-    if (threadIdx.x == 0) trace_slot = atomicAdd(&g_bf16_trace_count, 1u) % kGemvTraceRecords
-#define BF16_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
-#define BF16_TRACE_STAGED()                                                                           \
-    if (threadIdx.x == 0) {                                                                           \
-        const unsigned long long t = trace_now();                                                     \
-        g_bf16_trace[trace_slot] = GemvTraceRecord{(unsigned long long)p.weight, trace_start, trace_wait, \
-                                                   t, t, 0ull, MODE, p.rows, p.cols, (int)blockIdx.x, \
-                                                   trace_sm(), WARPS};                                \
-    }                                                                                                 \
-    __syncthreads()
-#define BF16_TRACE_END() \
-    if (lane == 0) atomicMax(&g_bf16_trace[trace_slot].t_end, trace_now())
-#else
-#define BF16_TRACE_START() (void)0
-#define BF16_TRACE_WAITED() (void)0
-#define BF16_TRACE_STAGED() (void)0
-#define BF16_TRACE_END() (void)0
 #endif
 
 namespace {
@@ -244,7 +225,7 @@ __device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float
 template <int MODE, int WARPS, int U, int NV>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    BF16_TRACE_START();
+    GEMV_TRACE_START(g_bf16_trace_count);
     const int nv = NV == 1 ? 1 : p.nv;
     extern __shared__ float4 x_smem4[];              // [nv][ld / 4], then norm modes: w [ld / 4]
     float *x_smem = reinterpret_cast<float *>(x_smem4);
@@ -279,7 +260,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
     }
     pdl_wait_then_launch<MODE == kGemvNorm>();
-    BF16_TRACE_WAITED();
+    GEMV_TRACE_WAITED();
 
     if constexpr (NV == 1) {
         stage_x<MODE, kThreads>(p, 0, x_smem4, w_smem, scratch);
@@ -287,7 +268,8 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
         stage_x_multi<MODE, kThreads, NV>(p, nv, x_smem4, w_smem, scratch);
     }
     __syncthreads();
-    BF16_TRACE_STAGED();
+    GEMV_TRACE_QUANTIZED();
+    GEMV_TRACE_STAGED(g_bf16_trace);
 
     // Bank-conflict-free reads of x: a quarter-warp's 8 lanes read 8 chunks of 32 bytes
     // in two 16-byte halves; lanes 4..7 of each quarter take their halves in the other
@@ -350,7 +332,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
             }
         }
     }
-    BF16_TRACE_END();
+    GEMV_TRACE_END(g_bf16_trace);
 }
 
 template <int MODE, int WARPS, int NV>

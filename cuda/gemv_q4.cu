@@ -363,34 +363,12 @@ __device__ __forceinline__ void fold_slot(const Q4Slot &s, const Q4Params &p, co
 
 // ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py) -------------
 // A diagnostic build: every block of the dense q4 GEMV records %globaltimer when it starts,
-// when the PDL wait returns, when its input is staged and when its last warp is done, into a
-// ring of records read with og_q4_trace_read(). The normal build has none of it.
+// when the PDL wait returns, when its input is quantized and staged and when its last warp is
+// done (trace.cuh's GEMV_TRACE_*), into a ring read with og_q4_trace_read(). The normal build
+// has none of it.
 #ifdef OG_Q4_TRACE
 __device__ GemvTraceRecord g_q4_trace[kGemvTraceRecords];
 __device__ unsigned g_q4_trace_count;
-// The record slot is taken at the start, while the block waits anyway: an atomic after the
-// staging would put its round trip into the staging's figure.
-#define Q4_TRACE_START()                                                                \
-    const unsigned long long trace_start = trace_now();                                 \
-    __shared__ unsigned trace_slot;                                                     \
-    if (threadIdx.x == 0) trace_slot = atomicAdd(&g_q4_trace_count, 1u) % kGemvTraceRecords
-#define Q4_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
-#define Q4_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
-#define Q4_TRACE_STAGED()                                                                                    \
-    if (threadIdx.x == 0) {                                                                                  \
-        g_q4_trace[trace_slot] = GemvTraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,        \
-                                               trace_quant, trace_now(), 0ull, MODE, p.rows, p.cols,         \
-                                               (int)blockIdx.x, trace_sm(), WARPS};                          \
-    }                                                                                                        \
-    __syncthreads()
-#define Q4_TRACE_END() \
-    if (lane == 0) atomicMax(&g_q4_trace[trace_slot].t_end, trace_now())
-#else
-#define Q4_TRACE_START() (void)0
-#define Q4_TRACE_WAITED() (void)0
-#define Q4_TRACE_QUANTIZED() (void)0
-#define Q4_TRACE_STAGED() (void)0
-#define Q4_TRACE_END() (void)0
 #endif
 
 template <int MODE, int WARPS>
@@ -401,7 +379,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     uint4 *codes = q4_smem;
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
-    Q4_TRACE_START();
+    GEMV_TRACE_START(g_q4_trace_count);
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int task_stride = gridDim.x * WARPS;
@@ -432,7 +410,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait_then_launch<MODE == kGemvNorm>();
-    Q4_TRACE_WAITED();
+    GEMV_TRACE_WAITED();
     if (MODE == kQ4MoeGateUp) {
 #pragma unroll
         for (int k = 0; k < S; ++k) {
@@ -441,9 +419,9 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         }
     }
     stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
-    Q4_TRACE_QUANTIZED();
+    GEMV_TRACE_QUANTIZED();
     __syncthreads();
-    Q4_TRACE_STAGED();
+    GEMV_TRACE_STAGED(g_q4_trace);
 
     // The slots in turn: fold one, refill it with the chunk after the other slot's.
     float acc0 = 0.f, acc1 = 0.f;
@@ -457,7 +435,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
         }
     }
 done:
-    Q4_TRACE_END();
+    GEMV_TRACE_END(g_q4_trace);
 }
 
 // ---- The weight stream through the copy engine (bulk copies into shared memory) -----------
@@ -530,7 +508,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
     __shared__ uint64_t slot_full[WARPS][NS];
-    Q4_TRACE_START();
+    GEMV_TRACE_START(g_q4_trace_count);
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     char *ring = reinterpret_cast<char *>(q4_smem) + q4_ring_offset(p.groups) + (size_t)warp * NS * kQ4SlotBytes;
@@ -571,15 +549,15 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
     pdl_wait_then_launch<MODE == kGemvNorm>();
-    Q4_TRACE_WAITED();
+    GEMV_TRACE_WAITED();
     stager.load_x(p.x, p.cols);
     if (lane == 0)
         for (int k = kQ4BulkPreWait; k < NS && k < my_chunks; ++k) issue(k);
     stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch,
                  true);
-    Q4_TRACE_QUANTIZED();
+    GEMV_TRACE_QUANTIZED();
     __syncthreads();
-    Q4_TRACE_STAGED();
+    GEMV_TRACE_STAGED(g_q4_trace);
 
     float acc0 = 0.f, acc1 = 0.f;
     int task = first_task, chunk = 0;
@@ -612,7 +590,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
             task += task_stride;
         }
     }
-    Q4_TRACE_END();
+    GEMV_TRACE_END(g_q4_trace);
 }
 
 // ---- MoE down ------------------------------------------------------------------------------

@@ -50,6 +50,28 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 
 }  // namespace og
 
+// A GEMV kernel's trace points (the q4 and bf16 kernels), recording into `ring` (a
+// GemvTraceRecord ring of kGemvTraceRecords, its counter `count`). The kernel names its
+// parameters p, its mode MODE, its warps per block WARPS and its lane `lane`. The record slot is
+// taken at the start, while the block waits anyway: an atomic after the staging would put its
+// round trip into the staging's figure. GEMV_TRACE_QUANTIZED marks the end of the q4 input's
+// quantization; a kernel without one marks it at its staging.
+#define GEMV_TRACE_START(count)                                                          \
+    const unsigned long long trace_start = trace_now();                                  \
+    __shared__ unsigned trace_slot;                                                      \
+    if (threadIdx.x == 0) trace_slot = atomicAdd(&count, 1u) % kGemvTraceRecords
+#define GEMV_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
+#define GEMV_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
+#define GEMV_TRACE_STAGED(ring)                                                                        \
+    if (threadIdx.x == 0) {                                                                            \
+        ring[trace_slot] = GemvTraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,      \
+                                           trace_quant, trace_now(), 0ull, MODE, p.rows, p.cols,       \
+                                           (int)blockIdx.x, trace_sm(), WARPS};                        \
+    }                                                                                                  \
+    __syncthreads()
+#define GEMV_TRACE_END(ring) \
+    if (lane == 0) atomicMax(&ring[trace_slot].t_end, trace_now())
+
 // The trace build's two readers of a ring, og_<name>_trace_read and og_<name>_trace_reset (no
 // header: scripts/q4_trace.py calls them through ctypes); at file scope, after the ring.
 #define OG_TRACE_READERS(name, ring, count)                                                                  \
@@ -59,4 +81,10 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
     extern "C" __attribute__((visibility("default"))) int og_##name##_trace_reset(void) {                       \
         return og::trace_ring_reset(count);                                                                    \
     }
+#else
+#define GEMV_TRACE_START(count) (void)0
+#define GEMV_TRACE_WAITED() (void)0
+#define GEMV_TRACE_QUANTIZED() (void)0
+#define GEMV_TRACE_STAGED(ring) (void)0
+#define GEMV_TRACE_END(ring) (void)0
 #endif
