@@ -179,6 +179,16 @@ def moe_topk(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> tup
     return selected_experts, selected_weights
 
 
+def routing_gap(router_logits: np.ndarray, top_k: int) -> float:
+    """How far moe_topk's decision is from a tie: the top_k-th largest router logit minus the
+    next one, as a fraction of the largest |router logit| (0: the last two candidates tie).
+
+    router_logits [E] fp32, top_k < E -> float.
+    """
+    ranked = np.sort(np.asarray(router_logits, dtype=_F32))[::-1]
+    return float((ranked[top_k - 1] - ranked[top_k]) / np.abs(ranked).max())
+
+
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up [2I] fp32 (gate rows then up rows) -> act [I] fp32 = silu(gate) * up."""
     inter = gate_up.shape[-1] // 2

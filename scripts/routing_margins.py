@@ -33,8 +33,7 @@ def greedy_run(config, tensors, kv, n, gaps):
     topk = reference.moe_topk
 
     def topk_with_gap(router_logits, top_k, norm_topk_prob):
-        ranked = np.sort(router_logits)[::-1]
-        gaps.append(float((ranked[top_k - 1] - ranked[top_k]) / np.abs(router_logits).max()))
+        gaps.append(reference.routing_gap(router_logits, top_k))
         return topk(router_logits, top_k, norm_topk_prob)
 
     reference.moe_topk = topk_with_gap

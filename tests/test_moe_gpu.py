@@ -57,11 +57,10 @@ def test_30b_a3b_shape_matches_reference(monkeypatch):
     scripts/routing_margins.py). int8 KV at this shape: run to run and graph against non-graph
     below; its attention layout (32 query heads on 4 KV heads) in test_kernels_gpu.py."""
     config, tensors = synthetic("qwen3-30b-a3b", layers=4)
-    gaps = []  # per routing decision: (8th - 9th router logit) / largest |router logit|
+    gaps = []  # per routing decision: reference.routing_gap
 
     def topk_with_gap(router_logits, top_k, norm_topk_prob):
-        ranked = np.sort(router_logits)[::-1]
-        gaps.append(float((ranked[top_k - 1] - ranked[top_k]) / np.abs(router_logits).max()))
+        gaps.append(reference.routing_gap(router_logits, top_k))
         return moe_topk(router_logits, top_k, norm_topk_prob)
 
     monkeypatch.setattr(reference, "moe_topk", topk_with_gap)
