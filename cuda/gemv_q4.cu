@@ -618,8 +618,53 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * n_slots);
     int2 *slot_of = reinterpret_cast<int2 *>(gq + n_slots);  // (first row of expert e: e * H, group)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int n_tasks = ceil_div(p.hidden, 2);
+    const int task_stride = gridDim.x * kQ4MoeDownWarps;
+    const uint64_t policy = l2_evict_first();
 
-    pdl_wait();  // selected, sel_weights and act come from earlier kernels
+    // Lane l's U slots of a batch (b0 + l + 32u) for the task's two rows.
+    uint4 w0[U], w1[U];
+    float s0[U], s1[U];
+    auto load = [&](int r0, int r1, int b0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int f = b0 + lane + u * kWarpSize;
+            w0[u] = w1[u] = make_uint4(0u, 0u, 0u, 0u);
+            s0[u] = s1[u] = 0.f;
+            if (f < n_slots) {
+                const int2 s = slot_of[f];
+                const size_t row0 = (size_t)(s.x + r0), row1 = (size_t)(s.x + r1);
+                w0[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row0 * p.gpe * 16) + s.y,
+                                          policy);
+                w1[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row1 * p.gpe * 16) + s.y,
+                                          policy);
+                s0[u] = load_q4_scale(p.scales + row0 * p.gpe + s.y, policy);
+                s1[u] = load_q4_scale(p.scales + row1 * p.gpe + s.y, policy);
+            }
+        }
+    };
+
+    // Before the wait: selected and sel_weights (the top-k kernel's) and x (the O
+    // projection's) are settled. Their writers are two or more launches back, and the gate/up
+    // kernel between lets this one launch only after its own wait has returned. So the slot
+    // table, the first task's first weights and its residual are read now; act needs the wait.
+    for (int f = threadIdx.x; f < n_slots; f += kThreads) {
+        const int j = f / p.gpe;
+        slot_of[f] = make_int2(p.selected[j] * p.hidden, f - j * p.gpe);
+    }
+    __syncthreads();
+    int task = blockIdx.x * kQ4MoeDownWarps + warp;
+    float x0 = 0.f, x1 = 0.f;  // lane 0: the task's residual, read as its loads are issued
+    if (task < n_tasks) {
+        const int r0 = 2 * task, r1 = min(r0 + 1, p.hidden - 1);
+        load(r0, r1, 0);
+        if (lane == 0) {
+            x0 = p.x[r0];
+            x1 = p.x[r1];
+        }
+    }
+
+    pdl_wait();  // act comes from the gate/up kernel
     pdl_launch_dependents();
     if (p.inter % kQ4Group == 0) {
         // The experts' groups meet at group boundaries: act [top_k, I] staged as one input of
@@ -638,48 +683,37 @@ __global__ void __launch_bounds__(kQ4MoeDownWarps * kWarpSize) moe_down_q4_kerne
         }
     }
     __syncthreads();
-    for (int f = threadIdx.x; f < n_slots; f += kThreads) {
-        const int j = f / p.gpe;
-        gq[f].scale *= p.sel_weights[j];
-        slot_of[f] = make_int2(p.selected[j] * p.hidden, f - j * p.gpe);
-    }
+    for (int f = threadIdx.x; f < n_slots; f += kThreads) gq[f].scale *= p.sel_weights[f / p.gpe];
     __syncthreads();
 
-    const int n_tasks = ceil_div(p.hidden, 2);
-    const uint64_t policy = l2_evict_first();
-    for (int task = blockIdx.x * kQ4MoeDownWarps + warp; task < n_tasks; task += gridDim.x * kQ4MoeDownWarps) {
+    for (; task < n_tasks; task += task_stride) {
         const int r0 = 2 * task, r1 = min(r0 + 1, p.hidden - 1);
         float acc0 = 0.f, acc1 = 0.f;
-        for (int base = lane; base < n_slots; base += kWarpSize * U) {
-            uint4 w0[U], w1[U];
-            float s0[U], s1[U];
+        for (int b0 = 0;;) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int f = base + u * kWarpSize;
-                w0[u] = w1[u] = make_uint4(0u, 0u, 0u, 0u);
-                s0[u] = s1[u] = 0.f;
-                if (f < n_slots) {
-                    const int2 s = slot_of[f];
-                    const size_t row0 = (size_t)(s.x + r0), row1 = (size_t)(s.x + r1);
-                    w0[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row0 * p.gpe * 16) + s.y,
-                                              policy);
-                    w1[u] = load_weight_chunk(reinterpret_cast<const uint4 *>(p.weight + row1 * p.gpe * 16) + s.y,
-                                              policy);
-                    s0[u] = load_q4_scale(p.scales + row0 * p.gpe + s.y, policy);
-                    s1[u] = load_q4_scale(p.scales + row1 * p.gpe + s.y, policy);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int f = base + u * kWarpSize;
+                const int f = b0 + lane + u * kWarpSize;
                 if (f < n_slots) q4_fold_group(codes, gq, f, w0[u], w1[u], s0[u], s1[u], acc0, acc1);
+            }
+            b0 += kWarpSize * U;
+            if (b0 >= n_slots) break;
+            load(r0, r1, b0);
+        }
+        const float x0_task = x0, x1_task = x1;
+        const int next = task + task_stride;
+        if (next < n_tasks) {  // the next task's first loads overlap this one's reduction
+            const int n0 = 2 * next, n1 = min(n0 + 1, p.hidden - 1);
+            load(n0, n1, 0);
+            if (lane == 0) {
+                x0 = p.x[n0];
+                x1 = p.x[n1];
             }
         }
         acc0 = warp_sum(acc0);
         acc1 = warp_sum(acc1);
         if (lane == 0) {
-            p.x[r0] += acc0;
-            if (r1 != r0) p.x[r1] += acc1;
+            p.x[r0] = x0_task + acc0;
+            if (r1 != r0) p.x[r1] = x1_task + acc1;
         }
     }
 }

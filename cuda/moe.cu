@@ -296,11 +296,13 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
     const size_t expert_chunks = (size_t)hidden * nch;
-    og::pdl_wait();  // selected, sel_weights and act come from earlier kernels
-    og::pdl_launch_dependents();
-    // Lane j holds expert j's id and weight (top_k <= 32); items fetch them by shuffle.
-    const int e_lane = lane < top_k ? __ldg(selected + lane) : 0;
-    const float w_lane = lane < top_k ? __ldg(sel_weights + lane) : 0.0f;
+    // Before the wait: selected and sel_weights (the top-k kernel's) and x (the O
+    // projection's) are settled. Their writers are two or more launches back, and the gate/up
+    // kernel between lets this one launch only after its own wait has returned. Only act,
+    // gate/up's output, needs the wait. Lane j holds expert j's id and weight (top_k <= 32);
+    // items fetch them by shuffle.
+    const int e_lane = lane < top_k ? selected[lane] : 0;
+    const float w_lane = lane < top_k ? sel_weights[lane] : 0.0f;
 
     uint4 w[D];
     auto load = [&](int row, int q0) {
@@ -323,7 +325,13 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     };
 
     int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    if (r < hidden) load(r, 0);  // first weights in flight while act is staged
+    float x_r = 0.0f;  // lane 0: the row's residual, read as its loads are issued
+    if (r < hidden) {  // first weights in flight across the wait and while act is staged
+        load(r, 0);
+        if (lane == 0) x_r = x[r];
+    }
+    og::pdl_wait();  // act comes from the gate/up kernel
+    og::pdl_launch_dependents();
     for (int q = threadIdx.x; q < n; q += kThreads) {
         const int j = q / nch;
         const int c = q - j * nch;
@@ -367,8 +375,12 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
             load(r, q0);
         }
         const int next = r + stride;
-        if (next < hidden) load(next, 0);  // overlaps the store below
-        if (lane == 0) x[r] = __fadd_rn(x[r], y);
+        const float x_prev = x_r;
+        if (next < hidden) {  // overlaps the store below
+            load(next, 0);
+            if (lane == 0) x_r = x[next];
+        }
+        if (lane == 0) x[r] = __fadd_rn(x_prev, y);
         r = next;
     }
 }
