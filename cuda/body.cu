@@ -3,10 +3,10 @@
 //
 // The body (body.cu) reads like llama2.c's forward(): H2D step record -> embedding -> per layer
 // (attention block, FFN block) -> final norm + lm_head -> D2H logits. Kernels per layer:
-//   dense: [RMSNorm+QKV GEMV] [QK-norm+RoPE+KV write] [attention] [O GEMV + residual]
-//          [RMSNorm+gate/up GEMV+SwiGLU] [down GEMV + residual]                      = 6
-//   MoE:   the same attention block (4), then [RMSNorm+router GEMV (writes normed)]
-//          [top-k] [experts gate/up+SwiGLU] [experts down, weighted sum + residual]  = 8
+//   dense: [RMSNorm+QKV GEMV] [QK-norm+RoPE+KV write+attention] [O GEMV + residual]
+//          [RMSNorm+gate/up GEMV+SwiGLU] [down GEMV + residual]                      = 5
+//   MoE:   the same attention block (3), then [RMSNorm+router GEMV (writes normed)]
+//          [top-k] [experts gate/up+SwiGLU] [experts down, weighted sum + residual]  = 7
 // plus the embedding gather and [final RMSNorm+lm_head GEMV] per token.
 // On sm_90+ every kernel after the embedding is launched with programmatic dependent launch
 // (kernels wait on their predecessor before touching memory, so results are unchanged);
