@@ -39,6 +39,7 @@
 #include "kernels.cuh"
 #include "moe.cuh"
 #include "quant.cuh"
+#include "trace.cuh"
 
 #include <vector>
 
@@ -55,6 +56,21 @@ constexpr int kGateUpUnroll = 4;   // 16-byte chunks per lane per batch, for gat
 // chunks per lane) needs 180 registers, one block per SM, which hides less latency.
 constexpr int kDownDepth = 8;      // 16-byte loads per lane per batch in down
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py) -------------
+// The trace build's record of every block of the top-k, the bf16 gate/up and the bf16 down
+// kernels (trace.cuh's GemvTraceRecord, with these modes beside the GEMVs' 0-4): its start, the
+// PDL wait's return, its input staged (top-k: the probabilities) and its last warp's end, read
+// with og_moe_trace_read(). The normal build has none of it.
+#ifdef OG_Q4_TRACE
+constexpr int kTraceTopk = 5, kTraceGateUp = 6, kTraceDown = 7;
+using og::GemvTraceRecord;
+using og::kGemvTraceRecords;
+using og::trace_now;
+using og::trace_sm;
+__device__ GemvTraceRecord g_moe_trace[kGemvTraceRecords];
+__device__ unsigned g_moe_trace_count;
+#endif
 
 // Weights are read once per token: skip L1 (keep it for the staged vectors' neighbours),
 // ask L2 to fetch whole 256-byte sectors groups, since a warp streams rows anyway, and mark
@@ -113,7 +129,9 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
     logits += (size_t)blockIdx.x * num_experts;  // block b: row b of a batch (prefill)
     selected += (size_t)blockIdx.x * top_k;
     weights += (size_t)blockIdx.x * top_k;
+    GEMV_TRACE_START(g_moe_trace_count);
     og::pdl_wait();  // the router GEMV's logits
+    GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
     float p[VPL];
     unsigned unavailable = 0;  // bit v: slot v is past E or already picked
@@ -144,6 +162,8 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
     // on the logits: two logits may differ while their probabilities round equal.
 #pragma unroll
     for (int v = 0; v < VPL; ++v) p[v] = p[v] / s;
+    GEMV_TRACE_QUANTIZED();
+    TRACE_STAGED_AS(g_moe_trace, logits, kTraceTopk, num_experts, top_k, 1);
 
     int my_index = 0;      // lane r keeps round r's winner
     float my_weight = 0.0f;
@@ -182,6 +202,7 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
         selected[lane] = my_index;
         weights[lane] = my_weight;
     }
+    GEMV_TRACE_END(g_moe_trace);
 }
 
 // ---- gate/up + SwiGLU -----------------------------------------------------------------------
@@ -199,6 +220,7 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
     const int pairs = top_k * inter;
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
+    GEMV_TRACE_START(g_moe_trace_count);
 
     uint4 wg[U], wu[U];
     const uint4 *g_row = base;
@@ -225,6 +247,7 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
     };
 
     og::pdl_wait();  // selected (top-k) and x_normed (router GEMV) come from earlier kernels
+    GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
     int p = blockIdx.x * kWarps + (threadIdx.x >> 5);
     if (p < pairs) {  // first weights in flight while x is staged
@@ -243,6 +266,8 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         x_hi[c] = make_float4(v[4], v[5], v[6], v[7]);
     }
     __syncthreads();
+    GEMV_TRACE_QUANTIZED();
+    TRACE_STAGED_AS(g_moe_trace, weights, kTraceGateUp, pairs, hidden, kWarps);
 
     while (p < pairs) {
         float ag = 0.0f, au = 0.0f;
@@ -271,6 +296,7 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         if (lane == 0) act[p] = ag / (1.0f + expf(-ag)) * au;
         p = next;
     }
+    GEMV_TRACE_END(g_moe_trace);
 }
 
 // ---- down + weighted residual ----------------------------------------------------------------
@@ -296,6 +322,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
     const size_t expert_chunks = (size_t)hidden * nch;
+    GEMV_TRACE_START(g_moe_trace_count);
     // Before the wait: selected and sel_weights (the top-k kernel's) and x (the O
     // projection's) are settled. Their writers are two or more launches back, and the gate/up
     // kernel between lets this one launch only after its own wait has returned. Only act,
@@ -331,6 +358,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
         if (lane == 0) x_r = x[r];
     }
     og::pdl_wait();  // act comes from the gate/up kernel
+    GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
     for (int q = threadIdx.x; q < n; q += kThreads) {
         const int j = q / nch;
@@ -346,6 +374,8 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
         a_hi[q] = make_float4(v[4], v[5], v[6], v[7]);
     }
     __syncthreads();
+    GEMV_TRACE_QUANTIZED();
+    TRACE_STAGED_AS(g_moe_trace, weights, kTraceDown, hidden, inter, kWarps);
 
     while (r < hidden) {
         float y = 0.0f, acc = 0.0f;
@@ -383,6 +413,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
         if (lane == 0) x[r] = __fadd_rn(x_prev, y);
         r = next;
     }
+    GEMV_TRACE_END(g_moe_trace);
 }
 
 // ---- launch helpers ---------------------------------------------------------------------------
@@ -539,3 +570,7 @@ cudaError_t launch_moe_down_weighted_residual(const og::WeightMatrix &down, cons
     return og::launch_moe_down_quant(down.format, down.data, down.scales, act, selected_experts,
                                      selected_weights, top_k, hidden, moe_inter, x, stream, pdl);
 }
+
+#ifdef OG_Q4_TRACE
+OG_TRACE_READERS(moe, g_moe_trace, g_moe_trace_count)
+#endif

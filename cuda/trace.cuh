@@ -62,11 +62,13 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
     if (threadIdx.x == 0) trace_slot = atomicAdd(&count, 1u) % kGemvTraceRecords
 #define GEMV_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
 #define GEMV_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
-#define GEMV_TRACE_STAGED(ring)                                                                        \
+#define GEMV_TRACE_STAGED(ring) TRACE_STAGED_AS(ring, p.weight, MODE, p.rows, p.cols, WARPS)
+// The same record for a kernel with other names for its launch's identity and shape (moe.cu).
+#define TRACE_STAGED_AS(ring, weight, mode, rows, cols, warps)                                         \
     if (threadIdx.x == 0) {                                                                            \
-        ring[trace_slot] = GemvTraceRecord{(unsigned long long)p.weight, trace_start, trace_wait,      \
-                                           trace_quant, trace_now(), 0ull, MODE, p.rows, p.cols,       \
-                                           (int)blockIdx.x, trace_sm(), WARPS};                        \
+        ring[trace_slot] = GemvTraceRecord{(unsigned long long)(weight), trace_start, trace_wait,      \
+                                           trace_quant, trace_now(), 0ull, (mode), (rows), (cols),     \
+                                           (int)blockIdx.x, trace_sm(), (warps)};                      \
     }                                                                                                  \
     __syncthreads()
 #define GEMV_TRACE_END(ring) \
@@ -86,5 +88,6 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 #define GEMV_TRACE_WAITED() (void)0
 #define GEMV_TRACE_QUANTIZED() (void)0
 #define GEMV_TRACE_STAGED(ring) (void)0
+#define TRACE_STAGED_AS(ring, weight, mode, rows, cols, warps) (void)0
 #define GEMV_TRACE_END(ring) (void)0
 #endif

@@ -3,13 +3,16 @@
     python3 build.py --trace --out build/trace --arch sm_90
     ONEGRAPH_LIB=$PWD/build/trace/libonegraph_testing.so python3 scripts/q4_trace.py --preset qwen3-8b
     ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset qwen3-0.6b --weights bf16
+    ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset qwen3-30b-a3b:4 --weights bf16
 
-The trace build (a testing library with -DOG_Q4_TRACE: cuda/gemv_q4.cu, cuda/gemv_bf16.cu) has
-every block of the dense q4 GEMV (--weights q4, the default: every matrix and the lm_head in
-q4) or of the bf16 GEMV (--weights bf16) record %globaltimer when it starts, when the PDL wait
-returns, when its input is staged and when its last warp is done. This script decodes at a pinned context, replays the graph a few times,
-then once more with the trace cleared, and groups the records by launch (a launch's weight
-pointer is unique within a step). Per launch, in µs from the step's first block:
+The trace build (a testing library with -DOG_Q4_TRACE) has every block of the q4 GEMV (--weights
+q4, the default: every matrix and the lm_head in q4) or of the bf16 GEMV (--weights bf16), and of
+the MoE top-k kernel and the experts' bf16 gate/up and down kernels (cuda/moe.cu), record
+%globaltimer when it starts, when the PDL wait returns, when its input is staged and when its
+last warp is done. This script decodes at a pinned context, replays the graph a few times, then
+once more with the trace cleared, and groups the records by launch (a launch's weight pointer is
+unique within a step; a top-k launch is its one block). Per launch, in µs from the step's first
+block:
 
   start   first block's start        wait    first block past the PDL wait
   staged  median block's input staged  end_med median block done    end  last block done
@@ -33,7 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_quant", "u8"), ("t_staged", "u8"),
                    ("t_end", "u8"), ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"),
                    ("sm", "i4"), ("warps", "i4")])
-MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe"}
+# GEMV modes 0-4 (gemv.cuh, gemv_q4.cu's kQ4MoeGateUp), then moe.cu's kernels (kTraceTopk, ...)
+MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe_gate_up", 5: "topk", 6: "moe_gate_up",
+         7: "moe_down"}
+TOPK = 5
 ATTN_RECORD = np.dtype([("layer", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_prologue", "u8"),
                         ("t_rows", "u8"), ("t_end", "u8"), ("block_x", "i4"), ("block_y", "i4"),
                         ("sm", "i4"), ("n_active", "i4")])
@@ -43,7 +49,7 @@ def kind(launch: dict, config) -> str:
     if launch["rows"] == config.vocab_size:
         return "lm_head"
     if launch["mode"] == 1:
-        return "qkv"
+        return "router" if launch["rows"] == getattr(config, "num_experts", None) else "qkv"
     if launch["mode"] == 3:
         return "gate_up"
     if launch["mode"] == 2:
@@ -61,13 +67,16 @@ def trace(args) -> tuple[np.ndarray, object]:
                     device="gpu", weights=args.weights, quantize="all", quantize_lm_head=quantized)
     with engine:
         gpu = engine.session
-        if not hasattr(gpu.lib, "og_q4_trace_read") or not hasattr(gpu.lib, "og_bf16_trace_read"):
+        if not all(hasattr(gpu.lib, f"og_{ring}_trace_read") for ring in ("q4", "bf16", "moe")):
             raise SystemExit("this library has no trace: build it with build.py --trace and point "
                              "ONEGRAPH_LIB at its libonegraph_testing.so")
-        read_gemv = gpu.lib.og_q4_trace_read if quantized else gpu.lib.og_bf16_trace_read
-        reset_gemv = gpu.lib.og_q4_trace_reset if quantized else gpu.lib.og_bf16_trace_reset
-        read_gemv.restype = ctypes.c_int
-        reset_gemv.restype = ctypes.c_int
+        # The GEMV ring of the traced format, and the MoE kernels' ring (its top-k; the experts'
+        # bf16 kernels), whose records share the GEMVs' layout.
+        rings = ("q4" if quantized else "bf16", "moe")
+        read_gemv = [getattr(gpu.lib, f"og_{ring}_trace_read") for ring in rings]
+        reset_gemv = [getattr(gpu.lib, f"og_{ring}_trace_reset") for ring in rings]
+        for f in read_gemv + reset_gemv:
+            f.restype = ctypes.c_int
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int
         gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
         engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
@@ -76,26 +85,34 @@ def trace(args) -> tuple[np.ndarray, object]:
                 gpu.begin(0)
                 gpu.capture().replay()
                 gpu.end()
-            if reset_gemv() != 0 or gpu.lib.og_attn_trace_reset() != 0:
+            if any(reset() != 0 for reset in reset_gemv) or gpu.lib.og_attn_trace_reset() != 0:
                 raise SystemExit("the GEMV's or the attention's trace reset failed")
             gpu.begin(0)
             gpu.capture().replay()
             gpu.end()
-            records = np.zeros(1 << 16, RECORD)
-            n = read_gemv(records.ctypes.data_as(ctypes.c_void_p), len(records))
+            parts = []
+            for read in read_gemv:
+                records = np.zeros(1 << 16, RECORD)
+                n = read(records.ctypes.data_as(ctypes.c_void_p), len(records))
+                if n < 0:
+                    raise SystemExit("the GEMV's trace read failed")
+                parts.append(records[:n])
             attn = np.zeros(1 << 14, ATTN_RECORD)
             n_attn = gpu.lib.og_attn_trace_read(attn.ctypes.data_as(ctypes.c_void_p), len(attn))
-        if n < 0 or n_attn < 0:
-            raise SystemExit("the GEMV's or the attention's trace read failed")
-        return records[:n], attn[:n_attn], target.config
+        if n_attn < 0:
+            raise SystemExit("the attention's trace read failed")
+        return np.concatenate(parts), attn[:n_attn], target.config
 
 
 def launches(records: np.ndarray) -> list[dict]:
     base = int(records["t_start"].min())
     us = lambda t: (float(t) - base) / 1e3
     out = []
-    for weight in np.unique(records["weight"]):
-        r = records[records["weight"] == weight]
+    # A launch is the blocks that share a weight pointer, except the top-k kernel's: one block a
+    # launch, reading the same logits buffer in every layer.
+    groups = [records[records["weight"] == w] for w in np.unique(records["weight"][records["mode"] != TOPK])]
+    groups += [records[i:i + 1] for i in np.flatnonzero(records["mode"] == TOPK)]
+    for r in groups:
         out.append({"mode": int(r["mode"][0]), "rows": int(r["rows"][0]), "cols": int(r["cols"][0]),
                     "blocks": len(r), "warps": int(r["warps"][0]),
                     "start": us(r["t_start"].min()), "wait": us(r["t_wait"].min()),
@@ -120,6 +137,7 @@ def main(argv=None) -> int:
     rows = launches(records)
     first, last = (int(v) for v in args.show_layers.split(","))
     print(f"{len(records)} block records, {len(rows)} launches, step {max(d['end'] for d in rows):.1f} µs")
+    per_layer = max(1, (len(rows) - 1) // config.num_hidden_layers)  # the launches of a layer (lm_head: 1)
     print(f"{'kind':8} {'blocks':>6} {'warps':>5} {'start':>8} {'wait':>8} {'staged':>8} {'end_med':>8} "
           f"{'end':>8} {'hand-over':>9}")
     per_kind: dict = {}
@@ -135,7 +153,7 @@ def main(argv=None) -> int:
         s["stream"].append(d["end_med"] - d["staged"])
         s["tail"].append(d["end"] - d["end_med"])
         s["landed"].append(d["wait"] - d["start"])
-        if first * 4 <= i < last * 4 or k == "lm_head":
+        if first * per_layer <= i < last * per_layer or k == "lm_head":
             print(f"{k:8} {d['blocks']:>6} {d['warps']:>5} {d['start']:8.1f} {d['wait']:8.1f} "
                   f"{d['staged']:8.1f} {d['end_med']:8.1f} {d['end']:8.1f} {handover:9.2f}")
     print("median per kind, µs:")
