@@ -22,7 +22,8 @@
 //     so that a warp reads 512 contiguous bytes per load instruction. Each lane keeps
 //     several loads in flight (gate and up rows together; several experts together in
 //     down) and the next item's first loads are issued before the current item's shuffle
-//     reduction, and the block's first loads before the shared-memory staging.
+//     reduction, and the block's first loads before the shared-memory staging (in down,
+//     before the PDL wait: its expert ids are the top-k kernel's, two launches back).
 //   - The vector a row is dotted with (x for gate/up, act for down) is staged once per
 //     block in shared memory, split into low and high 16-byte halves of each 8-element
 //     chunk so that a warp's 16-byte shared loads hit distinct banks.
