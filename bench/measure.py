@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -275,6 +276,15 @@ def median_engine(per_engine: list[list[dict]]) -> list[dict]:
     return chosen
 
 
+def progress(what: str, records: list[dict], seconds: float, swept: int = 0) -> None:
+    """One line on stderr as each engine or peer is done, so that a run cut short (a time limit)
+    still shows what it measured and how long each part took; the tables come at the end."""
+    speeds = ", ".join(f"{r['runtime'].removeprefix('onegraph-')} {r['tokens_per_s']:.1f}"
+                       for r in records if r.get("tokens_per_s"))
+    sweep = f"; {swept} context records" if swept else ""
+    print(f"bench: {what}: {speeds or 'skipped'} tok/s{sweep} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+
 def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[list, list, list]:
     """(results, context sweep, notes) for every target."""
     results, sweep, notes = [], [], []
@@ -289,13 +299,19 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
                 with device_pad(e * s.placement_step_mb, s.device):
                     for fmt in s.weights:
                         for page in s.kv_pages:
+                            t0 = time.perf_counter()
                             r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, with_sweep=e == 0)
                             per_engine.setdefault((fmt, page), []).append(r)
                             sweep += sw
+                            progress(f"{target.label} {kv} KV, {fmt} weights, engine {e + 1} of {s.engines}",
+                                     r, time.perf_counter() - t0, len(sw))
             for fmt in s.weights:
                 for page in s.kv_pages:
                     results += median_engine(per_engine[(fmt, page)])
-        results += [bench_peer(peer, target, s, bandwidth) for peer in s.peers]
+        for peer in s.peers:
+            t0 = time.perf_counter()
+            results.append(bench_peer(peer, target, s, bandwidth))
+            progress(f"{target.label} {peer}", results[-1:], time.perf_counter() - t0)
     compare_tokens(results)
     notes += [f"{r['model']} {r['runtime']} skipped: {r['reason']}" for r in results if r["status"] != "ok"]
     return results, sweep, notes

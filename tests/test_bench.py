@@ -573,6 +573,10 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
     assert graph["q4"]["speedup_over_nongraph"] == pytest.approx(1 / 0.9)
     # the lower middle of an even count
     assert measure.median_engine([[{"tokens_per_s": 5.0}], [{"tokens_per_s": 3.0}]])[0]["tokens_per_s"] == 3.0
+    # each engine reports as it is done (stderr), in build order, with its own speeds
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: ")]
+    assert len(err) == 6 and "q4 weights, engine 2 of 3: graph 330.0, nongraph 297.0 tok/s" in err[3]
+    assert "bf16 weights, engine 1 of 3: graph 100.0, nongraph 90.0 tok/s; 1 context records" in err[0]
     lines = report.footnotes(results)
     assert any("graph tok/s of its 3 engines 300.0, 330.0, 270.0" in line for line in lines)
     assert any("3.00x the bf16 weights' tok/s (graph; round by round 3.00x, 3.67x, 2.45x)" in line
