@@ -282,7 +282,8 @@ def progress(what: str, records: list[dict], seconds: float, swept: int = 0) -> 
     speeds = ", ".join(f"{r['runtime'].removeprefix('onegraph-')} {r['tokens_per_s']:.1f}"
                        for r in records if r.get("tokens_per_s"))
     sweep = f"; {swept} context records" if swept else ""
-    print(f"bench: {what}: {speeds or 'skipped'} tok/s{sweep} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    done = f"{speeds} tok/s{sweep}" if speeds else f"skipped: {records[0].get('reason') if records else '-'}"
+    print(f"bench: {what}: {done} ({seconds:.0f} s)", file=sys.stderr, flush=True)
 
 
 def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[list, list, list]:
