@@ -73,9 +73,9 @@ def trace(args) -> tuple[np.ndarray, object]:
         # The GEMV ring of the traced format, and the MoE kernels' ring (its top-k; the experts'
         # bf16 kernels), whose records share the GEMVs' layout.
         rings = ("q4" if quantized else "bf16", "moe")
-        read_gemv = [getattr(gpu.lib, f"og_{ring}_trace_read") for ring in rings]
-        reset_gemv = [getattr(gpu.lib, f"og_{ring}_trace_reset") for ring in rings]
-        for f in read_gemv + reset_gemv:
+        readers = [getattr(gpu.lib, f"og_{ring}_trace_read") for ring in rings]
+        resets = [getattr(gpu.lib, f"og_{ring}_trace_reset") for ring in rings]
+        for f in readers + resets:
             f.restype = ctypes.c_int
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int
         gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
@@ -85,17 +85,17 @@ def trace(args) -> tuple[np.ndarray, object]:
                 gpu.begin(0)
                 gpu.capture().replay()
                 gpu.end()
-            if any(reset() != 0 for reset in reset_gemv) or gpu.lib.og_attn_trace_reset() != 0:
-                raise SystemExit("the GEMV's or the attention's trace reset failed")
+            if any(reset() != 0 for reset in resets) or gpu.lib.og_attn_trace_reset() != 0:
+                raise SystemExit("a trace reset failed")
             gpu.begin(0)
             gpu.capture().replay()
             gpu.end()
             parts = []
-            for read in read_gemv:
+            for read in readers:
                 records = np.zeros(1 << 16, RECORD)
                 n = read(records.ctypes.data_as(ctypes.c_void_p), len(records))
                 if n < 0:
-                    raise SystemExit("the GEMV's trace read failed")
+                    raise SystemExit("the GEMV's or the MoE kernels' trace read failed")
                 parts.append(records[:n])
             attn = np.zeros(1 << 14, ATTN_RECORD)
             n_attn = gpu.lib.og_attn_trace_read(attn.ctypes.data_as(ctypes.c_void_p), len(attn))
@@ -129,11 +129,11 @@ def main(argv=None) -> int:
                    help="the GEMV traced: q4 (every matrix and the lm_head in q4) or bf16")
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
-    p.add_argument("--dump", help="also save the raw records (q4, attn) to this .npz")
+    p.add_argument("--dump", help="also save the raw records (gemv: the GEMV and MoE rings; attn) to this .npz")
     args = p.parse_args(argv)
     records, attn, config = trace(args)
     if args.dump:
-        np.savez(args.dump, q4=records, attn=attn)
+        np.savez(args.dump, gemv=records, attn=attn)
     rows = launches(records)
     first, last = (int(v) for v in args.show_layers.split(","))
     print(f"{len(records)} block records, {len(rows)} launches, step {max(d['end'] for d in rows):.1f} µs")

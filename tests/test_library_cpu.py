@@ -265,8 +265,8 @@ def test_kernel_entry_points_without_gpu(lib, has_gpu):
                                             ("moe.cu", "og_moe_trace_read")])
 def test_trace_build_compiles(tmp_path, source, reader):
     """build.py --trace (-DOG_Q4_TRACE, scripts/q4_trace.py) is a diagnostic build that nothing
-    else compiles: the q4 and bf16 GEMVs, the attention and the MoE kernels with the define must still
-    compile, and export their trace readers (the normal build exports none)."""
+    else compiles: the q4 and bf16 GEMVs, the attention and the MoE kernels with the define must
+    still compile, and export their trace readers (the normal build exports none)."""
     import subprocess
     import sys
 
