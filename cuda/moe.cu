@@ -108,20 +108,21 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // ---- top-k ------------------------------------------------------------------------------
 
-// Does candidate a (value, index) beat b? Larger probability wins, ties go to the lower
-// index, an empty candidate (index INT_MAX) always loses. NaN compares as below every
-// probability so that this is a total order: all lanes of the butterfly agree on the
-// winner and an index is always a real, unpicked expert.
-__device__ __forceinline__ bool topk_beats(float av, int ai, float bv, int bi) {
-    if (ai == INT_MAX) return false;
-    if (bi == INT_MAX) return true;
-    av = (av != av) ? -1.0f : av;
-    bv = (bv != bv) ? -1.0f : bv;
-    return av > bv || (av == bv && ai < bi);
+// A slot's rank in the selection, as an unsigned key: the probability's bits + 2 (a
+// probability is >= +0, so its bits order as its value does), 1 for NaN (below every
+// probability, so that the order is total and an index is always a real expert), 0 for a
+// slot past E or already picked.
+__device__ __forceinline__ unsigned topk_key(float p) {
+    return p != p ? 1u : __float_as_uint(p) + 2u;
+}
+__device__ __forceinline__ float topk_value(unsigned key) {
+    return key >= 2u ? __uint_as_float(key - 2u) : __int_as_float(0x7fffffff);
 }
 
 // One warp. Lane l owns logits l, l + 32, ... (VPL of them, in registers, indexed only
-// by unrolled constants). k rounds of a warp argmax over the unpicked probabilities.
+// by unrolled constants). k rounds of a warp argmax over the unpicked probabilities: the
+// largest key by one warp reduction (redux.sync), then the lowest index among the slots
+// that hold it by a second (ties go to the lower expert).
 template <int VPL>
 __global__ void __launch_bounds__(32)
 moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, int norm,
@@ -135,7 +136,7 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
     GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
     float p[VPL];
-    unsigned unavailable = 0;  // bit v: slot v is past E or already picked
+    unsigned unavailable = 0;  // bit v: slot v is past E
     float m = -INFINITY;
 #pragma unroll
     for (int v = 0; v < VPL; ++v) {
@@ -166,34 +167,36 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
     GEMV_TRACE_QUANTIZED();
     TRACE_STAGED_AS(g_moe_trace, logits, kTraceTopk, num_experts, top_k, 1);
 
+    unsigned key[VPL];
+#pragma unroll
+    for (int v = 0; v < VPL; ++v)
+        key[v] = (unavailable & (1u << v)) ? 0u : topk_key(p[v]);
     int my_index = 0;      // lane r keeps round r's winner
-    float my_weight = 0.0f;
+    unsigned my_key = 0u;
     for (int r = 0; r < top_k; ++r) {
-        float bv = 0.0f;
-        int bi = INT_MAX;
+        unsigned best = key[0];
+        int best_v = 0;
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) {  // ascending index within the lane
-            if (!(unavailable & (1u << v)) && topk_beats(p[v], lane + 32 * v, bv, bi)) {
-                bv = p[v];
-                bi = lane + 32 * v;
+        for (int v = 1; v < VPL; ++v) {  // ascending index within the lane: ties to the lower
+            if (key[v] > best) {
+                best = key[v];
+                best_v = v;
             }
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(kFullMask, bv, off);
-            const int oi = __shfl_xor_sync(kFullMask, bi, off);
-            if (topk_beats(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        // top_k <= E, so a real expert always remains and bi < E here.
+        const unsigned top = __reduce_max_sync(kFullMask, best);
+        const int bi = (int)__reduce_min_sync(kFullMask, best == top ? (unsigned)(lane + 32 * best_v) : UINT_MAX);
+        // top_k <= E, so a real expert always remains: top > 0 and bi < E here.
         if (lane == r) {
             my_index = bi;
-            my_weight = bv;
+            my_key = top;
         }
-        if (lane == (bi & 31)) unavailable |= 1u << (bi >> 5);
+        if (lane == (bi & 31)) {
+#pragma unroll
+            for (int v = 0; v < VPL; ++v)
+                if (v == (bi >> 5)) key[v] = 0u;
+        }
     }
+    float my_weight = topk_value(my_key);
     if (norm) {
         float total = 0.0f;  // selection order, the same on every lane
         for (int r = 0; r < top_k; ++r) total += __shfl_sync(kFullMask, my_weight, r);
