@@ -409,6 +409,11 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
+    // The MoE gate/up's x (x_normed, the router GEMV's) is settled before the wait: its writer
+    // is two launches back, and the top-k kernel between lets this one launch only after its
+    // own wait has returned. Only the expert ids need the wait.
+    if (MODE == kQ4MoeGateUp)
+        stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     pdl_wait_then_launch<MODE == kGemvNorm>();
     GEMV_TRACE_WAITED();
     if (MODE == kQ4MoeGateUp) {
@@ -417,8 +422,10 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
             load_slot<MODE>(slot[k], p, ld_task, ld_chunk, lane, policy);
             advance();
         }
+    } else {
+        stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out,
+                     scratch);
     }
-    stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
     GEMV_TRACE_QUANTIZED();
     __syncthreads();
     GEMV_TRACE_STAGED(g_q4_trace);

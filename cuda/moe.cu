@@ -23,7 +23,8 @@
 //     several loads in flight (gate and up rows together; several experts together in
 //     down) and the next item's first loads are issued before the current item's shuffle
 //     reduction, and the block's first loads before the shared-memory staging (in down,
-//     before the PDL wait: its expert ids are the top-k kernel's, two launches back).
+//     before the PDL wait: its expert ids are the top-k kernel's, two launches back). In
+//     gate/up, x (the router GEMV's, two launches back) is staged before the wait.
 //   - The vector a row is dotted with (x for gate/up, act for down) is staged once per
 //     block in shared memory, split into low and high 16-byte halves of each 8-element
 //     chunk so that a warp's 16-byte shared loads hit distinct banks.
@@ -250,14 +251,9 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         }
     };
 
-    og::pdl_wait();  // selected (top-k) and x_normed (router GEMV) come from earlier kernels
-    GEMV_TRACE_WAITED();
-    og::pdl_launch_dependents();
-    int p = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    if (p < pairs) {  // first weights in flight while x is staged
-        locate(p);
-        load(0);
-    }
+    // Before the wait: x_normed, the router GEMV's, is settled. Its writer is two launches
+    // back, and the top-k kernel between lets this one launch only after its own wait has
+    // returned. Only selected, the top-k kernel's output, needs the wait.
     // Zeros past H: the weights' pad columns are zero, and 0 * 0 keeps the sums exact.
     for (int c = threadIdx.x; c < nch; c += kThreads) {
         float v[8];
@@ -268,6 +264,14 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         }
         x_lo[c] = make_float4(v[0], v[1], v[2], v[3]);
         x_hi[c] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    og::pdl_wait();  // selected comes from the top-k kernel
+    GEMV_TRACE_WAITED();
+    og::pdl_launch_dependents();
+    int p = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (p < pairs) {
+        locate(p);
+        load(0);
     }
     __syncthreads();
     GEMV_TRACE_QUANTIZED();
