@@ -185,7 +185,8 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
             }
         }
         const unsigned top = __reduce_max_sync(kFullMask, best);
-        const int bi = (int)__reduce_min_sync(kFullMask, best == top ? (unsigned)(lane + 32 * best_v) : UINT_MAX);
+        const unsigned mine = best == top ? (unsigned)(lane + 32 * best_v) : UINT_MAX;
+        const int bi = (int)__reduce_min_sync(kFullMask, mine);
         // top_k <= E, so a real expert always remains: top > 0 and bi < E here.
         if (lane == r) {
             my_index = bi;
