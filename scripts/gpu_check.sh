@@ -78,6 +78,13 @@ if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
     timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -rfs --durations=15 "${workers[@]}" "${markers[@]}" \
     tests > "$OUT/pytest.log" 2>&1
   note "pytest: rc=$? $(tail -n 1 "$OUT/pytest.log"); tests failed or in error: $(failed_tests "$OUT/pytest.log" | wc -l)"
+  if [ ${#workers[@]} -gt 0 ]; then
+    # The leak test's device-wide check (free bytes) is skipped beside other workers; run it alone.
+    timeout 120 python3 -m pytest -v -rfs tests/test_reliability_gpu.py -k allocation_failure_at_each \
+      > "$OUT/pytest-alone.log" 2>&1
+    note "pytest (the GPU to itself): rc=$? $(tail -n 1 "$OUT/pytest-alone.log")"
+    cat "$OUT/pytest-alone.log" >> "$OUT/pytest.log"; rm -f "$OUT/pytest-alone.log"
+  fi
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
   SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
     bash scripts/sanitize.sh ${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck} > "$OUT/sanitize.log" 2>&1

@@ -84,6 +84,12 @@ def device_free_bytes() -> int:
     return int(free)
 
 
+def gpu_shared_with_other_workers() -> bool:
+    """Other pytest-xdist workers decode on this GPU meanwhile: the device's free bytes move with
+    their engines, so they say nothing about this process's (the allocation counters still do)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+
+
 def _session_decode(session: GpuSession, tokens) -> list[np.ndarray]:
     session.reset()
     out = []
@@ -413,7 +419,9 @@ def test_allocation_failure_at_each_init_allocation_is_clean_and_leaks_nothing(h
     held = hooks.allocation_counts()
     n_allocations = held["calls"] - base_counts["calls"]
     assert held["device_bytes_live"] - base_counts["device_bytes_live"] > 32 << 20
-    assert base_free - device_free_bytes() > 32 << 20
+    check_free = not gpu_shared_with_other_workers()
+    if check_free:
+        assert base_free - device_free_bytes() > 32 << 20
     assert lib.og_free(handle) == capi.OG_OK
     assert n_allocations >= 3  # the arena, the pinned step record, the pinned logits
 
@@ -432,10 +440,11 @@ def test_allocation_failure_at_each_init_allocation_is_clean_and_leaks_nothing(h
         counts = hooks.allocation_counts()
         assert counts["calls"] - base_counts["calls"] >= n + 1
         assert {k: counts[k] for k in live_keys} == {k: base_counts[k] for k in live_keys}, (n, message)
-        moved = base_free - device_free_bytes()
-        assert abs(moved) <= FREE_MEMORY_SLACK_BYTES, f"allocation {n}: {moved} bytes not returned"
-        print(f"allocation {n} of {n_allocations} failed: OG_E_OUT_OF_MEMORY ({message}); "
-              f"device free moved {moved} bytes")
+        if check_free:
+            moved = base_free - device_free_bytes()
+            assert abs(moved) <= FREE_MEMORY_SLACK_BYTES, f"allocation {n}: {moved} bytes not returned"
+            print(f"allocation {n} of {n_allocations} failed: OG_E_OUT_OF_MEMORY ({message}); "
+                  f"device free moved {moved} bytes")
 
     # Armed just past the last allocation: init succeeds and the failure never fires.
     hooks.fail_allocation_at(n_allocations)
