@@ -81,9 +81,8 @@ if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
   if [ ${#workers[@]} -gt 0 ]; then
     # The leak test's device-wide check (free bytes) is skipped beside other workers; run it alone.
     timeout 120 python3 -m pytest -v -rfs tests/test_reliability_gpu.py -k allocation_failure_at_each \
-      > "$OUT/pytest-alone.log" 2>&1
-    note "pytest (the GPU to itself): rc=$? $(tail -n 1 "$OUT/pytest-alone.log")"
-    cat "$OUT/pytest-alone.log" >> "$OUT/pytest.log"; rm -f "$OUT/pytest-alone.log"
+      >> "$OUT/pytest.log" 2>&1
+    note "pytest (the GPU to itself): rc=$? $(tail -n 1 "$OUT/pytest.log")"
   fi
   # Logs of the single sanitizer runs stay on the machine; the summary comes back.
   SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
