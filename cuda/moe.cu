@@ -360,12 +360,17 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
         }
     };
 
+    // A row begins with its first weights in flight and (lane 0) its residual read: the first
+    // row across the wait and while act is staged, the next ones while the last is reduced.
+    float x_r = 0.0f;  // lane 0: the row's residual
+    auto begin_row = [&](int row) {
+        if (row < hidden) {
+            load(row, 0);
+            if (lane == 0) x_r = x[row];
+        }
+    };
     int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
-    float x_r = 0.0f;  // lane 0: the row's residual, read as its loads are issued
-    if (r < hidden) {  // first weights in flight across the wait and while act is staged
-        load(r, 0);
-        if (lane == 0) x_r = x[r];
-    }
+    begin_row(r);
     og::pdl_wait();  // act comes from the gate/up kernel
     GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
@@ -415,10 +420,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
         }
         const int next = r + stride;
         const float x_prev = x_r;
-        if (next < hidden) {  // overlaps the store below
-            load(next, 0);
-            if (lane == 0) x_r = x[next];
-        }
+        begin_row(next);  // overlaps the store below
         if (lane == 0) x[r] = __fadd_rn(x_prev, y);
         r = next;
     }
