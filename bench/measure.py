@@ -1,5 +1,6 @@
 """The engine runs of a benchmark: onegraph's decode modes and context sweep for one engine
-(bench_onegraph), --engines rounds with the median engine kept, time to first token (batched
+(bench_onegraph), --engines rounds with the median engine kept (per result, and per context of
+the sweep), time to first token (batched
 prefill, token by token, peers), the peers' decode (bench/peers.py), and the comparisons
 between records (speedups, token agreement)."""
 from __future__ import annotations
@@ -35,8 +36,8 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
 
 
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
-                   fmt: str = "bf16", kv_page: int = 0, with_sweep: bool = True) -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records (when `with_sweep`) for one
+                   fmt: str = "bf16", kv_page: int = 0) -> tuple[list, list]:
+    """Result records (one per mode) and context-sweep records for one
     engine of a model, KV format, weight format and KV page size (0 the library's default,
     CONTIGUOUS one block per sequence)."""
     from onegraph.engine import Engine
@@ -58,7 +59,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
         measured = alternate_modes(engine, modes + piped + sampled, prompt, s.n, s.repeats, s.step_output,
                                    s.sampling)
         device_bytes = engine.stats().get("library", {}).get("device_bytes")
-        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt) if with_sweep else []
+        sweep = sweep_contexts(engine, modes, target, kv, s, bandwidth, fmt)
     bpt = bytes_per_token(config, kv, mean_decode_context(s.prompt, s.n), fmt, s.quantize, s.lm_head_fmt(fmt))
     results = []
     for mode, m in measured.items():
@@ -94,7 +95,8 @@ def context_record(target: Target, kv: str, mode: str, context: int, step_ms: li
     bpt = bytes_per_token(target.config, kv, context, weight_format, quantize, lm_head_fmt)
     r = {"model": target.label, "layers": target.config.num_hidden_layers, "runtime": f"onegraph-{mode}",
          "kv": kv, "weights": bpt["weight_format"], "kv_page_size": None, "context": context, "fill": fill, "fill_s": fill_s, "steps": len(step_ms),
-         "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "tbt_p90_ms": float(np.percentile(step_ms, 90)),
+         "ms_per_token": ms, "tokens_per_s": 1e3 / ms, "engines": 1, "ms_per_token_engines": [ms],
+         "tbt_p90_ms": float(np.percentile(step_ms, 90)),
          "step_ms": step_ms, "kv_read": bpt["kv_read"], "bytes_per_token_total": bpt["total"]}
     fl = floor_fields(bpt["total"], bandwidth, ms)
     r.update(floor_ms=fl["floor_ms"], fraction_of_floor=fl["fraction_of_floor"])
@@ -276,6 +278,24 @@ def median_engine(per_engine: list[list[dict]]) -> list[dict]:
     return chosen
 
 
+def median_engine_sweep(per_engine: list[list[dict]]) -> list[dict]:
+    """Per (runtime, context): the record of the engine with the median ms/token (the slower
+    middle one for an even count), listing every engine's; in the first engine's order. A step's
+    time moves by a few percent from engine to engine (where its buffers land), as much as the
+    differences a sweep is run to show."""
+    def key(r):
+        return r["runtime"], r["context"]
+    chosen = []
+    for first in per_engine[0]:
+        same = [r for records in per_engine for r in records if key(r) == key(first)]
+        order = sorted(same, key=lambda r: r["ms_per_token"])
+        r = dict(order[len(order) // 2])
+        r["engines"] = len(same)
+        r["ms_per_token_engines"] = [x["ms_per_token"] for x in same]
+        chosen.append(r)
+    return chosen
+
+
 def progress(what: str, records: list[dict], seconds: float, swept: int = 0) -> None:
     """One line on stderr as each engine or peer is done, so that a run cut short (a time limit)
     still shows what it measured and how long each part took; the tables come at the end."""
@@ -296,19 +316,21 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
                          f"{target.config.max_position_embeddings}")
         for kv in s.kv:
             per_engine = {}  # (weights, page) -> each engine's records, in build order
+            per_engine_sweep = {}  # (weights, page) -> each engine's sweep records
             for e in range(s.engines):  # round e: engine e of every weight format and page
                 with device_pad(e * s.placement_step_mb, s.device):
                     for fmt in s.weights:
                         for page in s.kv_pages:
                             t0 = time.perf_counter()
-                            r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page, with_sweep=e == 0)
+                            r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page)
                             per_engine.setdefault((fmt, page), []).append(r)
-                            sweep += sw
+                            per_engine_sweep.setdefault((fmt, page), []).append(sw)
                             progress(f"{target.label} {kv} KV, {fmt} weights, engine {e + 1} of {s.engines}",
                                      r, time.perf_counter() - t0, len(sw))
             for fmt in s.weights:
                 for page in s.kv_pages:
                     results += median_engine(per_engine[(fmt, page)])
+                    sweep += median_engine_sweep(per_engine_sweep[(fmt, page)])
         for peer in s.peers:
             t0 = time.perf_counter()
             results.append(bench_peer(peer, target, s, bandwidth))

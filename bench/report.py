@@ -99,6 +99,8 @@ SWEEP_FIELDS = {
     "fill_s": "seconds spent reaching the context (prefill only; ~0 for position)",
     "steps": "timed steps",
     "ms_per_token": "median step time", "tokens_per_s": "1000 / ms_per_token",
+    "engines": "engines swept (--engines): the record is the one with the median ms_per_token",
+    "ms_per_token_engines": "ms_per_token of every engine, in build order",
     "tbt_p90_ms": "90th percentile step time", "step_ms": "every timed step",
     "kv_read": "KV bytes read per step at this context",
     "bytes_per_token_total": "weights + kv_read",
@@ -180,6 +182,9 @@ def merge_docs(docs: list[dict]) -> dict:
             r.setdefault("speedup_of_pipelining", None)
             r.setdefault("sampling", None)  # ... and before --sampling
             r.setdefault("sampled_over_greedy", None)
+        for r in doc["context_sweep"]:  # ... and before the sweep ran on every engine
+            r.setdefault("engines", 1)
+            r.setdefault("ms_per_token_engines", [r["ms_per_token"]])
         check_schema(doc)
     merged = dict(docs[0], results=[], context_sweep=[], ttft=[], notes=[])
     merged["command"] = " ; ".join(d["command"] for d in docs)

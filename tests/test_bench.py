@@ -543,27 +543,43 @@ def test_suite_script_invocations_parse():
 def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys):
     """--engines 3: three engines per weight format, built in rounds over the formats; each
     result is the engine with the median graph tok/s and lists all three; the context sweep
-    runs on the first round only. The engines' speeds are set here (a fake bench_onegraph)."""
+    runs on every engine, and each (runtime, context) keeps the engine with the median ms/token.
+    The engines' speeds are set here (a fake bench_onegraph)."""
     speeds = {"bf16": [100.0, 90.0, 110.0], "q4": [300.0, 330.0, 270.0]}
+    sweep_ms = {8: [2.0, 3.0, 1.0], 64: [5.0, 4.0, 6.0]}  # graph ms/token of engines 0, 1, 2
     built = []
 
-    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0, with_sweep=True):
-        e = sum(1 for f, _ in built if f == fmt)
-        built.append((fmt, with_sweep))
+    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0):
+        e = sum(1 for f in built if f == fmt)
+        built.append(fmt)
         records = []
         for mode, factor in (("graph", 1.0), ("nongraph", 0.9)):
             r = measure.empty_result(target, f"onegraph-{mode}", kv, s, fmt)
             r.update(tokens_per_s=speeds[fmt][e] * factor, tokens=[e, 1, 2], kv_page_size=64,
                      engine_index=e)
             records.append(r)
-        return records, ([{"context": 8, "engine": e}] if with_sweep else [])
+        sweep = [measure.context_record(target, kv, mode, context, [ms[e] * factor] * 3, "position",
+                                        0.0, None, fmt)
+                 for context, ms in sweep_ms.items() for mode, factor in (("graph", 1.0), ("nongraph", 1.5))]
+        for r in sweep:
+            r["engine_index"] = e
+        return records, sweep
 
     monkeypatch.setattr(measure, "bench_onegraph", fake_bench_onegraph)
-    s = targets.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8])
+    s = targets.Settings(device="cpu", weights=["bf16", "q4"], engines=3, contexts=[8, 64])
     target = targets.preset_target("tiny-dense", None, 0)
     results, sweep, _ = measure.run([target], s, None)
-    assert built == [("bf16", True), ("q4", True), ("bf16", False), ("q4", False), ("bf16", False), ("q4", False)]
-    assert sweep == [{"context": 8, "engine": 0}, {"context": 8, "engine": 0}]
+    assert built == ["bf16", "q4"] * 3
+    assert [(r["weights"].split("+")[0], r["runtime"], r["context"]) for r in sweep] == [
+        (w, f"onegraph-{mode}", c) for w in ("bf16", "q4") for c in (8, 64) for mode in ("graph", "nongraph")]
+    for r in sweep:
+        ms = [m * (1.5 if r["runtime"] == "onegraph-nongraph" else 1.0) for m in sweep_ms[r["context"]]]
+        assert r["engines"] == 3 and r["ms_per_token_engines"] == pytest.approx(ms)
+        assert r["ms_per_token"] == pytest.approx(sorted(ms)[1])
+        assert r["engine_index"] == ms.index(sorted(ms)[1])
+    # the slower middle one of an even count
+    pair = [[{"runtime": "g", "context": 8, "ms_per_token": 1.0}], [{"runtime": "g", "context": 8, "ms_per_token": 3.0}]]
+    assert measure.median_engine_sweep(pair)[0]["ms_per_token"] == 3.0
     graph = {r["weights"]: r for r in results if r["runtime"] == "onegraph-graph"}
     assert graph["bf16"]["engine_index"] == 0 and graph["bf16"]["tokens_per_s"] == 100.0
     assert graph["q4"]["engine_index"] == 0 and graph["q4"]["tokens_per_s"] == 300.0
@@ -576,7 +592,7 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
     # each engine reports as it is done (stderr), in build order, with its own speeds
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: ")]
     assert len(err) == 6 and "q4 weights, engine 2 of 3: graph 330.0, nongraph 297.0 tok/s" in err[3]
-    assert "bf16 weights, engine 1 of 3: graph 100.0, nongraph 90.0 tok/s; 1 context records" in err[0]
+    assert "bf16 weights, engine 1 of 3: graph 100.0, nongraph 90.0 tok/s; 4 context records" in err[0]
     lines = report.footnotes(results)
     assert any("graph tok/s of its 3 engines 300.0, 330.0, 270.0" in line for line in lines)
     assert any("3.00x the bf16 weights' tok/s (graph; round by round 3.00x, 3.67x, 2.45x)" in line
