@@ -1,8 +1,7 @@
 """The engine runs of a benchmark: onegraph's decode modes and context sweep for one engine
 (bench_onegraph), --engines rounds with the median engine kept (per result, and per context of
-the sweep), time to first token (batched
-prefill, token by token, peers), the peers' decode (bench/peers.py), and the comparisons
-between records (speedups, token agreement)."""
+the sweep), time to first token (batched prefill, token by token, peers), the peers' decode
+(bench/peers.py), and the comparisons between records (speedups, token agreement)."""
 from __future__ import annotations
 
 import contextlib
