@@ -36,9 +36,9 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
 
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
                    fmt: str = "bf16", kv_page: int = 0) -> tuple[list, list]:
-    """Result records (one per mode) and context-sweep records for one
-    engine of a model, KV format, weight format and KV page size (0 the library's default,
-    CONTIGUOUS one block per sequence)."""
+    """Result records (one per mode) and context-sweep records for one engine of a model, KV
+    format, weight format and KV page size (0 the library's default, CONTIGUOUS one block per
+    sequence)."""
     from onegraph.engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
