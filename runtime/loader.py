@@ -224,7 +224,7 @@ def read_header(path: str) -> SafetensorsHeader:
     return SafetensorsHeader(path, file_bytes, data_start, entries, metadata)
 
 
-def _cross_check_with_library(header: SafetensorsHeader) -> None:
+def cross_check_with_library(header: SafetensorsHeader) -> None:
     """Let the safetensors library parse the same file; it must accept it and agree with us."""
     try:
         from safetensors import safe_open
@@ -249,7 +249,7 @@ def _cross_check_with_library(header: SafetensorsHeader) -> None:
         raise LoaderError(f"{header.path}: rejected by the safetensors library: {e}") from None
 
 
-class _MappedFile:
+class MappedFile:
     """One read-only mapping per file; tensors are views that keep the mapping alive."""
 
     def __init__(self, header: SafetensorsHeader):
@@ -367,7 +367,7 @@ def load_model(path: str | os.PathLike, progress: bool = False) -> LoadedModel:
         hint = f" (found {', '.join(present)}; only safetensors named as above are read)" if present else ""
         raise LoaderError(f"{folder}: no weights file: neither {SINGLE_FILE} nor {INDEX_FILE} exists{hint}")
     for header in headers.values():
-        _cross_check_with_library(header)
+        cross_check_with_library(header)
 
     expected = config.tensor_shapes()
     missing = [name for name in expected if name not in owner]
@@ -376,7 +376,7 @@ def load_model(path: str | os.PathLike, progress: bool = False) -> LoadedModel:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise LoaderError(f"{where}: {len(missing)} tensor(s) required by {config_path} are missing: {listed}{more}")
 
-    maps = {p: _MappedFile(h) for p, h in headers.items()}
+    maps = {p: MappedFile(h) for p, h in headers.items()}
     tensors: dict[str, np.ndarray] = {}
     for name in _progress(list(expected), progress, "load"):
         file_path = owner[name]

@@ -194,10 +194,10 @@ def open_packed(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
     file, in tensor_shapes() order. Checks: the loader's strict safetensors header checks and
     the safetensors library's own parse; format version; weights format; the two configs in
     the metadata agree; exactly the tensors of the config with their shapes and dtypes."""
-    from .loader import _cross_check_with_library, _MappedFile, read_header
+    from .loader import MappedFile, cross_check_with_library, read_header
     path = os.fspath(path)
     header = read_header(path)
-    _cross_check_with_library(header)
+    cross_check_with_library(header)
     meta = header.metadata
     for key in (KEY_FORMAT_VERSION, KEY_WEIGHTS, KEY_CONFIG, KEY_OG_CONFIG):
         if key not in meta:
@@ -219,7 +219,7 @@ def open_packed(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndar
     extra = sorted(set(header.entries) - set(shapes))
     if extra:
         raise PackError(f"{path}: holds tensor(s) the config does not use: {', '.join(extra[:5])}")
-    mapped = _MappedFile(header)
+    mapped = MappedFile(header)
     tensors: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
         entry = header.entries.get(name)
