@@ -1,8 +1,9 @@
 // persistent_probe.cu — what does one dense transformer layer cost at batch 1 when the whole
 // token's layer loop runs as ONE persistent kernel (one block per SM, dependencies between phases
 // as counters in global memory, each phase's weights loaded into registers before the block waits
-// on its counter), or as TWO kernels a layer whose inner dependencies stay inside thread block
-// clusters, against the same phases as five kernels a layer chained with PDL in a CUDA graph?
+// on its counter), as TWO kernels a layer whose inner dependencies stay inside thread block
+// clusters, or as FOUR kernels a layer with the attention computed again inside every block of the
+// O projection, against the same phases as five kernels a layer chained with PDL in a CUDA graph?
 // Standalone experiment, not part of the library.
 //
 //   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/persistent_probe scripts/persistent_probe.cu
@@ -50,6 +51,12 @@
 //                        each cluster of 8 or 16 blocks keeping its dependencies inside it, the O
 //                        and down projections split over K with the partial sums taken by the next
 //                        kernel; weights into shared memory by cp.async before the PDL wait
+//   o_attn               4 kernels a layer (section (E)): QKV, then an O projection whose every
+//                        block first computes the whole step's attention itself (K/V rows 0..C-1
+//                        in its shared memory, copied before the PDL wait), then gate/up, down; run
+//                        where those rows fit in one block's shared memory (a short context)
+//   o_attn_gated         o_attn with an attention kernel left between QKV and O that ends at once
+//                        (attention_gate_kernel): a graph that serves long contexts as well
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -63,7 +70,8 @@
 // floor / layer time, baseline / variant. Then the checks: the first three variants' x and K/V
 // row C bit-identical (memcmp); every variant stable over the timed replays and within a relative
 // L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the clustered variants sum
-// the O and down projections in another order, so they are held to the reference only.
+// the O and down projections in another order, and o_attn the attention, so they are held to the
+// reference only.
 // PASS/FAIL; exit code 1 on any failure. A clustered variant that cannot place one cluster is
 // not run (said so in the output).
 //
@@ -1232,6 +1240,210 @@ __global__ void __launch_bounds__(kThreads) fused_final_kernel(const Acts a) {
     }
 }
 
+// ---- (E) the attention inside the O projection: four kernels a layer ---------------------------
+// Every block of the O projection computes the whole step's attention for itself (all heads, one
+// block, no splits) and then its O rows, so no kernel, and no cross-block dependency, separates the
+// QKV projection from the O projection. The price is redundant work: each block reads every K/V
+// row. Rows 0..C-1 (earlier steps': the step never writes them) go to the block's shared memory by
+// cp.async before the PDL wait, together with its first O rows (registers), the QK-norm weights
+// and the rotation; so the variant runs only where that cache fits in shared memory (a short
+// context). After the wait (n = C + 1 rows):
+//   1. raw = the QKV output [NH + 2 NKV heads][HD] (one L2 round trip); QK-norm's 1/rms a head (a
+//      warp a head, lane-strided squares as attention_core sums them)
+//   2. RoPE of the q heads into q [NH][HD] fp32, of the k heads into row C of ks (bf16, as the
+//      cache holds it), v into row C of vs; block 0 also stores row C in the cache
+//   3. scores [NH][n]: a group of HD / 8 lanes a K row, each lane 8 dims, for the GRP query heads
+//      of the row's KV head, reduced within the group
+//   4. softmax a head (a warp a head): max, then exp and the sum, lane-strided
+//   5. P V: thread (KV head g, 8-dim chunk c, row part p) sums rows j = p, p + P, ... for the GRP
+//      heads of g; the P parts are added in order and divided by the head's sum -> xs [NH * HD]
+//   6. the O rows of the block's warps (gemv_tasks, the baseline's O code and residual)
+// The arithmetic differs from attention_core's (rows folded in another order), so the variant is
+// held to the CPU reference only.
+template <class S>
+struct OAttn {
+    static constexpr int HD = S::HD, DCH = HD / 8;                      // 16-byte chunks a row
+    static constexpr int LPR = DCH, RPI = kWarpSize / LPR;              // scores: lanes a row, rows a pass
+    static constexpr int PV_ITEMS = S::NKV * DCH;                       // (KV head, chunk) pairs
+    static constexpr int PV_PARTS = kThreads / PV_ITEMS;                // row parts of P V
+    static_assert(PV_ITEMS <= kThreads && LPR <= kWarpSize, "one pass of P V items");
+    // dynamic shared memory for n = C + 1 rows: the P V parts [PV_PARTS][NH * HD] fp32, then ks, vs
+    // [NKV][n][HD] bf16, then scores [NH][n] fp32
+    static constexpr size_t kPartBytes = (size_t)PV_PARTS * S::NH * HD * 4;
+    static size_t dyn_bytes(int n) { return kPartBytes + (size_t)2 * S::NKV * n * HD * 2 + (size_t)S::NH * n * 4; }
+};
+
+template <class S>
+__global__ void __launch_bounds__(kThreads) o_attn_kernel(const Model m, const Acts a, int l) {
+    using D = Dims<S>;
+    using OA = OAttn<S>;
+    constexpr int HD = S::HD, NH = S::NH, NKV = S::NKV, GRP = D::GRP, half = HD / 2, DCH = OA::DCH;
+    extern __shared__ uint4 dyn_smem[];
+    const int C = m.ctx, n = C + 1;
+    float(*part)[D::ATT] = reinterpret_cast<float(*)[D::ATT]>(dyn_smem);   // [PV_PARTS][NH * HD]
+    uint16_t *ks = reinterpret_cast<uint16_t *>(dyn_smem + OA::kPartBytes / 16);   // [NKV][n][HD]
+    uint16_t *vs = ks + (size_t)NKV * n * HD;                             // [NKV][n][HD]
+    float *scores = reinterpret_cast<float *>(vs + (size_t)NKV * n * HD); // [NH][n]
+    __shared__ alignas(16) float raw[D::QKV];     // the QKV output: q heads, k heads, v heads
+    __shared__ alignas(16) float q[D::ATT];       // [NH][HD] after QK-norm and RoPE
+    __shared__ alignas(16) float xs[D::ATT];      // the attention output, the O rows' input
+    __shared__ float qn[HD], kn[HD], rc[half], rs[half];
+    __shared__ float inv_norm[NH + NKV], sums[NH];
+    const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+    const int first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
+
+    // before the wait: the warp's first O rows, K/V rows 0..C-1, the QK-norm weights, the rotation
+    Prefetch<S, kO> pf;
+    prefetch(pf, m, l, first, stride, lane);
+    const size_t row_stride = (size_t)NKV * HD;
+    const uint16_t *kc = m.k_cache + (size_t)l * m.max_ctx * row_stride;
+    const uint16_t *vc = m.v_cache + (size_t)l * m.max_ctx * row_stride;
+    for (int i = t; i < NKV * C * DCH; i += kThreads) {
+        const int g = i / (C * DCH), j = i / DCH % C, c = i % DCH;
+        const size_t at = (size_t)j * row_stride + g * HD + c * 8, to = ((size_t)g * n + j) * HD + c * 8;
+        cp_async16(ks + to, kc + at);
+        cp_async16(vs + to, vc + at);
+    }
+    if (t < HD) {
+        qn[t] = S::QKN ? bf(__ldg(m.q_norm + l * HD + t)) : 1.f;
+        kn[t] = S::QKN ? bf(__ldg(m.k_norm + l * HD + t)) : 1.f;
+    }
+    if (t < half) rc[t] = __ldg(m.rope_cos + t), rs[t] = __ldg(m.rope_sin + t);
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, 1, 0);
+
+    // 1. the QKV output, QK-norm's 1/rms a head
+    for (int i = t; i < D::QKV; i += kThreads) raw[i] = __ldcg(a.qkv + i);
+    __syncthreads();
+    if constexpr (S::QKN) {
+        for (int hh = warp; hh < NH + NKV; hh += kWarps) {   // q heads, then k heads (contiguous in raw)
+            float ss = 0.f;
+            for (int i = lane; i < HD; i += kWarpSize) ss = __fmaf_rn(raw[hh * HD + i], raw[hh * HD + i], ss);
+            ss = warp_sum(ss);
+            if (lane == 0) inv_norm[hh] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)HD), kEps)));
+        }
+        __syncthreads();
+    }
+    // 2. RoPE (rotate-half), row C of k and v in bf16
+    for (int i = t; i < (NH + NKV) * HD; i += kThreads) {
+        const int hh = i / HD, d = i % HD, p = d < half ? d + half : d - half;
+        float xt = raw[hh * HD + d], xp = raw[hh * HD + p];
+        if constexpr (S::QKN) {
+            const float *w = hh < NH ? qn : kn;
+            xt = __fmul_rn(__fmul_rn(xt, inv_norm[hh]), w[d]);
+            xp = __fmul_rn(__fmul_rn(xp, inv_norm[hh]), w[p]);
+        }
+        const float c = rc[d % half], sn = rs[d % half];
+        const float r = d < half ? __fsub_rn(__fmul_rn(xt, c), __fmul_rn(xp, sn))
+                                 : __fadd_rn(__fmul_rn(xt, c), __fmul_rn(xp, sn));
+        if (hh < NH) {
+            q[i] = r;
+        } else {
+            const int g = hh - NH;
+            const uint16_t kb = to_bf(r), vb = to_bf(raw[D::ATT + NKV * HD + g * HD + d]);
+            ks[((size_t)g * n + C) * HD + d] = kb;
+            vs[((size_t)g * n + C) * HD + d] = vb;
+            if (blockIdx.x == 0) {
+                const size_t at = ((size_t)l * m.max_ctx + C) * row_stride + g * HD + d;
+                m.k_cache[at] = kb;
+                m.v_cache[at] = vb;
+            }
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+
+    // 3. scores: a group of LPR lanes a K row, the GRP heads of its KV head
+    const float scale = __fdiv_rn(1.f, __fsqrt_rn((float)HD));
+    const int sub = lane / OA::LPR, part_lane = lane % OA::LPR;
+    const float4 *q4 = reinterpret_cast<const float4 *>(q);
+    for (int r0 = warp * OA::RPI; r0 < NKV * n; r0 += kWarps * OA::RPI) {
+        const int r = r0 + sub;
+        const bool in = r < NKV * n;
+        const int g = in ? r / n : 0, j = in ? r % n : 0;
+        const uint4 kw = in ? reinterpret_cast<const uint4 *>(ks + ((size_t)g * n + j) * HD)[part_lane]
+                            : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int e = 0; e < GRP; ++e) {
+            const int h = g * GRP + e;
+            float d = dot8(kw, q4[h * HD / 4 + 2 * part_lane], q4[h * HD / 4 + 2 * part_lane + 1], 0.f);
+#pragma unroll
+            for (int o = OA::LPR / 2; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
+            if (part_lane == 0 && in) scores[h * n + j] = __fmul_rn(d, scale);
+        }
+    }
+    __syncthreads();
+
+    // 4. softmax, a warp a head
+    for (int h = warp; h < NH; h += kWarps) {
+        float mx = -INFINITY;
+        for (int j = lane; j < n; j += kWarpSize) mx = fmaxf(mx, scores[h * n + j]);
+        mx = warp_max(mx);
+        float sum = 0.f;
+        for (int j = lane; j < n; j += kWarpSize) {
+            const float p = expf(__fsub_rn(scores[h * n + j], mx));
+            scores[h * n + j] = p;
+            sum = __fadd_rn(sum, p);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) sums[h] = sum;
+    }
+    __syncthreads();
+
+    // 5. P V in PV_PARTS row parts, then the parts in order over the head's sum
+    if (t < OA::PV_ITEMS * OA::PV_PARTS) {
+        const int item = t % OA::PV_ITEMS, p0 = t / OA::PV_ITEMS, g = item / DCH, c = item % DCH;
+        float o[GRP][8];
+#pragma unroll
+        for (int e = 0; e < GRP; ++e)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) o[e][k] = 0.f;
+        for (int j = p0; j < n; j += OA::PV_PARTS) {
+            float f[8];
+            unpack8(reinterpret_cast<const uint4 *>(vs + ((size_t)g * n + j) * HD)[c], f);
+#pragma unroll
+            for (int e = 0; e < GRP; ++e) {
+                const float p = scores[(g * GRP + e) * n + j];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) o[e][k] = __fmaf_rn(p, f[k], o[e][k]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < GRP; ++e)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) part[p0][(g * GRP + e) * HD + c * 8 + k] = o[e][k];
+    }
+    __syncthreads();
+    for (int i = t; i < D::ATT; i += kThreads) {
+        float acc = part[0][i];
+#pragma unroll
+        for (int p = 1; p < OA::PV_PARTS; ++p) acc = __fadd_rn(acc, part[p][i]);
+        xs[i] = __fdiv_rn(acc, sums[i / HD]);
+    }
+    __syncthreads();
+    if (a.trace != nullptr) {
+        trace(a, l, 1, 1);
+        trace(a, l, 2, 0);
+    }
+
+    // 6. the O rows
+    gemv_tasks<S, kO>(pf, m, a, l, first, stride, lane, xs);
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 2, 1);
+    }
+}
+
+// o_attn_gated: where a graph has to serve long contexts too, the attention kernel stays in it and
+// does its work only past a context threshold; below it, it lets the O projection launch, waits
+// for the QKV projection and ends. This is that kernel on the short side of the threshold, on the
+// baseline attention's grid: what keeping it in the graph costs.
+__global__ void __launch_bounds__(kThreads) attention_gate_kernel() {
+    pdl_launch_dependents();
+    pdl_wait();
+}
+
 // ---- calibration: the cost of a kernel boundary alone --------------------------------------
 // kCalEmpty: a kernel that only waits (PDL) and lets the next one launch. kCalChain: each block
 // also reads the whole of the previous kernel's output (n floats, from L2), sums it over the block
@@ -1492,11 +1704,12 @@ void cpu_reference(const Model &m, const std::vector<float> &x_in, const std::ve
 }
 
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), int grid, cudaStream_t stream, bool pdl, bool cooperative, Args... args) {
+void launch_smem(void (*kernel)(KArgs...), int grid, int smem, cudaStream_t stream, bool pdl, bool cooperative,
+                 Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     int n = 0;
@@ -1513,6 +1726,10 @@ void launch(void (*kernel)(KArgs...), int grid, cudaStream_t stream, bool pdl, b
     cfg.attrs = attr;
     cfg.numAttrs = n;
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), int grid, cudaStream_t stream, bool pdl, bool cooperative, Args... args) {
+    launch_smem(kernel, grid, 0, stream, pdl, cooperative, args...);
 }
 
 // A clustered kernel: grid blocks in clusters of `cluster`, `smem` bytes of dynamic shared memory.
@@ -1561,8 +1778,9 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 5;   // baseline, persistent, persistent_barrier, clusters of 8, of 16
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16};
+constexpr int kVariants = 7;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0};
+constexpr int kOAttn = 5, kOAttnGated = 6;
 
 struct VariantResult {
     std::string name;
@@ -1779,7 +1997,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false};
+    bool ran[kVariants] = {true, true, true, false, false, false, false};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -1791,6 +2009,17 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                         Fused<S, 8>::FFN_SMEM);
     ran[4] = fused_runs(fused_attention_kernel<S, 16>, fused_ffn_kernel<S, 16>, 16, Fused<S, 16>::ATTN_SMEM,
                         Fused<S, 16>::FFN_SMEM);
+    // o_attn: the K/V rows, the scores and the kernel's static arrays in one block's shared memory
+    const int oattn_smem = (int)OAttn<S>::dyn_bytes(ctx + 1);
+    int smem_optin = 0;
+    CK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    cudaFuncAttributes oa;
+    CK(cudaFuncGetAttributes(&oa, o_attn_kernel<S>));
+    ran[kOAttn] = ran[kOAttnGated] = oattn_smem + (int)oa.sharedSizeBytes <= smem_optin;
+    if (ran[kOAttn])
+        CK(cudaFuncSetAttribute(o_attn_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, oattn_smem));
+    printf("%s: o_attn kernel %d registers a thread, %zu B static + %d B dynamic shared memory (at most %d)%s\n",
+           S::kName, oa.numRegs, oa.sharedSizeBytes, oattn_smem, smem_optin, ran[kOAttn] ? "" : ": not run");
     CK(cudaDeviceSynchronize());
 
     // graphs
@@ -1813,6 +2042,14 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
         } else if (v == 2) {
             launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
+        } else if (v == kOAttn || v == kOAttnGated) {
+            for (int l = 0; l < L; ++l) {
+                launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
+                launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
+                launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
+                launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
+            }
         } else {   // the clustered body, clusters of kClusterOf[v]
             auto clustered = [&](auto cs_tag) {
                 constexpr int CS = decltype(cs_tag)::value;
@@ -1835,7 +2072,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     cudaGraphExec_t exec[kVariants] = {};
     for (int v = 0; v < kVariants; ++v)
         if (ran[v]) exec[v] = build(v, a);
-    const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16"};
+    const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
+                                    "o_attn", "o_attn_gated"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -1846,7 +2084,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     };
     auto read_abort = [&](int v) {
         unsigned ab = 0;
-        if (v >= 3) return ab;   // the clustered variants never wait on counters
+        if (v >= 3) return ab;   // the clustered variants and o_attn never wait on counters
         CK(cudaMemcpy(&ab, &sync[v].abort, sizeof(unsigned), cudaMemcpyDeviceToHost));
         return ab;
     };
@@ -1932,7 +2170,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     for (auto &vr : res.variants) vr.speedup = res.variants[0].us_token / vr.us_token;
 
     // --trace: one replay of each variant with timestamps (separate graphs; the timed ones have none)
-    std::vector<std::vector<unsigned long long>> traces;
+    std::vector<std::pair<int, std::vector<unsigned long long>>> traces;   // (variant, stamps)
     const bool can_trace = sms <= kTraceBlocks && S::NH * splits <= kTraceBlocks;
     if (do_trace && can_trace) {
         const size_t n_trace = (size_t)L * 5 * kTraceBlocks * 2;
@@ -1940,13 +2178,15 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v = 0; v < 3; ++v) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated}) {
+            if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
             for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, stream));   // the last one's stamps stay
             CK(cudaStreamSynchronize(stream));
-            traces.emplace_back(n_trace);
-            CK(cudaMemcpy(traces.back().data(), d_trace, n_trace * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+            traces.emplace_back(v, std::vector<unsigned long long>(n_trace));
+            CK(cudaMemcpy(traces.back().second.data(), d_trace, n_trace * sizeof(unsigned long long),
+                          cudaMemcpyDeviceToHost));
             CK(cudaGraphExecDestroy(ge));
             if (read_abort(v) != 0) all_stable = false;
         }
@@ -1959,7 +2199,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         const Acts saved = af;
         af.trace = d_trace;
-        for (int v = 3; v < kVariants; ++v) {
+        for (int v = 3; v < kOAttn; ++v) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, a);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
@@ -1975,10 +2215,10 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     }
 
     const bool ref_ok = res.ref_err_x < 1e-3 && res.ref_err_k < 1e-3 && res.ref_err_v < 1e-3;
-    bool clusters_ok = true;   // the clustered variants sum in another order: the reference only
+    bool variants_ok = true;   // the clustered variants and o_attn sum in another order: the reference only
     for (const auto &vr : res.variants)
-        clusters_ok = clusters_ok && vr.ref_err_x < 1e-3 && vr.ref_err_k < 1e-3 && vr.ref_err_v < 1e-3;
-    res.pass = res.bit_identical && res.kv_identical && ref_ok && clusters_ok && finite && all_stable;
+        variants_ok = variants_ok && vr.ref_err_x < 1e-3 && vr.ref_err_k < 1e-3 && vr.ref_err_v < 1e-3;
+    res.pass = res.bit_identical && res.kv_identical && ref_ok && variants_ok && finite && all_stable;
 
     printf("\n%s, context %d (attention: %d split%s of <= %d rows), %d SMs, %d replays\n", S::kName, ctx, splits,
            splits > 1 ? "s" : "", split_rows, sms, iters);
@@ -1989,8 +2229,9 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     for (const auto &vr : res.variants)
         printf("  %-20s %12.2f %12.3f %13.1f%% %14.2f %12.3g\n", vr.name.c_str(), vr.us_token, vr.us_layer,
                100.0 * vr.frac_floor, vr.speedup, vr.ref_err_x);
-    for (int v = 3; v < kVariants; ++v)
+    for (int v = 3; v < kOAttn; ++v)
         if (!ran[v]) printf("  %s: not run (no cluster of %d fits)\n", names[v], kClusterOf[v]);
+    if (!ran[kOAttn]) printf("  o_attn, o_attn_gated: not run (the K/V rows do not fit in a block's shared memory)\n");
     printf("  checks: x bit-identical across variants %s; K/V row C identical %s; stable over replays %s; finite %s\n",
            res.bit_identical ? "yes" : "NO", res.kv_identical ? "yes" : "NO", all_stable ? "yes" : "NO",
            finite ? "yes" : "NO");
@@ -1999,7 +2240,9 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     if (do_trace && !can_trace) printf("  (no trace: more than %d blocks)\n", kTraceBlocks);
     if (!traces.empty())
         printf("  trace, us a layer (mean over layers 1..%d of one replay), per phase: hand-over + work\n", L - 1);
-    for (size_t v = 0; v < traces.size(); ++v) report_trace(res.variants[v], traces[v], L);
+    for (auto &tr : traces)
+        for (auto &vr : res.variants)
+            if (vr.name == names[tr.first]) report_trace(vr, tr.second, L);
     for (const auto &ft : fused_traces) report_fused_trace(names[ft.first], ft.second, L);
     printf("  %s\n", res.pass ? "PASS" : "FAIL");
 
