@@ -276,6 +276,16 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// RMSNorm's 1 / rms from a sum of n squares.
+__device__ __forceinline__ float inv_rms(float sum_sq, int n) {
+    return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, (float)n), kEps)));
+}
+// Rotate-half RoPE of element x (partner p = x[t +- HD/2]): x cos - p sin in the first half,
+// x cos + p sin in the second.
+__device__ __forceinline__ float rope_half(float x, float p, float c, float sn, bool first_half) {
+    return first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(p, sn)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(p, sn));
+}
+
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -490,7 +500,7 @@ __device__ __forceinline__ void norm_raw(const Gamma<N> &g, const float *raw, fl
     float ss = 0.f;
     for (int i = threadIdx.x % kWarpSize; i < N; i += kWarpSize) ss = __fmaf_rn(raw[i], raw[i], ss);
     ss = warp_sum(ss);
-    const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)N), kEps)));
+    const float inv = inv_rms(ss, N);
 #pragma unroll
     for (int k = 0; k < (N + kThreads - 1) / kThreads; ++k) {
         const int i = threadIdx.x + k * kThreads;
@@ -651,8 +661,8 @@ __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts 
         }
         sq = warp_sum(sq);
         sk = warp_sum(sk);
-        inv_q = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sq, (float)HD), kEps)));
-        inv_k = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sk, (float)HD), kEps)));
+        inv_q = inv_rms(sq, HD);
+        inv_k = inv_rms(sk, HD);
     }
     if (t < HD) {
         const int p = t < half ? t + half : t - half;
@@ -663,12 +673,8 @@ __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts 
             kt = __fmul_rn(__fmul_rn(kt, inv_k), r.kn_t);
             kp = __fmul_rn(__fmul_rn(kp, inv_k), r.kn_p);
         }
-        // rotate-half: y[t] = x[t] cos - x[t + half] sin (t < half), x[t] cos + x[t - half] sin
-        const float c = r.cos_t, sn = r.sin_t;
-        const float qr = t < half ? __fsub_rn(__fmul_rn(qt, c), __fmul_rn(qp, sn))
-                                  : __fadd_rn(__fmul_rn(qt, c), __fmul_rn(qp, sn));
-        const float kr = t < half ? __fsub_rn(__fmul_rn(kt, c), __fmul_rn(kp, sn))
-                                  : __fadd_rn(__fmul_rn(kt, c), __fmul_rn(kp, sn));
+        const float qr = rope_half(qt, qp, r.cos_t, r.sin_t, t < half);
+        const float kr = rope_half(kt, kp, r.cos_t, r.sin_t, t < half);
         sm.q[t] = qr;
         const uint16_t kb = to_bf(kr), vb = to_bf(v_t);
         sm.k_new[t] = kb;
@@ -1321,7 +1327,7 @@ __global__ void __launch_bounds__(kThreads) o_attn_kernel(const Model m, const A
             float ss = 0.f;
             for (int i = lane; i < HD; i += kWarpSize) ss = __fmaf_rn(raw[hh * HD + i], raw[hh * HD + i], ss);
             ss = warp_sum(ss);
-            if (lane == 0) inv_norm[hh] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)HD), kEps)));
+            if (lane == 0) inv_norm[hh] = inv_rms(ss, HD);
         }
         __syncthreads();
     }
@@ -1334,9 +1340,7 @@ __global__ void __launch_bounds__(kThreads) o_attn_kernel(const Model m, const A
             xt = __fmul_rn(__fmul_rn(xt, inv_norm[hh]), w[d]);
             xp = __fmul_rn(__fmul_rn(xp, inv_norm[hh]), w[p]);
         }
-        const float c = rc[d % half], sn = rs[d % half];
-        const float r = d < half ? __fsub_rn(__fmul_rn(xt, c), __fmul_rn(xp, sn))
-                                 : __fadd_rn(__fmul_rn(xt, c), __fmul_rn(xp, sn));
+        const float r = rope_half(xt, xp, rc[d % half], rs[d % half], d < half);
         if (hh < NH) {
             q[i] = r;
         } else {
@@ -1422,10 +1426,8 @@ __global__ void __launch_bounds__(kThreads) o_attn_kernel(const Model m, const A
         xs[i] = __fdiv_rn(acc, sums[i / HD]);
     }
     __syncthreads();
-    if (a.trace != nullptr) {
-        trace(a, l, 1, 1);
-        trace(a, l, 2, 0);
-    }
+    trace(a, l, 1, 1);
+    trace(a, l, 2, 0);
 
     // 6. the O rows
     gemv_tasks<S, kO>(pf, m, a, l, first, stride, lane, xs);
@@ -1516,7 +1518,7 @@ __global__ void __launch_bounds__(kThreads) calibration_gemv(const uint16_t *w, 
         float total = 0.f;
 #pragma unroll
         for (int k = 0; k < kWarps; ++k) total = __fadd_rn(total, red[k]);
-        inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)N), kEps)));
+        inv = inv_rms(total, N);
     }
     if (V == kGcNormWarp) norm_raw(ones, raw, xs);
     if (V == kGcNormBlock) {
@@ -1526,7 +1528,7 @@ __global__ void __launch_bounds__(kThreads) calibration_gemv(const uint16_t *w, 
         float total = 0.f;
 #pragma unroll
         for (int k = 0; k < kWarps; ++k) total = __fadd_rn(total, red[k]);
-        const float inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)N), kEps)));
+        const float inv = inv_rms(total, N);
         for (int i = threadIdx.x; i < N; i += kThreads) xs[i] = __fmul_rn(xs[i], inv);
         __syncthreads();
     }
@@ -2030,11 +2032,16 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        if (v == 0) {
+        if (v == 0 || v == kOAttn || v == kOAttnGated) {   // a kernel a phase (o_attn: attention in O)
             for (int l = 0; l < L; ++l) {
                 launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
-                launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
-                launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
+                if (v == 0) {
+                    launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
+                    launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
+                } else {
+                    if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
+                    launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
+                }
                 launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
                 launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
             }
@@ -2042,14 +2049,6 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
         } else if (v == 2) {
             launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
-        } else if (v == kOAttn || v == kOAttnGated) {
-            for (int l = 0; l < L; ++l) {
-                launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
-                if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
-                launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
-                launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
-                launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
-            }
         } else {   // the clustered body, clusters of kClusterOf[v]
             auto clustered = [&](auto cs_tag) {
                 constexpr int CS = decltype(cs_tag)::value;
