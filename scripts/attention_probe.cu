@@ -1,0 +1,934 @@
+// attention_probe.cu — how fast can one decode step's attention read a long int8 KV cache on one
+// GPU, and what holds a kernel below that: the way its rows reach the multiprocessor (each warp
+// loading its next tile into registers, with an L2 prefetch some tiles ahead; or the block's
+// pages copied into a ring of shared-memory stages by the bulk-copy engine), or the fold (scores,
+// online softmax, weighted V on the CUDA cores) for a group of 2, 4 or 8 query heads a KV head?
+// Standalone experiment, not part of the library.
+//
+//   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/attention_probe scripts/attention_probe.cu
+//   run:   /tmp/attention_probe                               (every shape, contexts 4096, 32768)
+//          /tmp/attention_probe --shape qwen3-0.6b --context 32768 --iters 20 --json /tmp/a.json
+//
+// Shapes (head dim 128, int8 K/V with one fp32 scale a row, as the library's int8 cache):
+//   qwen3-0.6b      16 query heads,  8 KV heads (group 2), 28 layers
+//   qwen3-8b        32 query heads,  8 KV heads (group 4), 36 layers
+//   qwen3-30b-a3b   32 query heads,  4 KV heads (group 8), 48 layers
+// The cache is paged as the library's: pages of 64 rows; layer l's pool holds, per block, the K
+// page [n_kv][64][128] int8, the V page, and the scale pages [n_kv][64] fp32; row t of a sequence
+// lies in block table[t / 64], and the table is a fixed random permutation of the pool's blocks.
+// Codes uniform in -127..127, scales uniform in (0.005, 0.02], q uniform in +-1 (per layer).
+// What a step reads: C rows of every layer (context C, the new row not modelled), K, V and their
+// scales; the token's time is that of a graph of one kernel a layer, `layers` kernels in a row.
+//
+// Work split, every variant: grid (n_kv * head_groups, B), 256 threads; a head group is the HG
+// query heads of a KV head that one block folds (HG = min(group, 4): the fold keeps o[HG][16] in
+// a lane's registers; the 30B-A3B shape reads each row twice, once per group of 4, as the library
+// does on the CUDA cores); B = blocks a head group, one wave (SM count x resident blocks an SM,
+// over n_kv * head_groups). Block b takes the contiguous rows [b R, (b + 1) R), R = ceil(C / B)
+// rounded up to 128, in steps of 128 rows (two pages): warp w folds rows 16 w .. 16 w + 15 of a
+// step, lane l holds 16 bytes (16 dims) of rows r = 4 s + l / 8 (slot s = 0..3, row group l / 8)
+// of its 16. Each block writes its (m, l, o) per head; the last block of a head group (a counter)
+// combines them in block order.
+//
+// Variants:
+//   regs-dD     the library's data path: a warp's tiles in registers, the next tile's loads in
+//               flight while it folds the current one, and an L2 prefetch (prefetch.global.L2,
+//               one 128-byte line a lane) of the tile D steps ahead (the library: D = 2). The
+//               block-table entry of that tile is read one step before its prefetch.
+//   bulk-sS     the block's steps through S shared-memory stages (33 KB each: two pages of K and
+//               of V and their scales): thread 0 waits for the whole block to leave a stage
+//               (__syncthreads), then refills it with eight cp.async.bulk copies completing on the
+//               stage's mbarrier; every warp waits on that mbarrier, then reads its rows from
+//               shared memory. S steps of the block (S x 33 KB) are in flight.
+//   ...-stream  the same data path without the fold: each lane xors the words it receives (and
+//               the scales' bits) into one register, written out at the end. It bounds what the
+//               data path alone can reach.
+//
+// Fold (every -fold variant, the same code): scores with fp32 fma over a lane's 16 dims, a
+// butterfly over a row's 8 lanes, times the row's k scale (q is pre-scaled by log2(e) / sqrt(128),
+// so the softmax is exp2); per tile of 16 rows a warp's running max, rescaled when it grows; p =
+// exp2(score - m); o[j][d] += (p v_scale) v[d]; the decode of 4 codes: a byte permute into the
+// mantissa of 2^23 and one subtraction each (exact). Warps combine through shared memory.
+//
+// What it prints: per shape and context, the D2D copy bandwidth (1 GiB cudaMemcpyAsync, bytes
+// read + written) and per variant: µs a token (all layers), µs a layer, the cache's read rate
+// (bytes read / time) and that rate over the copy bandwidth. Checks: every fold variant against a
+// CPU reference (fp64, layers 0 and L-1, every head) within a relative L2 error of 1e-4, and the
+// stream variants of a data path against each other (the same xor); PASS / FAIL, exit code 1 on
+// any failure.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        const cudaError_t err_ = (call);                                                           \
+        if (err_ != cudaSuccess) {                                                                 \
+            fprintf(stderr, "CUDA error: %s\n  at %s:%d: %s\n", #call, __FILE__, __LINE__,         \
+                    cudaGetErrorString(err_));                                                     \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kHd = 128;                       // head dim (bytes a row)
+constexpr int kPage = 64;                      // rows a page
+constexpr int kStepRows = 128;                 // rows a block step: 8 warps x 16
+constexpr int kTileRows = 16;                  // rows a warp a step
+constexpr int kSlots = 4;                      // rows a lane a tile (4 row groups of 8 lanes)
+constexpr int kLaneDims = 16;                  // dims a lane: 16 bytes of a row
+constexpr int kMaxHg = 4;                      // heads a block folds
+constexpr int kMaxStages = 6;
+// One stage: K [128][128], V [128][128] int8, K scales [128], V scales [128] fp32.
+constexpr int kStageK = 0, kStageV = kStepRows * kHd, kStageKs = 2 * kStepRows * kHd,
+              kStageVs = kStageKs + 4 * kStepRows, kStageBytes = kStageVs + 4 * kStepRows;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Shape {
+    const char *name;
+    int n_heads, n_kv, layers;
+};
+const Shape kShapes[] = {{"qwen3-0.6b", 16, 8, 28}, {"qwen3-8b", 32, 8, 36}, {"qwen3-30b-a3b", 32, 4, 48}};
+
+// Layer l's cache and step (device pointers).
+struct Layer {
+    const int8_t *k, *v;           // [n_blocks][n_kv][kPage][kHd]
+    const float *ks, *vs;          // [n_blocks][n_kv][kPage]
+    const float *q;                // [n_heads][kHd], pre-scaled by log2(e) / sqrt(kHd)
+};
+struct Args {
+    Layer layer;
+    const int32_t *table;          // [ceil(C / kPage)]
+    int n_kv, n_heads, hg, head_groups, ctx, rows_per_block, n_blocks_grid;
+    float *part_o;                 // [n_heads][B][kHd]
+    float *part_ml;                // [n_heads][B][2]
+    float *out;                    // [n_heads][kHd]
+    unsigned *counters;            // [n_kv * head_groups], zero between launches
+    unsigned *sink;                // stream variants: [grid] xor of what a block read
+    int prefetch;                  // regs: tiles ahead of the folded one (0: none)
+    int stages;                    // bulk: stages in flight
+};
+
+// ---- small device helpers -------------------------------------------------------------------
+__device__ __forceinline__ uint4 load_row_chunk(const void *p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, unsigned parity) {
+    unsigned ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// Code i (0..3) of a word of int8 codes, exactly, as fp32: the byte (biased by 128) goes into
+// the low mantissa of 2^23, then 2^23 + 128 is taken off.
+__device__ __forceinline__ float code(uint32_t biased, int i) {
+    return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7540u + i)) - 8388736.f;
+}
+
+// ---- the fold --------------------------------------------------------------------------------
+// A warp's running softmax for HG heads: m is warp-uniform; l and o sum this lane's rows (its row
+// group's), and are summed over the four row groups at the end.
+template <int HG>
+struct State {
+    float m[HG], l[HG], o[HG][kLaneDims];
+};
+template <int HG>
+__device__ __forceinline__ void state_init(State<HG> &st) {
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+        st.m[j] = -INFINITY;
+        st.l[j] = 0.f;
+#pragma unroll
+        for (int e = 0; e < kLaneDims; ++e) st.o[j][e] = 0.f;
+    }
+}
+
+// Fold one tile: slot s holds 16 bytes of row (tile row 4 s + lane / 8) of K and of V and the
+// row's scales; valid[s]: the row is < C. q_s: [HG][kHd] in shared memory.
+template <int HG>
+__device__ __forceinline__ void fold_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
+                                          const float (&ks)[kSlots], const float (&vs)[kSlots],
+                                          const bool (&valid)[kSlots], const float *q_s, int lane_in_row,
+                                          State<HG> &st) {
+    const int d0 = lane_in_row * kLaneDims;
+    float sc[kSlots][HG];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int j = 0; j < HG; ++j) sc[s][j] = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        float4 qv[HG];
+#pragma unroll
+        for (int j = 0; j < HG; ++j) qv[j] = *reinterpret_cast<const float4 *>(q_s + j * kHd + d0 + 4 * w);
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+            const uint32_t word = (w == 0 ? k[s].x : w == 1 ? k[s].y : w == 2 ? k[s].z : k[s].w) ^ 0x80808080u;
+            const float c0 = code(word, 0), c1 = code(word, 1), c2 = code(word, 2), c3 = code(word, 3);
+#pragma unroll
+            for (int j = 0; j < HG; ++j) {
+                float a = sc[s][j];
+                a = fmaf(qv[j].x, c0, a);
+                a = fmaf(qv[j].y, c1, a);
+                a = fmaf(qv[j].z, c2, a);
+                a = fmaf(qv[j].w, c3, a);
+                sc[s][j] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1)
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+            for (int j = 0; j < HG; ++j) sc[s][j] += __shfl_xor_sync(0xffffffffu, sc[s][j], off);
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int j = 0; j < HG; ++j) sc[s][j] = valid[s] ? sc[s][j] * ks[s] : -INFINITY;
+
+    float wgt[kSlots][HG];
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+        float tmax = sc[0][j];
+#pragma unroll
+        for (int s = 1; s < kSlots; ++s) tmax = fmaxf(tmax, sc[s][j]);
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+        const float m_new = fmaxf(st.m[j], tmax);
+        if (m_new > st.m[j]) {  // warp-uniform; never taken while every row so far is masked
+            const float f = exp2f(st.m[j] - m_new);
+            st.l[j] *= f;
+#pragma unroll
+            for (int e = 0; e < kLaneDims; ++e) st.o[j][e] *= f;
+            st.m[j] = m_new;
+        }
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+            const float p = valid[s] ? exp2f(sc[s][j] - st.m[j]) : 0.f;
+            st.l[j] += p;
+            wgt[s][j] = p * vs[s];
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const uint32_t word = (w == 0 ? v[s].x : w == 1 ? v[s].y : w == 2 ? v[s].z : v[s].w) ^ 0x80808080u;
+            const float c0 = code(word, 0), c1 = code(word, 1), c2 = code(word, 2), c3 = code(word, 3);
+#pragma unroll
+            for (int j = 0; j < HG; ++j) {
+                st.o[j][4 * w + 0] = fmaf(wgt[s][j], c0, st.o[j][4 * w + 0]);
+                st.o[j][4 * w + 1] = fmaf(wgt[s][j], c1, st.o[j][4 * w + 1]);
+                st.o[j][4 * w + 2] = fmaf(wgt[s][j], c2, st.o[j][4 * w + 2]);
+                st.o[j][4 * w + 3] = fmaf(wgt[s][j], c3, st.o[j][4 * w + 3]);
+            }
+        }
+    }
+}
+
+// The stream variants' stand-in for the fold: every word and scale of the rows before the
+// block's end, xored (so both data paths give the same xor a head group).
+__device__ __forceinline__ void consume_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
+                                             const float (&ks)[kSlots], const float (&vs)[kSlots],
+                                             const bool (&valid)[kSlots], unsigned &acc) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+        if (valid[s])
+            acc ^= k[s].x ^ k[s].y ^ k[s].z ^ k[s].w ^ v[s].x ^ v[s].y ^ v[s].z ^ v[s].w ^
+                   __float_as_uint(ks[s]) ^ __float_as_uint(vs[s]);
+}
+template <int HG, bool FOLD>
+__device__ __forceinline__ void use_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
+                                         const float (&ks)[kSlots], const float (&vs)[kSlots],
+                                         const bool (&valid)[kSlots], const float *q_s, int lane_in_row,
+                                         State<HG> &st, unsigned &acc) {
+    if constexpr (FOLD) fold_tile<HG>(k, v, ks, vs, valid, q_s, lane_in_row, st);
+    else consume_tile(k, v, ks, vs, valid, acc);
+}
+
+// ---- the block's end: warps -> block partial -> the last block's combine ----------------------
+// Shared memory after the stages: q_s [HG][kHd], o_s [warps][HG][kHd], m_s, l_s [warps][HG].
+template <int HG>
+__device__ void finish(const Args &a, State<HG> &st, float *o_s, float *m_s, float *l_s, int kv, int grp, int b,
+                       int n_active) {
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int lane_in_row = lane % 8;
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+#pragma unroll
+        for (int off = 8; off < kWarpSize; off <<= 1) {
+            st.l[j] += __shfl_xor_sync(0xffffffffu, st.l[j], off);
+#pragma unroll
+            for (int e = 0; e < kLaneDims; ++e) st.o[j][e] += __shfl_xor_sync(0xffffffffu, st.o[j][e], off);
+        }
+        if (lane < 8) {
+#pragma unroll
+            for (int e = 0; e < kLaneDims; ++e) o_s[(warp * HG + j) * kHd + lane_in_row * kLaneDims + e] = st.o[j][e];
+        }
+        if (lane == 0) {
+            m_s[warp * HG + j] = st.m[j];
+            l_s[warp * HG + j] = st.l[j];
+        }
+    }
+    __syncthreads();
+    const int B = a.n_blocks_grid;
+    const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) {
+        const int j = i / kHd, d = i % kHd;
+        float m = -INFINITY;
+        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, m_s[w * HG + j]);
+        float l = 0.f, o = 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+            const float f = m_s[w * HG + j] == -INFINITY ? 0.f : exp2f(m_s[w * HG + j] - m);
+            l += f * l_s[w * HG + j];
+            o += f * o_s[(w * HG + j) * kHd + d];
+        }
+        const size_t slot = (size_t)(head0 + j) * B + b;
+        a.part_o[slot * kHd + d] = o;
+        if (d == 0) {
+            a.part_ml[slot * 2] = m;
+            a.part_ml[slot * 2 + 1] = l;
+        }
+    }
+    __shared__ unsigned last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned *c = a.counters + kv * a.head_groups + grp;
+        last = atomicAdd(c, 1u) == (unsigned)n_active - 1;
+        if (last) *c = 0u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) {
+        const int j = i / kHd, d = i % kHd;
+        const size_t base = (size_t)(head0 + j) * B;
+        float m = -INFINITY;
+        for (int bb = 0; bb < n_active; ++bb) m = fmaxf(m, __ldcg(a.part_ml + (base + bb) * 2));
+        float l = 0.f, o = 0.f;
+        for (int bb = 0; bb < n_active; ++bb) {
+            const float mb = __ldcg(a.part_ml + (base + bb) * 2);
+            const float f = mb == -INFINITY ? 0.f : exp2f(mb - m);
+            l += f * __ldcg(a.part_ml + (base + bb) * 2 + 1);
+            o += f * __ldcg(a.part_o + (base + bb) * kHd + d);
+        }
+        a.out[(size_t)(head0 + j) * kHd + d] = o / l;
+    }
+}
+
+// ---- data path 1: tiles in registers, L2 prefetch D tiles ahead ------------------------------
+// Where tile i of this warp lies: row0 = start + i * 128 + 16 w; the whole tile is in one page.
+struct TileAt {
+    int row0;   // -1: none
+    int block;  // pool block of its page
+};
+__device__ __forceinline__ TileAt tile_at(const Args &a, int start, int end, int i, int warp) {
+    TileAt t;
+    t.row0 = start + i * kStepRows + warp * kTileRows;
+    if (t.row0 >= end) {
+        t.row0 = -1;
+        t.block = 0;
+    } else {
+        t.block = __ldg(a.table + t.row0 / kPage);
+    }
+    return t;
+}
+__device__ __forceinline__ void load_tile_regs(const Args &a, const TileAt &t, int kv, int lane, uint4 (&k)[kSlots],
+                                               uint4 (&v)[kSlots], float (&ks)[kSlots], float (&vs)[kSlots]) {
+    const int row_group = lane / 8, lane_in_row = lane % 8;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+        if (t.row0 < 0) {
+            k[s] = v[s] = make_uint4(0u, 0u, 0u, 0u);
+            ks[s] = vs[s] = 0.f;
+            continue;
+        }
+        const int in_page = t.row0 % kPage + 4 * s + row_group;
+        const size_t row = ((size_t)t.block * a.n_kv + kv) * kPage + in_page;
+        k[s] = load_row_chunk(a.layer.k + row * kHd + lane_in_row * 16);
+        v[s] = load_row_chunk(a.layer.v + row * kHd + lane_in_row * 16);
+        ks[s] = __ldg(a.layer.ks + row);
+        vs[s] = __ldg(a.layer.vs + row);
+    }
+}
+// One 128-byte line a lane: lanes 0-15 the tile's K (16 rows x 128 bytes, contiguous in its
+// page), lanes 16-31 its V.
+__device__ __forceinline__ void prefetch_tile(const Args &a, const TileAt &t, int kv, int lane) {
+    if (t.row0 < 0) return;
+    const size_t row = ((size_t)t.block * a.n_kv + kv) * kPage + t.row0 % kPage + lane % 16;
+    prefetch_l2((lane < 16 ? a.layer.k : a.layer.v) + row * kHd);
+}
+
+template <int HG, bool FOLD>
+__global__ void __launch_bounds__(kThreads, 1) attn_regs_kernel(Args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *q_s = reinterpret_cast<float *>(smem);
+    float *o_s = q_s + HG * kHd;
+    float *m_s = o_s + kWarps * HG * kHd;
+    float *l_s = m_s + kWarps * HG;
+    const int kv = blockIdx.x / a.head_groups, grp = blockIdx.x % a.head_groups, b = blockIdx.y;
+    const int start = b * a.rows_per_block;
+    const int n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
+    if (start >= a.ctx) return;
+    const int end = min(a.ctx, start + a.rows_per_block);
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) q_s[i] = a.layer.q[(size_t)head0 * kHd + i];
+    __syncthreads();
+
+    State<HG> st;
+    state_init(st);
+    unsigned acc = 0u;
+    uint4 k[kSlots], v[kSlots];
+    float ks[kSlots], vs[kSlots];
+    TileAt cur = tile_at(a, start, end, 0, warp);
+    load_tile_regs(a, cur, kv, lane, k, v, ks, vs);
+    TileAt nxt = tile_at(a, start, end, 1, warp);
+    // The prefetch pipeline: tiles 1 .. D - 1 now; at step i, tile i + D (located at step i - 1).
+    TileAt far = tile_at(a, start, end, a.prefetch, warp);
+    for (int i = 1; i < a.prefetch; ++i) prefetch_tile(a, tile_at(a, start, end, i, warp), kv, lane);
+    for (int i = 0; cur.row0 >= 0; ++i) {
+        uint4 k2[kSlots], v2[kSlots];
+        float ks2[kSlots], vs2[kSlots];
+        load_tile_regs(a, nxt, kv, lane, k2, v2, ks2, vs2);
+        if (a.prefetch > 0) {
+            prefetch_tile(a, far, kv, lane);
+            far = tile_at(a, start, end, i + 1 + a.prefetch, warp);
+        }
+        const TileAt after = tile_at(a, start, end, i + 2, warp);
+        bool valid[kSlots];
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) valid[s] = cur.row0 + 4 * s + lane / 8 < end;
+        use_tile<HG, FOLD>(k, v, ks, vs, valid, q_s, lane % 8, st, acc);
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+            k[s] = k2[s];
+            v[s] = v2[s];
+            ks[s] = ks2[s];
+            vs[s] = vs2[s];
+        }
+        cur = nxt;
+        nxt = after;
+    }
+    if constexpr (FOLD) {
+        finish<HG>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
+    } else {
+        acc = __reduce_xor_sync(0xffffffffu, acc);
+        if (lane == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
+    }
+}
+
+// ---- data path 2: the block's steps through S shared-memory stages, filled by bulk copies -----
+// Step t of the block: rows start + 128 t .. + 127 (two pages; start is a multiple of 128).
+__device__ __forceinline__ void issue_step(const Args &a, unsigned char *stage, uint64_t *bar, int start, int end,
+                                           int t, int kv) {
+    const int row0 = start + t * kStepRows;
+    if (row0 >= end) return;
+    mbar_expect_tx(bar, 2u * (2 * kPage * kHd + 2 * kPage * 4));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        // A page past the context is still copied (the table holds every page of the capacity):
+        // its rows are masked in the fold.
+        const int page = row0 / kPage + h;
+        const size_t blk = (size_t)__ldg(a.table + page);
+        const size_t row = (blk * a.n_kv + kv) * kPage;
+        bulk_copy(stage + kStageK + h * kPage * kHd, a.layer.k + row * kHd, kPage * kHd, bar);
+        bulk_copy(stage + kStageV + h * kPage * kHd, a.layer.v + row * kHd, kPage * kHd, bar);
+        bulk_copy(stage + kStageKs + h * kPage * 4, a.layer.ks + row, kPage * 4, bar);
+        bulk_copy(stage + kStageVs + h * kPage * 4, a.layer.vs + row, kPage * 4, bar);
+    }
+}
+
+template <int HG, bool FOLD, int PER_SM>
+__global__ void __launch_bounds__(kThreads, PER_SM) attn_bulk_kernel(Args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[kMaxStages];
+    unsigned char *stages = smem;
+    float *q_s = reinterpret_cast<float *>(smem + (size_t)a.stages * kStageBytes);
+    float *o_s = q_s + HG * kHd;
+    float *m_s = o_s + kWarps * HG * kHd;
+    float *l_s = m_s + kWarps * HG;
+    const int kv = blockIdx.x / a.head_groups, grp = blockIdx.x % a.head_groups, b = blockIdx.y;
+    const int start = b * a.rows_per_block;
+    const int n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
+    if (start >= a.ctx) return;
+    const int end = min(a.ctx, start + a.rows_per_block);
+    const int n_steps = (end - start + kStepRows - 1) / kStepRows;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < a.stages; ++s) mbar_init(&full[s], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int t = 0; t < a.stages; ++t) issue_step(a, stages + (size_t)t * kStageBytes, &full[t], start, end, t, kv);
+    }
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) q_s[i] = a.layer.q[(size_t)head0 * kHd + i];
+    __syncthreads();
+
+    State<HG> st;
+    state_init(st);
+    unsigned acc = 0u;
+    const int row_group = lane / 8, lane_in_row = lane % 8;
+    for (int t = 0; t < n_steps; ++t) {
+        const int slot = t % a.stages;
+        const unsigned parity = (unsigned)(t / a.stages) & 1u;
+        while (!mbar_try_wait(&full[slot], parity)) {
+        }
+        const unsigned char *stage = stages + (size_t)slot * kStageBytes;
+        uint4 k[kSlots], v[kSlots];
+        float ks[kSlots], vs[kSlots];
+        bool valid[kSlots];
+        const int row0 = start + t * kStepRows + warp * kTileRows;
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+            const int r = warp * kTileRows + 4 * s + row_group;  // row within the step
+            k[s] = *reinterpret_cast<const uint4 *>(stage + kStageK + r * kHd + lane_in_row * 16);
+            v[s] = *reinterpret_cast<const uint4 *>(stage + kStageV + r * kHd + lane_in_row * 16);
+            ks[s] = reinterpret_cast<const float *>(stage + kStageKs)[r];
+            vs[s] = reinterpret_cast<const float *>(stage + kStageVs)[r];
+            valid[s] = row0 + 4 * s + row_group < end;
+        }
+        use_tile<HG, FOLD>(k, v, ks, vs, valid, q_s, lane_in_row, st, acc);
+        __syncthreads();  // every warp is done with this stage
+        if (threadIdx.x == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue_step(a, stages + (size_t)slot * kStageBytes, &full[slot], start, end, t + a.stages, kv);
+        }
+    }
+    if constexpr (FOLD) {
+        finish<HG>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
+    } else {
+        acc = __reduce_xor_sync(0xffffffffu, acc);
+        if (lane == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
+    }
+}
+
+// ---- host -------------------------------------------------------------------------------------
+enum Path { kRegs, kBulk };
+struct Variant {
+    Path path;
+    bool fold;
+    int param;   // regs: prefetch distance; bulk: stages
+    int per_sm;  // blocks an SM the grid is sized for (B = per_sm x SMs / head groups)
+    std::string name() const {
+        char buf[64];
+        snprintf(buf, sizeof buf, "%s-%c%d-%s%s", path == kRegs ? "regs" : "bulk", path == kRegs ? 'd' : 's', param,
+                 fold ? "fold" : "stream", per_sm > 1 ? "-x2" : "");
+        return buf;
+    }
+};
+constexpr int kMaxPerSm = 2;
+
+using Kernel = void (*)(Args);
+Kernel kernel_for(const Variant &v, int hg) {
+    if (v.path == kRegs) {
+        if (!v.fold) return attn_regs_kernel<1, false>;
+        return hg == 1 ? attn_regs_kernel<1, true> : hg == 2 ? attn_regs_kernel<2, true> : attn_regs_kernel<4, true>;
+    }
+    if (v.per_sm > 1) {
+        if (!v.fold) return attn_bulk_kernel<1, false, 2>;
+        return hg == 1 ? attn_bulk_kernel<1, true, 2> : hg == 2 ? attn_bulk_kernel<2, true, 2> : attn_bulk_kernel<4, true, 2>;
+    }
+    if (!v.fold) return attn_bulk_kernel<1, false, 1>;
+    return hg == 1 ? attn_bulk_kernel<1, true, 1> : hg == 2 ? attn_bulk_kernel<2, true, 1> : attn_bulk_kernel<4, true, 1>;
+}
+size_t smem_for(const Variant &v, int hg) {
+    const size_t tail = (size_t)(hg * kHd + kWarps * hg * kHd + 2 * kWarps * hg) * 4;
+    return (v.path == kBulk ? (size_t)v.param * kStageBytes : 0) + tail;
+}
+
+__host__ __device__ uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+// Codes uniform in -127..127 and scales uniform in (0.005, 0.02], from a hash of the index.
+__global__ void fill_codes(int8_t *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = (int8_t)((int)(mix(i + seed * 0x100000001B3ull) % 255u) - 127);
+}
+__global__ void fill_scales(float *p, size_t n, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = 0.005f + 0.015f * (float)((mix(i + seed * 0x100000001B3ull) >> 40) + 1) / (float)(1ull << 24);
+}
+
+template <class F>
+float elapsed_ms(cudaStream_t s, F f) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    CK(cudaEventRecord(a, s));
+    f();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return ms;
+}
+
+double copy_bandwidth() {
+    const size_t bytes = 1ull << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    CK(cudaMemset(src, 1, bytes));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    const int reps = 5;
+    const float ms = elapsed_ms(0, [&] {
+        for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    });
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+    return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+struct Result {
+    std::string shape, variant;
+    int ctx;
+    double us_token, us_layer, rate, frac, err;
+    bool ok;
+};
+
+// The reference for one layer: fp64 over the int8 codes as stored.
+void reference(const Shape &sh, int ctx, const std::vector<int8_t> &k, const std::vector<int8_t> &v,
+               const std::vector<float> &ks, const std::vector<float> &vs, const std::vector<float> &q,
+               const std::vector<int32_t> &table, std::vector<double> &out) {
+    const int group = sh.n_heads / sh.n_kv;
+    out.assign((size_t)sh.n_heads * kHd, 0.0);
+    std::vector<double> score(ctx);
+    for (int h = 0; h < sh.n_heads; ++h) {
+        const int kv = h / group;
+        double m = -INFINITY;
+        for (int t = 0; t < ctx; ++t) {
+            const size_t row = ((size_t)table[t / kPage] * sh.n_kv + kv) * kPage + t % kPage;
+            double s = 0.0;
+            for (int d = 0; d < kHd; ++d) s += (double)q[(size_t)h * kHd + d] * k[row * kHd + d];
+            score[t] = s * ks[row];  // q carries log2(e) / sqrt(hd): the softmax is base 2
+            m = std::max(m, score[t]);
+        }
+        double l = 0.0;
+        for (int t = 0; t < ctx; ++t) {
+            const size_t row = ((size_t)table[t / kPage] * sh.n_kv + kv) * kPage + t % kPage;
+            const double p = std::exp2(score[t] - m);
+            l += p;
+            for (int d = 0; d < kHd; ++d) out[(size_t)h * kHd + d] += p * vs[row] * v[row * kHd + d];
+        }
+        for (int d = 0; d < kHd; ++d) out[(size_t)h * kHd + d] /= l;
+    }
+}
+
+template <class T>
+std::vector<T> to_host(const T *p, size_t n) {
+    std::vector<T> h(n);
+    CK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector<Variant> &variants, int sms,
+               std::vector<Result> &results, bool &all_ok) {
+    const int group = sh.n_heads / sh.n_kv;
+    const int hg = std::min(group, kMaxHg);
+    const int head_groups = group / hg;
+    const int pages = (ctx + kStepRows - 1) / kStepRows * kStepRows / kPage;  // whole steps
+    // The pool: its pages and a spare block per 64, so the table is not the identity's neighbour.
+    const int n_blocks = pages + pages / 64 + 1;
+    const size_t kv_bytes = (size_t)n_blocks * sh.n_kv * kPage * kHd;
+    const size_t sc_count = (size_t)n_blocks * sh.n_kv * kPage;
+    int8_t *k_all, *v_all;
+    float *ks_all, *vs_all, *q_all;
+    CK(cudaMalloc(&k_all, kv_bytes * sh.layers));
+    CK(cudaMalloc(&v_all, kv_bytes * sh.layers));
+    CK(cudaMalloc(&ks_all, sc_count * 4 * sh.layers));
+    CK(cudaMalloc(&vs_all, sc_count * 4 * sh.layers));
+    CK(cudaMalloc(&q_all, (size_t)sh.n_heads * kHd * 4 * sh.layers));
+    fill_codes<<<1024, 256>>>(k_all, kv_bytes * sh.layers, 1);
+    fill_codes<<<1024, 256>>>(v_all, kv_bytes * sh.layers, 2);
+    fill_scales<<<1024, 256>>>(ks_all, sc_count * sh.layers, 3);
+    fill_scales<<<1024, 256>>>(vs_all, sc_count * sh.layers, 4);
+    CK(cudaGetLastError());
+    std::vector<float> q_host((size_t)sh.n_heads * kHd * sh.layers);
+    const float qscale = kLog2e / std::sqrt((float)kHd);
+    for (size_t i = 0; i < q_host.size(); ++i)
+        q_host[i] = qscale * (2.f * (float)(mix(i + 77) >> 40) / (float)(1ull << 24) - 1.f);
+    CK(cudaMemcpy(q_all, q_host.data(), q_host.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> table(pages);
+    {
+        std::vector<int32_t> perm(n_blocks);
+        for (int i = 0; i < n_blocks; ++i) perm[i] = i;
+        for (int i = n_blocks - 1; i > 0; --i) std::swap(perm[i], perm[mix(i) % (uint64_t)(i + 1)]);
+        for (int i = 0; i < pages; ++i) table[i] = perm[i];
+    }
+    int32_t *table_d;
+    CK(cudaMalloc(&table_d, pages * 4));
+    CK(cudaMemcpy(table_d, table.data(), pages * 4, cudaMemcpyHostToDevice));
+
+    // B, the blocks a head group, is the variant's (one wave); buffers are sized for the most.
+    const int max_bpkv = std::max(1, kMaxPerSm * sms / (sh.n_kv * head_groups));
+    float *part_o, *part_ml, *out;
+    unsigned *counters, *sink;
+    CK(cudaMalloc(&part_o, (size_t)sh.n_heads * max_bpkv * kHd * 4 * sh.layers));
+    CK(cudaMalloc(&part_ml, (size_t)sh.n_heads * max_bpkv * 2 * 4 * sh.layers));
+    CK(cudaMalloc(&out, (size_t)sh.n_heads * kHd * 4 * sh.layers));
+    CK(cudaMalloc(&counters, (size_t)sh.n_kv * head_groups * 4 * sh.layers));
+    CK(cudaMemset(counters, 0, (size_t)sh.n_kv * head_groups * 4 * sh.layers));
+    const size_t sink_n = (size_t)sh.n_kv * head_groups * max_bpkv;
+    CK(cudaMalloc(&sink, sink_n * 4 * sh.layers));
+
+    // Bytes a token reads: C rows of K and V and their two scales, every KV head, every layer
+    // (the 30B-A3B shape's second head group reads its rows again; not counted: from L2 or not,
+    // they are not bytes the step needs).
+    const double bytes = (double)ctx * sh.n_kv * (2.0 * kHd + 8.0) * sh.layers;
+    std::vector<std::vector<double>> ref(2);
+    const int ref_layers[2] = {0, sh.layers - 1};
+    for (int r = 0; r < 2; ++r) {
+        const int l = ref_layers[r];
+        const auto k = to_host(k_all + kv_bytes * l, kv_bytes);
+        const auto v = to_host(v_all + kv_bytes * l, kv_bytes);
+        const auto ks = to_host(ks_all + sc_count * l, sc_count);
+        const auto vs = to_host(vs_all + sc_count * l, sc_count);
+        const std::vector<float> q(q_host.begin() + (size_t)sh.n_heads * kHd * l,
+                                   q_host.begin() + (size_t)sh.n_heads * kHd * (l + 1));
+        reference(sh, ctx, k, v, ks, vs, q, table, ref[r]);
+    }
+
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::vector<unsigned> stream_sink;  // the first stream variant's xor, per layer and block
+    printf("\n%s, context %d: %.1f MB of cache a token (%.2f MB a layer), head groups %d x %d heads, "
+           "B = %d blocks a head group (x2: %d)\n",
+           sh.name, ctx, bytes / 1e6, bytes / 1e6 / sh.layers, head_groups, hg, sms / (sh.n_kv * head_groups),
+           2 * sms / (sh.n_kv * head_groups));
+    printf("  %-18s %10s %10s %10s %8s %10s  %s\n", "variant", "us/token", "us/layer", "GB/s", "of copy", "rel. L2",
+           "check");
+    for (const Variant &var : variants) {
+        const Kernel kernel = kernel_for(var, hg);
+        const size_t smem = smem_for(var, hg);
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+        if (per_sm < var.per_sm) {
+            printf("  %-18s %d blocks do not fit an SM (%zu B of shared memory a block)\n", var.name().c_str(),
+                   var.per_sm, smem);
+            continue;
+        }
+        const int bpkv = std::max(1, var.per_sm * sms / (sh.n_kv * head_groups));
+        const int rows_per_block = ((ctx + bpkv - 1) / bpkv + kStepRows - 1) / kStepRows * kStepRows;
+        CK(cudaMemset(sink, 0, sink_n * 4 * sh.layers));
+        auto enqueue = [&](cudaStream_t s) {
+            for (int l = 0; l < sh.layers; ++l) {
+                Args a{};
+                a.layer.k = k_all + kv_bytes * l;
+                a.layer.v = v_all + kv_bytes * l;
+                a.layer.ks = ks_all + sc_count * l;
+                a.layer.vs = vs_all + sc_count * l;
+                a.layer.q = q_all + (size_t)sh.n_heads * kHd * l;
+                a.table = table_d;
+                a.n_kv = sh.n_kv;
+                a.n_heads = sh.n_heads;
+                a.hg = hg;
+                a.head_groups = head_groups;
+                a.ctx = ctx;
+                a.rows_per_block = rows_per_block;
+                a.n_blocks_grid = bpkv;
+                a.part_o = part_o + (size_t)sh.n_heads * max_bpkv * kHd * l;
+                a.part_ml = part_ml + (size_t)sh.n_heads * max_bpkv * 2 * l;
+                a.out = out + (size_t)sh.n_heads * kHd * l;
+                a.counters = counters + (size_t)sh.n_kv * head_groups * l;
+                a.sink = sink + sink_n * l;
+                a.prefetch = var.path == kRegs ? var.param : 0;
+                a.stages = var.path == kBulk ? var.param : 0;
+                kernel<<<dim3(sh.n_kv * head_groups, bpkv), kThreads, smem, s>>>(a);
+            }
+        };
+        CK(cudaMemset(out, 0, (size_t)sh.n_heads * kHd * 4 * sh.layers));
+        enqueue(stream);  // once outside the graph: the checks' run
+        CK(cudaStreamSynchronize(stream));
+        CK(cudaGetLastError());
+        Result res{sh.name, var.name(), ctx, 0, 0, 0, 0, 0, true};
+        if (var.fold) {
+            double worst = 0.0;
+            for (int r = 0; r < 2; ++r) {
+                const auto got = to_host(out + (size_t)sh.n_heads * kHd * ref_layers[r], (size_t)sh.n_heads * kHd);
+                double num = 0.0, den = 0.0;
+                for (size_t i = 0; i < got.size(); ++i) {
+                    const double d = got[i] - ref[r][i];
+                    num += d * d;
+                    den += ref[r][i] * ref[r][i];
+                }
+                const double e = std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
+                worst = std::max(worst, e);
+            }
+            res.err = worst;
+            res.ok = worst < 1e-4;
+        } else {
+            // Per layer and head group, the xor over its blocks is the xor of all its rows' words:
+            // the same for every stream variant, whatever the data path.
+            const auto got = to_host(sink, sink_n * sh.layers);
+            std::vector<unsigned> folded((size_t)sh.layers * sh.n_kv * head_groups, 0u);
+            for (int l = 0; l < sh.layers; ++l)
+                for (size_t i = 0; i < (size_t)sh.n_kv * head_groups * bpkv; ++i)
+                    folded[(size_t)l * sh.n_kv * head_groups + i / bpkv] ^= got[sink_n * l + i];
+            if (stream_sink.empty()) stream_sink = folded;
+            res.ok = folded == stream_sink;
+            res.err = NAN;
+        }
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        enqueue(stream);
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, stream));
+        const float ms = elapsed_ms(stream, [&] {
+            for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+        });
+        CK(cudaGetLastError());
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
+        res.us_token = 1e3 * ms / iters;
+        res.us_layer = res.us_token / sh.layers;
+        res.rate = bytes / (res.us_token * 1e-6);
+        res.frac = res.rate / bw;
+        all_ok = all_ok && res.ok;
+        printf("  %-18s %10.1f %10.2f %10.1f %7.1f%% %10.2e  %s\n", res.variant.c_str(), res.us_token, res.us_layer,
+               res.rate / 1e9, 100.0 * res.frac, res.err, res.ok ? "PASS" : "FAIL");
+        results.push_back(res);
+    }
+    CK(cudaStreamDestroy(stream));
+    for (void *p : {(void *)k_all, (void *)v_all, (void *)ks_all, (void *)vs_all, (void *)q_all, (void *)table_d,
+                    (void *)part_o, (void *)part_ml, (void *)out, (void *)counters, (void *)sink})
+        CK(cudaFree(p));
+}
+
+std::vector<std::string> split(const std::string &s) {
+    std::vector<std::string> out;
+    size_t pos = 0;
+    while (pos <= s.size()) {
+        const size_t comma = s.find(',', pos);
+        const size_t end = comma == std::string::npos ? s.size() : comma;
+        if (end > pos) out.push_back(s.substr(pos, end - pos));
+        pos = end + 1;
+    }
+    return out;
+}
+
+void usage(const char *argv0) {
+    printf("usage: %s [--shape qwen3-0.6b|qwen3-8b|qwen3-30b-a3b|all] [--context C[,C...]] [--iters N] "
+           "[--json PATH]\n",
+           argv0);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    std::string shape = "all", json;
+    std::vector<int> contexts = {4096, 32768};
+    int iters = 20;
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const bool has_value = i + 1 < argc;
+        if (arg == "--shape" && has_value) {
+            shape = argv[++i];
+        } else if (arg == "--context" && has_value) {
+            contexts.clear();
+            for (const std::string &c : split(argv[++i])) contexts.push_back(atoi(c.c_str()));
+        } else if (arg == "--iters" && has_value) {
+            iters = atoi(argv[++i]);
+        } else if (arg == "--json" && has_value) {
+            json = argv[++i];
+        } else {
+            usage(argv[0]);
+            return 2;
+        }
+    }
+    bool known = shape == "all";
+    for (const Shape &sh : kShapes) known = known || shape == sh.name;
+    if (!known || iters < 1 || contexts.empty() ||
+        std::any_of(contexts.begin(), contexts.end(), [](int c) { return c < 1; })) {
+        usage(argv[0]);
+        return 2;
+    }
+    int device = 0, sms = 0;
+    CK(cudaGetDevice(&device));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, device));
+    const double bw = copy_bandwidth();
+    printf("%s, %d SMs; D2D copy bandwidth %.1f GB/s (bytes read + written)\n", prop.name, sms, bw / 1e9);
+
+    std::vector<Variant> variants;
+    for (bool fold : {false, true}) {
+        for (int d : {0, 2, 4, 8, 16}) variants.push_back({kRegs, fold, d, 1});
+        for (int s : {2, 3, 4, 6}) variants.push_back({kBulk, fold, s, 1});
+        for (int s : {2, 3}) variants.push_back({kBulk, fold, s, 2});
+    }
+    std::vector<Result> results;
+    bool ok = true;
+    for (const Shape &sh : kShapes) {
+        if (shape != "all" && shape != sh.name) continue;
+        for (int ctx : contexts) run_shape(sh, ctx, iters, bw, variants, sms, results, ok);
+    }
+    if (!json.empty()) {
+        FILE *f = fopen(json.c_str(), "w");
+        if (f == nullptr) {
+            fprintf(stderr, "cannot write %s\n", json.c_str());
+            return 1;
+        }
+        fprintf(f, "{\"device\": \"%s\", \"copy_bandwidth_GBps\": %.1f, \"results\": [\n", prop.name, bw / 1e9);
+        for (size_t i = 0; i < results.size(); ++i) {
+            const Result &r = results[i];
+            fprintf(f,
+                    "  {\"shape\": \"%s\", \"context\": %d, \"variant\": \"%s\", \"us_token\": %.3f, \"us_layer\": %.4f, "
+                    "\"GBps\": %.1f, \"of_copy\": %.4f, \"rel_l2\": %s, \"ok\": %s}%s\n",
+                    r.shape.c_str(), r.ctx, r.variant.c_str(), r.us_token, r.us_layer, r.rate / 1e9, r.frac,
+                    std::isnan(r.err) ? "null" : std::to_string(r.err).c_str(), r.ok ? "true" : "false",
+                    i + 1 < results.size() ? "," : "");
+        }
+        fprintf(f, "]}\n");
+        fclose(f);
+    }
+    printf("\n%s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 1;
+}
