@@ -1,29 +1,50 @@
 #!/usr/bin/env bash
-# The standalone probes in one GPU call (no library build needed): each is built for sm_90 and
-# run, its output and JSON kept under $OUT (default ./out), a summary printed last.
-#   bash scripts/probes.sh                 # attention_probe, then persistent_probe
-#   PROBES=attention_probe bash scripts/probes.sh
-# Time limits (seconds) from the environment: PROBE_TIMEOUT (per probe, default 300).
+# The standalone probes, and Nsight Compute on the library's attention kernel at a long context,
+# in one GPU call; each part's output under $OUT (default ./out), a summary printed last.
+#   bash scripts/probes.sh                         # every part, in this order:
+#     attention_probe    scripts/attention_probe.cu: the cache's read rate per data path and fold
+#     persistent_probe   scripts/persistent_probe.cu at contexts 16-128 with its trace
+#     attention_ncu      the library (built here) on qwen3-0.6b, 2 layers, int8 KV, context 32768:
+#                        one decode step's first attention kernel under ncu (speed of light,
+#                        memory, warp states with the stall reasons, occupancy)
+#   PROBES="attention_probe attention_ncu" bash scripts/probes.sh
+# Time limits (seconds) from the environment: PROBE_TIMEOUT (per part, default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 summary=()
-for probe in ${PROBES:-attention_probe persistent_probe}; do
-  case "$probe" in
-    attention_probe) args=(--json "$OUT/$probe.json") ;;
-    persistent_probe) args=(--context 16,32,64,128 --trace --json "$OUT/$probe.json") ;;
-    *) summary+=("$probe: unknown probe"); continue ;;
-  esac
+standalone() {  # probe name, then its arguments
+  local probe=$1; shift
   if ! nvcc -arch=sm_90 -O3 -std=c++17 -Xptxas -v -o "/tmp/$probe" "scripts/$probe.cu" > "$OUT/$probe-build.txt" 2>&1; then
     summary+=("$probe: build failed (see $probe-build.txt)")
-    continue
+    return
   fi
-  timeout "${PROBE_TIMEOUT:-300}" "/tmp/$probe" "${args[@]}" > "$OUT/$probe.txt" 2>&1
-  rc=$?
-  summary+=("$probe: rc=$rc, $(tail -n 1 "$OUT/$probe.txt")")
+  timeout "${PROBE_TIMEOUT:-300}" "/tmp/$probe" "$@" > "$OUT/$probe.txt" 2>&1
+  summary+=("$probe: rc=$?, $(tail -n 1 "$OUT/$probe.txt")")
   echo "==== $probe"
-  tail -n 120 "$OUT/$probe.txt"
+  tail -n 40 "$OUT/$probe.txt"
+}
+for part in ${PROBES:-attention_probe persistent_probe attention_ncu}; do
+  case "$part" in
+    attention_probe) standalone attention_probe --json "$OUT/attention_probe.json" ;;
+    persistent_probe) standalone persistent_probe --context 16,32,64,128 --trace --json "$OUT/persistent_probe.json" ;;
+    attention_ncu)
+      if ! python3 build.py --arch sm_90 > "$OUT/attention_ncu-build.txt" 2>&1; then
+        summary+=("attention_ncu: library build failed")
+        continue
+      fi
+      (source scripts/source_tree_env.sh
+       timeout "${PROBE_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off \
+         --kernel-name regex:attention_kernel --launch-count 1 --section SpeedOfLight \
+         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+         --section SchedulerStats python3 scripts/profile_kernels.py --preset qwen3-0.6b --layers 2 --kv int8 \
+         --context 32768 --steps 1) > "$OUT/attention_ncu.txt" 2>&1
+      summary+=("attention_ncu: rc=$?")
+      echo "==== attention_ncu"
+      tail -n 40 "$OUT/attention_ncu.txt" ;;
+    *) summary+=("$part: unknown part") ;;
+  esac
 done
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
