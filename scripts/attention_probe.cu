@@ -21,41 +21,44 @@
 // scales; the token's time is that of a graph of one kernel a layer, `layers` kernels in a row.
 //
 // Work split, every variant: grid (n_kv * head_groups, B), 256 threads; a head group is the HG
-// query heads of a KV head that one block folds (HG = min(group, 4): the fold keeps o[HG][16] in
-// a lane's registers; the 30B-A3B shape reads each row twice, once per group of 4, as the library
-// does on the CUDA cores); B = blocks a head group, one wave (SM count x resident blocks an SM,
-// over n_kv * head_groups). Block b takes the contiguous rows [b R, (b + 1) R), R = ceil(C / B)
-// rounded up to 128, in steps of 128 rows (two pages): warp w folds rows 16 w .. 16 w + 15 of a
-// step, lane l holds 16 bytes (16 dims) of rows r = 4 s + l / 8 (slot s = 0..3, row group l / 8)
-// of its 16. Each block writes its (m, l, o) per head; the last block of a head group (a counter)
-// combines them in block order.
+// query heads of a KV head that one block folds, as many as a lane's registers hold o[HG][dims]
+// for (below); a KV head with more query heads has its rows read once per head group, as the
+// library does on the CUDA cores. B = blocks a head group, one wave (SM count x the blocks an SM
+// the variant is built for, over n_kv * head_groups). Block b takes the contiguous rows [b R,
+// (b + 1) R), R = ceil(C / B) rounded up to 128, in steps of 128 rows (two pages): warp w folds
+// rows 16 w .. 16 w + 15 of a step. LPR lanes share a row: with 8 (the library's int8 layout) a
+// lane holds 16 bytes (dims) of 4 of the warp's rows and HG <= 4; with 16 (suffix -l16), 8 bytes
+// of 8 rows and HG <= 8, so the 30B-A3B shape reads each row once. Each block writes its
+// (m, l, o) per head; the last block of a head group (a counter) combines them in block order.
 //
 // Variants:
 //   regs-dD     the library's data path: a warp's tiles in registers, the next tile's loads in
 //               flight while it folds the current one, and an L2 prefetch (prefetch.global.L2,
 //               one 128-byte line a lane) of the tile D steps ahead (the library: D = 2). The
-//               block-table entry of that tile is read one step before its prefetch.
+//               block-table entry of that tile is read one step before its prefetch. LPR 8.
 //   bulk-sS     the block's steps through S shared-memory stages (33 KB each: two pages of K and
 //               of V and their scales): thread 0 waits for the whole block to leave a stage
 //               (__syncthreads), then refills it with eight cp.async.bulk copies completing on the
 //               stage's mbarrier; every warp waits on that mbarrier, then reads its rows from
 //               shared memory. S steps of the block (S x 33 KB) are in flight.
-//   ...-stream  the same data path without the fold: each lane xors the words it receives (and
-//               the scales' bits) into one register, written out at the end. It bounds what the
-//               data path alone can reach.
+//   ...-x2      the grid sized for two blocks an SM (registers capped at 128 a thread).
+//   ...-stream  the same data path without the fold, one head group a KV head: each lane xors
+//               the words it receives (and the scales' bits) into one register, written out at
+//               the end. It bounds what the data path alone can reach.
 //
-// Fold (every -fold variant, the same code): scores with fp32 fma over a lane's 16 dims, a
-// butterfly over a row's 8 lanes, times the row's k scale (q is pre-scaled by log2(e) / sqrt(128),
+// Fold (every -fold variant, the same code): scores with fp32 fma over a lane's dims, a
+// butterfly over a row's lanes, times the row's k scale (q is pre-scaled by log2(e) / sqrt(128),
 // so the softmax is exp2); per tile of 16 rows a warp's running max, rescaled when it grows; p =
 // exp2(score - m); o[j][d] += (p v_scale) v[d]; the decode of 4 codes: a byte permute into the
 // mantissa of 2^23 and one subtraction each (exact). Warps combine through shared memory.
 //
 // What it prints: per shape and context, the D2D copy bandwidth (1 GiB cudaMemcpyAsync, bytes
-// read + written) and per variant: µs a token (all layers), µs a layer, the cache's read rate
-// (bytes read / time) and that rate over the copy bandwidth. Checks: every fold variant against a
-// CPU reference (fp64, layers 0 and L-1, every head) within a relative L2 error of 1e-4, and the
-// stream variants of a data path against each other (the same xor); PASS / FAIL, exit code 1 on
-// any failure.
+// read + written) and per variant: its head groups and B, µs a token (all layers), µs a layer, the
+// cache's read rate (bytes a step needs / time) and that rate over the copy bandwidth. Checks:
+// every fold variant against a CPU reference (fp64, layers 0 and L-1, every head) within a
+// relative L2 error of 1e-4, and every stream variant against the first (the same xor a KV head
+// and layer); PASS / FAIL, exit code 1 on any failure. A variant whose blocks do not fit an SM is
+// said so and skipped.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,9 +89,6 @@ constexpr int kHd = 128;                       // head dim (bytes a row)
 constexpr int kPage = 64;                      // rows a page
 constexpr int kStepRows = 128;                 // rows a block step: 8 warps x 16
 constexpr int kTileRows = 16;                  // rows a warp a step
-constexpr int kSlots = 4;                      // rows a lane a tile (4 row groups of 8 lanes)
-constexpr int kLaneDims = 16;                  // dims a lane: 16 bytes of a row
-constexpr int kMaxHg = 4;                      // heads a block folds
 constexpr int kMaxStages = 6;
 // One stage: K [128][128], V [128][128] int8, K scales [128], V scales [128] fp32.
 constexpr int kStageK = 0, kStageV = kStepRows * kHd, kStageKs = 2 * kStepRows * kHd,
@@ -109,12 +109,12 @@ struct Layer {
 };
 struct Args {
     Layer layer;
-    const int32_t *table;          // [ceil(C / kPage)]
-    int n_kv, n_heads, hg, head_groups, ctx, rows_per_block, n_blocks_grid;
+    const int32_t *table;          // [pages]: C rows rounded up to whole steps of 128
+    int n_kv, n_heads, head_groups, ctx, rows_per_block, n_blocks_grid;
     float *part_o;                 // [n_heads][B][kHd]
     float *part_ml;                // [n_heads][B][2]
     float *out;                    // [n_heads][kHd]
-    unsigned *counters;            // [n_kv * head_groups], zero between launches
+    unsigned *counters;            // [n_kv * head_groups], zero between launches (the last block resets)
     unsigned *sink;                // stream variants: [grid] xor of what a block read
     int prefetch;                  // regs: tiles ahead of the folded one (0: none)
     int stages;                    // bulk: stages in flight
@@ -162,45 +162,63 @@ __device__ __forceinline__ float code(uint32_t biased, int i) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7540u + i)) - 8388736.f;
 }
 
-// ---- the fold --------------------------------------------------------------------------------
-// A warp's running softmax for HG heads: m is warp-uniform; l and o sum this lane's rows (its row
-// group's), and are summed over the four row groups at the end.
-template <int HG>
-struct State {
-    float m[HG], l[HG], o[HG][kLaneDims];
+// ---- a tile and the fold ---------------------------------------------------------------------
+// LPR lanes share a row: lane l holds DPL = 128 / LPR dims (bytes) of rows 4 s + l / LPR ... of a
+// warp's 16 rows of a step, slot s = 0 .. SLOTS - 1 (LPR 8: 4 slots of 16 bytes; LPR 16: 8 slots
+// of 8 bytes). A lane's o holds HG x DPL floats: 64 at most (HG <= 64 / DPL).
+template <int LPR>
+struct Lanes {
+    static constexpr int DPL = kHd / LPR;              // dims (bytes) a lane a row
+    static constexpr int WORDS = DPL / 4;              // 32-bit words of codes a lane a row
+    static constexpr int GROUPS = kWarpSize / LPR;     // rows one load instruction covers
+    static constexpr int SLOTS = kTileRows / GROUPS;   // rows a lane a tile
+    static constexpr int MAX_HG = 64 / DPL;
 };
-template <int HG>
-__device__ __forceinline__ void state_init(State<HG> &st) {
+template <int LPR>
+struct Tile {
+    using L = Lanes<LPR>;
+    uint32_t k[L::SLOTS][L::WORDS], v[L::SLOTS][L::WORDS];
+    float ks[L::SLOTS], vs[L::SLOTS];
+    bool valid[L::SLOTS];   // the row is before the block's end
+};
+
+// A warp's running softmax for HG heads: m is warp-uniform; l and o sum this lane's rows (its row
+// group's), summed over the row groups at the end.
+template <int HG, int LPR>
+struct State {
+    float m[HG], l[HG], o[HG][Lanes<LPR>::DPL];
+};
+template <int HG, int LPR>
+__device__ __forceinline__ void state_init(State<HG, LPR> &st) {
 #pragma unroll
     for (int j = 0; j < HG; ++j) {
         st.m[j] = -INFINITY;
         st.l[j] = 0.f;
 #pragma unroll
-        for (int e = 0; e < kLaneDims; ++e) st.o[j][e] = 0.f;
+        for (int e = 0; e < Lanes<LPR>::DPL; ++e) st.o[j][e] = 0.f;
     }
 }
 
-// Fold one tile: slot s holds 16 bytes of row (tile row 4 s + lane / 8) of K and of V and the
-// row's scales; valid[s]: the row is < C. q_s: [HG][kHd] in shared memory.
-template <int HG>
-__device__ __forceinline__ void fold_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
-                                          const float (&ks)[kSlots], const float (&vs)[kSlots],
-                                          const bool (&valid)[kSlots], const float *q_s, int lane_in_row,
-                                          State<HG> &st) {
-    const int d0 = lane_in_row * kLaneDims;
-    float sc[kSlots][HG];
+// Fold one tile for HG heads whose q (pre-scaled) is q_s [HG][kHd] in shared memory.
+template <int HG, int LPR>
+__device__ __forceinline__ void fold_tile(const Tile<LPR> &t, const float *q_s, int lane_in_row,
+                                          State<HG, LPR> &st) {
+    using L = Lanes<LPR>;
+    constexpr int S = L::SLOTS;
+    const int d0 = lane_in_row * L::DPL;
+    float sc[S][HG];
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s)
+    for (int s = 0; s < S; ++s)
 #pragma unroll
         for (int j = 0; j < HG; ++j) sc[s][j] = 0.f;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < L::WORDS; ++w) {
         float4 qv[HG];
 #pragma unroll
         for (int j = 0; j < HG; ++j) qv[j] = *reinterpret_cast<const float4 *>(q_s + j * kHd + d0 + 4 * w);
 #pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-            const uint32_t word = (w == 0 ? k[s].x : w == 1 ? k[s].y : w == 2 ? k[s].z : k[s].w) ^ 0x80808080u;
+        for (int s = 0; s < S; ++s) {
+            const uint32_t word = t.k[s][w] ^ 0x80808080u;
             const float c0 = code(word, 0), c1 = code(word, 1), c2 = code(word, 2), c3 = code(word, 3);
 #pragma unroll
             for (int j = 0; j < HG; ++j) {
@@ -214,44 +232,44 @@ __device__ __forceinline__ void fold_tile(const uint4 (&k)[kSlots], const uint4 
         }
     }
 #pragma unroll
-    for (int off = 4; off > 0; off >>= 1)
+    for (int off = LPR / 2; off > 0; off >>= 1)
 #pragma unroll
-        for (int s = 0; s < kSlots; ++s)
+        for (int s = 0; s < S; ++s)
 #pragma unroll
             for (int j = 0; j < HG; ++j) sc[s][j] += __shfl_xor_sync(0xffffffffu, sc[s][j], off);
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s)
+    for (int s = 0; s < S; ++s)
 #pragma unroll
-        for (int j = 0; j < HG; ++j) sc[s][j] = valid[s] ? sc[s][j] * ks[s] : -INFINITY;
+        for (int j = 0; j < HG; ++j) sc[s][j] = t.valid[s] ? sc[s][j] * t.ks[s] : -INFINITY;
 
-    float wgt[kSlots][HG];
+    float wgt[S][HG];
 #pragma unroll
     for (int j = 0; j < HG; ++j) {
         float tmax = sc[0][j];
 #pragma unroll
-        for (int s = 1; s < kSlots; ++s) tmax = fmaxf(tmax, sc[s][j]);
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+        for (int s = 1; s < S; ++s) tmax = fmaxf(tmax, sc[s][j]);
+#pragma unroll
+        for (int off = LPR; off < kWarpSize; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
         const float m_new = fmaxf(st.m[j], tmax);
         if (m_new > st.m[j]) {  // warp-uniform; never taken while every row so far is masked
             const float f = exp2f(st.m[j] - m_new);
             st.l[j] *= f;
 #pragma unroll
-            for (int e = 0; e < kLaneDims; ++e) st.o[j][e] *= f;
+            for (int e = 0; e < L::DPL; ++e) st.o[j][e] *= f;
             st.m[j] = m_new;
         }
 #pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-            const float p = valid[s] ? exp2f(sc[s][j] - st.m[j]) : 0.f;
+        for (int s = 0; s < S; ++s) {
+            const float p = t.valid[s] ? exp2f(sc[s][j] - st.m[j]) : 0.f;
             st.l[j] += p;
-            wgt[s][j] = p * vs[s];
+            wgt[s][j] = p * t.vs[s];
         }
     }
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
+    for (int s = 0; s < S; ++s) {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const uint32_t word = (w == 0 ? v[s].x : w == 1 ? v[s].y : w == 2 ? v[s].z : v[s].w) ^ 0x80808080u;
+        for (int w = 0; w < L::WORDS; ++w) {
+            const uint32_t word = t.v[s][w] ^ 0x80808080u;
             const float c0 = code(word, 0), c1 = code(word, 1), c2 = code(word, 2), c3 = code(word, 3);
 #pragma unroll
             for (int j = 0; j < HG; ++j) {
@@ -265,43 +283,44 @@ __device__ __forceinline__ void fold_tile(const uint4 (&k)[kSlots], const uint4 
 }
 
 // The stream variants' stand-in for the fold: every word and scale of the rows before the
-// block's end, xored (so both data paths give the same xor a head group).
-__device__ __forceinline__ void consume_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
-                                             const float (&ks)[kSlots], const float (&vs)[kSlots],
-                                             const bool (&valid)[kSlots], unsigned &acc) {
+// block's end, xored (so every data path gives the same xor a head group).
+template <int LPR>
+__device__ __forceinline__ void consume_tile(const Tile<LPR> &t, unsigned &acc) {
+    using L = Lanes<LPR>;
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s)
-        if (valid[s])
-            acc ^= k[s].x ^ k[s].y ^ k[s].z ^ k[s].w ^ v[s].x ^ v[s].y ^ v[s].z ^ v[s].w ^
-                   __float_as_uint(ks[s]) ^ __float_as_uint(vs[s]);
+    for (int s = 0; s < L::SLOTS; ++s) {
+        if (!t.valid[s]) continue;
+#pragma unroll
+        for (int w = 0; w < L::WORDS; ++w) acc ^= t.k[s][w] ^ t.v[s][w];
+        acc ^= __float_as_uint(t.ks[s]) ^ __float_as_uint(t.vs[s]);
+    }
 }
-template <int HG, bool FOLD>
-__device__ __forceinline__ void use_tile(const uint4 (&k)[kSlots], const uint4 (&v)[kSlots],
-                                         const float (&ks)[kSlots], const float (&vs)[kSlots],
-                                         const bool (&valid)[kSlots], const float *q_s, int lane_in_row,
-                                         State<HG> &st, unsigned &acc) {
-    if constexpr (FOLD) fold_tile<HG>(k, v, ks, vs, valid, q_s, lane_in_row, st);
-    else consume_tile(k, v, ks, vs, valid, acc);
+template <int HG, int LPR, bool FOLD>
+__device__ __forceinline__ void use_tile(const Tile<LPR> &t, const float *q_s, int lane_in_row, State<HG, LPR> &st,
+                                         unsigned &acc) {
+    if constexpr (FOLD) fold_tile<HG, LPR>(t, q_s, lane_in_row, st);
+    else consume_tile<LPR>(t, acc);
 }
 
 // ---- the block's end: warps -> block partial -> the last block's combine ----------------------
-// Shared memory after the stages: q_s [HG][kHd], o_s [warps][HG][kHd], m_s, l_s [warps][HG].
-template <int HG>
-__device__ void finish(const Args &a, State<HG> &st, float *o_s, float *m_s, float *l_s, int kv, int grp, int b,
-                       int n_active) {
+// Shared memory: o_s [warps][HG][kHd], m_s, l_s [warps][HG].
+template <int HG, int LPR>
+__device__ void finish(const Args &a, State<HG, LPR> &st, float *o_s, float *m_s, float *l_s, int kv, int grp,
+                       int b, int n_active) {
+    using L = Lanes<LPR>;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int lane_in_row = lane % 8;
+    const int lane_in_row = lane % LPR;
 #pragma unroll
     for (int j = 0; j < HG; ++j) {
 #pragma unroll
-        for (int off = 8; off < kWarpSize; off <<= 1) {
+        for (int off = LPR; off < kWarpSize; off <<= 1) {
             st.l[j] += __shfl_xor_sync(0xffffffffu, st.l[j], off);
 #pragma unroll
-            for (int e = 0; e < kLaneDims; ++e) st.o[j][e] += __shfl_xor_sync(0xffffffffu, st.o[j][e], off);
+            for (int e = 0; e < L::DPL; ++e) st.o[j][e] += __shfl_xor_sync(0xffffffffu, st.o[j][e], off);
         }
-        if (lane < 8) {
+        if (lane < LPR) {
 #pragma unroll
-            for (int e = 0; e < kLaneDims; ++e) o_s[(warp * HG + j) * kHd + lane_in_row * kLaneDims + e] = st.o[j][e];
+            for (int e = 0; e < L::DPL; ++e) o_s[(warp * HG + j) * kHd + lane_in_row * L::DPL + e] = st.o[j][e];
         }
         if (lane == 0) {
             m_s[warp * HG + j] = st.m[j];
@@ -355,16 +374,50 @@ __device__ void finish(const Args &a, State<HG> &st, float *o_s, float *m_s, flo
     }
 }
 
-// ---- data path 1: tiles in registers, L2 prefetch D tiles ahead ------------------------------
-// Where tile i of this warp lies: row0 = start + i * 128 + 16 w; the whole tile is in one page.
+// The end of a kernel: the fold's partials and combine, or the stream variants' xor.
+template <int HG, int LPR, bool FOLD>
+__device__ __forceinline__ void end_block(const Args &a, State<HG, LPR> &st, unsigned acc, float *o_s, float *m_s,
+                                          float *l_s, int kv, int grp, int b, int n_active) {
+    if constexpr (FOLD) {
+        finish<HG, LPR>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
+    } else {
+        acc = __reduce_xor_sync(0xffffffffu, acc);
+        if (threadIdx.x % kWarpSize == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
+    }
+}
+
+// Where a block's work lies, and its shared memory after `skip` bytes (the stages).
+struct BlockWork {
+    int kv, grp, b, start, end, n_active, head0;
+    float *q_s, *o_s, *m_s, *l_s;
+};
+template <int HG>
+__device__ __forceinline__ BlockWork block_work(const Args &a, unsigned char *smem, size_t skip) {
+    BlockWork w;
+    w.kv = blockIdx.x / a.head_groups;
+    w.grp = blockIdx.x % a.head_groups;
+    w.b = blockIdx.y;
+    w.start = w.b * a.rows_per_block;
+    w.end = min(a.ctx, w.start + a.rows_per_block);
+    w.n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
+    w.head0 = w.kv * (a.n_heads / a.n_kv) + w.grp * HG;
+    w.q_s = reinterpret_cast<float *>(smem + skip);
+    w.o_s = w.q_s + HG * kHd;
+    w.m_s = w.o_s + kWarps * HG * kHd;
+    w.l_s = w.m_s + kWarps * HG;
+    return w;
+}
+
+// ---- data path 1: tiles in registers, L2 prefetch D tiles ahead (LPR 8) ----------------------
+// Tile i of a warp: rows start + 128 i + 16 w .. + 15, all in one page.
 struct TileAt {
     int row0;   // -1: none
     int block;  // pool block of its page
 };
-__device__ __forceinline__ TileAt tile_at(const Args &a, int start, int end, int i, int warp) {
+__device__ __forceinline__ TileAt tile_at(const Args &a, const BlockWork &w, int i, int warp) {
     TileAt t;
-    t.row0 = start + i * kStepRows + warp * kTileRows;
-    if (t.row0 >= end) {
+    t.row0 = w.start + i * kStepRows + warp * kTileRows;
+    if (t.row0 >= w.end) {
         t.row0 = -1;
         t.block = 0;
     } else {
@@ -372,22 +425,23 @@ __device__ __forceinline__ TileAt tile_at(const Args &a, int start, int end, int
     }
     return t;
 }
-__device__ __forceinline__ void load_tile_regs(const Args &a, const TileAt &t, int kv, int lane, uint4 (&k)[kSlots],
-                                               uint4 (&v)[kSlots], float (&ks)[kSlots], float (&vs)[kSlots]) {
+__device__ __forceinline__ void load_tile_regs(const Args &a, const TileAt &at, int end, int kv, int lane,
+                                               Tile<8> &t) {
     const int row_group = lane / 8, lane_in_row = lane % 8;
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-        if (t.row0 < 0) {
-            k[s] = v[s] = make_uint4(0u, 0u, 0u, 0u);
-            ks[s] = vs[s] = 0.f;
-            continue;
+    for (int s = 0; s < Lanes<8>::SLOTS; ++s) {
+        t.valid[s] = at.row0 >= 0 && at.row0 + 4 * s + row_group < end;
+        uint4 kw = make_uint4(0u, 0u, 0u, 0u), vw = kw;
+        t.ks[s] = t.vs[s] = 0.f;
+        if (at.row0 >= 0) {
+            const size_t row = ((size_t)at.block * a.n_kv + kv) * kPage + at.row0 % kPage + 4 * s + row_group;
+            kw = load_row_chunk(a.layer.k + row * kHd + lane_in_row * 16);
+            vw = load_row_chunk(a.layer.v + row * kHd + lane_in_row * 16);
+            t.ks[s] = __ldg(a.layer.ks + row);
+            t.vs[s] = __ldg(a.layer.vs + row);
         }
-        const int in_page = t.row0 % kPage + 4 * s + row_group;
-        const size_t row = ((size_t)t.block * a.n_kv + kv) * kPage + in_page;
-        k[s] = load_row_chunk(a.layer.k + row * kHd + lane_in_row * 16);
-        v[s] = load_row_chunk(a.layer.v + row * kHd + lane_in_row * 16);
-        ks[s] = __ldg(a.layer.ks + row);
-        vs[s] = __ldg(a.layer.vs + row);
+        t.k[s][0] = kw.x, t.k[s][1] = kw.y, t.k[s][2] = kw.z, t.k[s][3] = kw.w;
+        t.v[s][0] = vw.x, t.v[s][1] = vw.y, t.v[s][2] = vw.z, t.v[s][3] = vw.w;
     }
 }
 // One 128-byte line a lane: lanes 0-15 the tile's K (16 rows x 128 bytes, contiguous in its
@@ -401,145 +455,114 @@ __device__ __forceinline__ void prefetch_tile(const Args &a, const TileAt &t, in
 template <int HG, bool FOLD>
 __global__ void __launch_bounds__(kThreads, 1) attn_regs_kernel(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
-    float *q_s = reinterpret_cast<float *>(smem);
-    float *o_s = q_s + HG * kHd;
-    float *m_s = o_s + kWarps * HG * kHd;
-    float *l_s = m_s + kWarps * HG;
-    const int kv = blockIdx.x / a.head_groups, grp = blockIdx.x % a.head_groups, b = blockIdx.y;
-    const int start = b * a.rows_per_block;
-    const int n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
-    if (start >= a.ctx) return;
-    const int end = min(a.ctx, start + a.rows_per_block);
+    const BlockWork w = block_work<HG>(a, smem, 0);
+    if (w.start >= a.ctx) return;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
-    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) q_s[i] = a.layer.q[(size_t)head0 * kHd + i];
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) w.q_s[i] = a.layer.q[(size_t)w.head0 * kHd + i];
     __syncthreads();
 
-    State<HG> st;
+    State<HG, 8> st;
     state_init(st);
     unsigned acc = 0u;
-    uint4 k[kSlots], v[kSlots];
-    float ks[kSlots], vs[kSlots];
-    TileAt cur = tile_at(a, start, end, 0, warp);
-    load_tile_regs(a, cur, kv, lane, k, v, ks, vs);
-    TileAt nxt = tile_at(a, start, end, 1, warp);
+    Tile<8> cur;
+    load_tile_regs(a, tile_at(a, w, 0, warp), w.end, w.kv, lane, cur);
+    TileAt nxt = tile_at(a, w, 1, warp);
     // The prefetch pipeline: tiles 1 .. D - 1 now; at step i, tile i + D (located at step i - 1).
-    TileAt far = tile_at(a, start, end, a.prefetch, warp);
-    for (int i = 1; i < a.prefetch; ++i) prefetch_tile(a, tile_at(a, start, end, i, warp), kv, lane);
-    for (int i = 0; cur.row0 >= 0; ++i) {
-        uint4 k2[kSlots], v2[kSlots];
-        float ks2[kSlots], vs2[kSlots];
-        load_tile_regs(a, nxt, kv, lane, k2, v2, ks2, vs2);
+    TileAt far = tile_at(a, w, a.prefetch, warp);
+    for (int i = 1; i < a.prefetch; ++i) prefetch_tile(a, tile_at(a, w, i, warp), w.kv, lane);
+    for (int i = 0; w.start + i * kStepRows + warp * kTileRows < w.end; ++i) {
+        Tile<8> next;
+        load_tile_regs(a, nxt, w.end, w.kv, lane, next);
         if (a.prefetch > 0) {
-            prefetch_tile(a, far, kv, lane);
-            far = tile_at(a, start, end, i + 1 + a.prefetch, warp);
+            prefetch_tile(a, far, w.kv, lane);
+            far = tile_at(a, w, i + 1 + a.prefetch, warp);
         }
-        const TileAt after = tile_at(a, start, end, i + 2, warp);
-        bool valid[kSlots];
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s) valid[s] = cur.row0 + 4 * s + lane / 8 < end;
-        use_tile<HG, FOLD>(k, v, ks, vs, valid, q_s, lane % 8, st, acc);
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-            k[s] = k2[s];
-            v[s] = v2[s];
-            ks[s] = ks2[s];
-            vs[s] = vs2[s];
-        }
-        cur = nxt;
-        nxt = after;
+        nxt = tile_at(a, w, i + 2, warp);
+        use_tile<HG, 8, FOLD>(cur, w.q_s, lane % 8, st, acc);
+        cur = next;
     }
-    if constexpr (FOLD) {
-        finish<HG>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
-    } else {
-        acc = __reduce_xor_sync(0xffffffffu, acc);
-        if (lane == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
-    }
+    end_block<HG, 8, FOLD>(a, st, acc, w.o_s, w.m_s, w.l_s, w.kv, w.grp, w.b, w.n_active);
 }
 
 // ---- data path 2: the block's steps through S shared-memory stages, filled by bulk copies -----
 // Step t of the block: rows start + 128 t .. + 127 (two pages; start is a multiple of 128).
-__device__ __forceinline__ void issue_step(const Args &a, unsigned char *stage, uint64_t *bar, int start, int end,
-                                           int t, int kv) {
-    const int row0 = start + t * kStepRows;
-    if (row0 >= end) return;
-    mbar_expect_tx(bar, 2u * (2 * kPage * kHd + 2 * kPage * 4));
+__device__ __forceinline__ void issue_step(const Args &a, unsigned char *stage, uint64_t *bar, const BlockWork &w,
+                                           int t) {
+    const int row0 = w.start + t * kStepRows;
+    if (row0 >= w.end) return;
+    mbar_expect_tx(bar, kStageBytes);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         // A page past the context is still copied (the table holds every page of the capacity):
         // its rows are masked in the fold.
-        const int page = row0 / kPage + h;
-        const size_t blk = (size_t)__ldg(a.table + page);
-        const size_t row = (blk * a.n_kv + kv) * kPage;
+        const size_t blk = (size_t)__ldg(a.table + row0 / kPage + h);
+        const size_t row = (blk * a.n_kv + w.kv) * kPage;
         bulk_copy(stage + kStageK + h * kPage * kHd, a.layer.k + row * kHd, kPage * kHd, bar);
         bulk_copy(stage + kStageV + h * kPage * kHd, a.layer.v + row * kHd, kPage * kHd, bar);
         bulk_copy(stage + kStageKs + h * kPage * 4, a.layer.ks + row, kPage * 4, bar);
         bulk_copy(stage + kStageVs + h * kPage * 4, a.layer.vs + row, kPage * 4, bar);
     }
 }
+// A warp's tile of a landed stage: its 16 rows, DPL bytes of each a lane.
+template <int LPR>
+__device__ __forceinline__ void read_stage(const unsigned char *stage, int row0, int end, int warp, int lane,
+                                           Tile<LPR> &t) {
+    using L = Lanes<LPR>;
+    const int row_group = lane / LPR, lane_in_row = lane % LPR;
+#pragma unroll
+    for (int s = 0; s < L::SLOTS; ++s) {
+        const int r = warp * kTileRows + L::GROUPS * s + row_group;  // row within the step
+        const unsigned char *kp = stage + kStageK + r * kHd + lane_in_row * L::DPL;
+        const unsigned char *vp = stage + kStageV + r * kHd + lane_in_row * L::DPL;
+        if constexpr (L::WORDS == 4) {
+            const uint4 kw = *reinterpret_cast<const uint4 *>(kp), vw = *reinterpret_cast<const uint4 *>(vp);
+            t.k[s][0] = kw.x, t.k[s][1] = kw.y, t.k[s][2] = kw.z, t.k[s][3] = kw.w;
+            t.v[s][0] = vw.x, t.v[s][1] = vw.y, t.v[s][2] = vw.z, t.v[s][3] = vw.w;
+        } else {
+            const uint2 kw = *reinterpret_cast<const uint2 *>(kp), vw = *reinterpret_cast<const uint2 *>(vp);
+            t.k[s][0] = kw.x, t.k[s][1] = kw.y;
+            t.v[s][0] = vw.x, t.v[s][1] = vw.y;
+        }
+        t.ks[s] = reinterpret_cast<const float *>(stage + kStageKs)[r];
+        t.vs[s] = reinterpret_cast<const float *>(stage + kStageVs)[r];
+        t.valid[s] = row0 + r < end;
+    }
+}
 
-template <int HG, bool FOLD, int PER_SM>
+template <int HG, int LPR, bool FOLD, int PER_SM>
 __global__ void __launch_bounds__(kThreads, PER_SM) attn_bulk_kernel(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[kMaxStages];
-    unsigned char *stages = smem;
-    float *q_s = reinterpret_cast<float *>(smem + (size_t)a.stages * kStageBytes);
-    float *o_s = q_s + HG * kHd;
-    float *m_s = o_s + kWarps * HG * kHd;
-    float *l_s = m_s + kWarps * HG;
-    const int kv = blockIdx.x / a.head_groups, grp = blockIdx.x % a.head_groups, b = blockIdx.y;
-    const int start = b * a.rows_per_block;
-    const int n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
-    if (start >= a.ctx) return;
-    const int end = min(a.ctx, start + a.rows_per_block);
-    const int n_steps = (end - start + kStepRows - 1) / kStepRows;
+    const BlockWork w = block_work<HG>(a, smem, (size_t)a.stages * kStageBytes);
+    if (w.start >= a.ctx) return;
+    const int n_steps = (w.end - w.start + kStepRows - 1) / kStepRows;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
     if (threadIdx.x == 0) {
         for (int s = 0; s < a.stages; ++s) mbar_init(&full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        for (int t = 0; t < a.stages; ++t) issue_step(a, stages + (size_t)t * kStageBytes, &full[t], start, end, t, kv);
+        for (int t = 0; t < a.stages; ++t) issue_step(a, smem + (size_t)t * kStageBytes, &full[t], w, t);
     }
-    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) q_s[i] = a.layer.q[(size_t)head0 * kHd + i];
+    for (int i = threadIdx.x; i < HG * kHd; i += kThreads) w.q_s[i] = a.layer.q[(size_t)w.head0 * kHd + i];
     __syncthreads();
 
-    State<HG> st;
+    State<HG, LPR> st;
     state_init(st);
     unsigned acc = 0u;
-    const int row_group = lane / 8, lane_in_row = lane % 8;
     for (int t = 0; t < n_steps; ++t) {
         const int slot = t % a.stages;
-        const unsigned parity = (unsigned)(t / a.stages) & 1u;
-        while (!mbar_try_wait(&full[slot], parity)) {
+        while (!mbar_try_wait(&full[slot], (unsigned)(t / a.stages) & 1u)) {
         }
-        const unsigned char *stage = stages + (size_t)slot * kStageBytes;
-        uint4 k[kSlots], v[kSlots];
-        float ks[kSlots], vs[kSlots];
-        bool valid[kSlots];
-        const int row0 = start + t * kStepRows + warp * kTileRows;
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-            const int r = warp * kTileRows + 4 * s + row_group;  // row within the step
-            k[s] = *reinterpret_cast<const uint4 *>(stage + kStageK + r * kHd + lane_in_row * 16);
-            v[s] = *reinterpret_cast<const uint4 *>(stage + kStageV + r * kHd + lane_in_row * 16);
-            ks[s] = reinterpret_cast<const float *>(stage + kStageKs)[r];
-            vs[s] = reinterpret_cast<const float *>(stage + kStageVs)[r];
-            valid[s] = row0 + 4 * s + row_group < end;
-        }
-        use_tile<HG, FOLD>(k, v, ks, vs, valid, q_s, lane_in_row, st, acc);
+        Tile<LPR> tile;
+        read_stage<LPR>(smem + (size_t)slot * kStageBytes, w.start + t * kStepRows, w.end, warp, lane, tile);
+        use_tile<HG, LPR, FOLD>(tile, w.q_s, lane % LPR, st, acc);
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue_step(a, stages + (size_t)slot * kStageBytes, &full[slot], start, end, t + a.stages, kv);
+            issue_step(a, smem + (size_t)slot * kStageBytes, &full[slot], w, t + a.stages);
         }
     }
-    if constexpr (FOLD) {
-        finish<HG>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
-    } else {
-        acc = __reduce_xor_sync(0xffffffffu, acc);
-        if (lane == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
-    }
+    end_block<HG, LPR, FOLD>(a, st, acc, w.o_s, w.m_s, w.l_s, w.kv, w.grp, w.b, w.n_active);
 }
 
 // ---- host -------------------------------------------------------------------------------------
@@ -548,28 +571,36 @@ struct Variant {
     Path path;
     bool fold;
     int param;   // regs: prefetch distance; bulk: stages
-    int per_sm;  // blocks an SM the grid is sized for (B = per_sm x SMs / head groups)
+    int per_sm;  // blocks an SM the grid is sized for (B = per_sm x SMs / (n_kv x head groups))
+    int lpr;     // lanes a row (regs: 8)
     std::string name() const {
         char buf[64];
-        snprintf(buf, sizeof buf, "%s-%c%d-%s%s", path == kRegs ? "regs" : "bulk", path == kRegs ? 'd' : 's', param,
-                 fold ? "fold" : "stream", per_sm > 1 ? "-x2" : "");
+        snprintf(buf, sizeof buf, "%s-%c%d-%s%s%s", path == kRegs ? "regs" : "bulk", path == kRegs ? 'd' : 's',
+                 param, fold ? "fold" : "stream", lpr == 16 ? "-l16" : "", per_sm > 1 ? "-x2" : "");
         return buf;
+    }
+    // Heads a block folds for a group of `group` (a stream variant reads each row once).
+    int head_group(int group) const {
+        return fold ? std::min(group, lpr == 16 ? Lanes<16>::MAX_HG : Lanes<8>::MAX_HG) : group;
     }
 };
 constexpr int kMaxPerSm = 2;
 
 using Kernel = void (*)(Args);
+template <int LPR, int PER_SM>
+Kernel bulk_kernel(bool fold, int hg) {
+    if (!fold) return attn_bulk_kernel<2, LPR, false, PER_SM>;
+    return hg == 2 ? attn_bulk_kernel<2, LPR, true, PER_SM>
+                   : hg == 4 ? attn_bulk_kernel<4, LPR, true, PER_SM>
+                             : LPR == 16 && hg == 8 ? attn_bulk_kernel<LPR == 16 ? 8 : 4, LPR, true, PER_SM> : nullptr;
+}
 Kernel kernel_for(const Variant &v, int hg) {
     if (v.path == kRegs) {
-        if (!v.fold) return attn_regs_kernel<1, false>;
-        return hg == 1 ? attn_regs_kernel<1, true> : hg == 2 ? attn_regs_kernel<2, true> : attn_regs_kernel<4, true>;
+        if (!v.fold) return attn_regs_kernel<2, false>;
+        return hg == 2 ? attn_regs_kernel<2, true> : hg == 4 ? attn_regs_kernel<4, true> : nullptr;
     }
-    if (v.per_sm > 1) {
-        if (!v.fold) return attn_bulk_kernel<1, false, 2>;
-        return hg == 1 ? attn_bulk_kernel<1, true, 2> : hg == 2 ? attn_bulk_kernel<2, true, 2> : attn_bulk_kernel<4, true, 2>;
-    }
-    if (!v.fold) return attn_bulk_kernel<1, false, 1>;
-    return hg == 1 ? attn_bulk_kernel<1, true, 1> : hg == 2 ? attn_bulk_kernel<2, true, 1> : attn_bulk_kernel<4, true, 1>;
+    if (v.lpr == 16) return v.per_sm > 1 ? bulk_kernel<16, 2>(v.fold, hg) : bulk_kernel<16, 1>(v.fold, hg);
+    return v.per_sm > 1 ? bulk_kernel<8, 2>(v.fold, hg) : bulk_kernel<8, 1>(v.fold, hg);
 }
 size_t smem_for(const Variant &v, int hg) {
     const size_t tail = (size_t)(hg * kHd + kWarps * hg * kHd + 2 * kWarps * hg) * 4;
@@ -669,8 +700,6 @@ std::vector<T> to_host(const T *p, size_t n) {
 void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector<Variant> &variants, int sms,
                std::vector<Result> &results, bool &all_ok) {
     const int group = sh.n_heads / sh.n_kv;
-    const int hg = std::min(group, kMaxHg);
-    const int head_groups = group / hg;
     const int pages = (ctx + kStepRows - 1) / kStepRows * kStepRows / kPage;  // whole steps
     // The pool: its pages and a spare block per 64, so the table is not the identity's neighbour.
     const int n_blocks = pages + pages / 64 + 1;
@@ -704,21 +733,22 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
     CK(cudaMalloc(&table_d, pages * 4));
     CK(cudaMemcpy(table_d, table.data(), pages * 4, cudaMemcpyHostToDevice));
 
-    // B, the blocks a head group, is the variant's (one wave); buffers are sized for the most.
-    const int max_bpkv = std::max(1, kMaxPerSm * sms / (sh.n_kv * head_groups));
+    // B, the blocks a head group, and the head groups are the variant's; buffers are sized for
+    // the most (one head group a KV head, two blocks an SM).
+    const int max_bpkv = std::max(1, kMaxPerSm * sms / sh.n_kv);
     float *part_o, *part_ml, *out;
     unsigned *counters, *sink;
     CK(cudaMalloc(&part_o, (size_t)sh.n_heads * max_bpkv * kHd * 4 * sh.layers));
     CK(cudaMalloc(&part_ml, (size_t)sh.n_heads * max_bpkv * 2 * 4 * sh.layers));
     CK(cudaMalloc(&out, (size_t)sh.n_heads * kHd * 4 * sh.layers));
-    CK(cudaMalloc(&counters, (size_t)sh.n_kv * head_groups * 4 * sh.layers));
-    CK(cudaMemset(counters, 0, (size_t)sh.n_kv * head_groups * 4 * sh.layers));
-    const size_t sink_n = (size_t)sh.n_kv * head_groups * max_bpkv;
+    CK(cudaMalloc(&counters, (size_t)sh.n_heads * 4 * sh.layers));
+    CK(cudaMemset(counters, 0, (size_t)sh.n_heads * 4 * sh.layers));
+    const size_t sink_n = (size_t)sh.n_kv * max_bpkv;
     CK(cudaMalloc(&sink, sink_n * 4 * sh.layers));
 
-    // Bytes a token reads: C rows of K and V and their two scales, every KV head, every layer
-    // (the 30B-A3B shape's second head group reads its rows again; not counted: from L2 or not,
-    // they are not bytes the step needs).
+    // Bytes a token reads: C rows of K and V and their two scales, every KV head, every layer (a
+    // second head group of a KV head reads its rows again; not counted: from L2 or not, they are
+    // not bytes the step needs).
     const double bytes = (double)ctx * sh.n_kv * (2.0 * kHd + 8.0) * sh.layers;
     std::vector<std::vector<double>> ref(2);
     const int ref_layers[2] = {0, sh.layers - 1};
@@ -736,20 +766,21 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::vector<unsigned> stream_sink;  // the first stream variant's xor, per layer and block
-    printf("\n%s, context %d: %.1f MB of cache a token (%.2f MB a layer), head groups %d x %d heads, "
-           "B = %d blocks a head group (x2: %d)\n",
-           sh.name, ctx, bytes / 1e6, bytes / 1e6 / sh.layers, head_groups, hg, sms / (sh.n_kv * head_groups),
-           2 * sms / (sh.n_kv * head_groups));
-    printf("  %-18s %10s %10s %10s %8s %10s  %s\n", "variant", "us/token", "us/layer", "GB/s", "of copy", "rel. L2",
-           "check");
+    printf("\n%s, context %d: %.1f MB of cache a token (%.2f MB a layer), %d query heads a KV head\n", sh.name, ctx,
+           bytes / 1e6, bytes / 1e6 / sh.layers, group);
+    printf("  %-24s %6s %5s %10s %10s %10s %8s %10s  %s\n", "variant", "groups", "B", "us/token", "us/layer", "GB/s",
+           "of copy", "rel. L2", "check");
     for (const Variant &var : variants) {
+        const int hg = var.head_group(group);
+        const int head_groups = group / hg;
         const Kernel kernel = kernel_for(var, hg);
+        if (kernel == nullptr) continue;
         const size_t smem = smem_for(var, hg);
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int per_sm = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
         if (per_sm < var.per_sm) {
-            printf("  %-18s %d blocks do not fit an SM (%zu B of shared memory a block)\n", var.name().c_str(),
+            printf("  %-24s %d blocks do not fit an SM (%zu B of shared memory a block)\n", var.name().c_str(),
                    var.per_sm, smem);
             continue;
         }
@@ -767,7 +798,6 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
                 a.table = table_d;
                 a.n_kv = sh.n_kv;
                 a.n_heads = sh.n_heads;
-                a.hg = hg;
                 a.head_groups = head_groups;
                 a.ctx = ctx;
                 a.rows_per_block = rows_per_block;
@@ -775,7 +805,7 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
                 a.part_o = part_o + (size_t)sh.n_heads * max_bpkv * kHd * l;
                 a.part_ml = part_ml + (size_t)sh.n_heads * max_bpkv * 2 * l;
                 a.out = out + (size_t)sh.n_heads * kHd * l;
-                a.counters = counters + (size_t)sh.n_kv * head_groups * l;
+                a.counters = counters + (size_t)sh.n_heads * l;
                 a.sink = sink + sink_n * l;
                 a.prefetch = var.path == kRegs ? var.param : 0;
                 a.stages = var.path == kBulk ? var.param : 0;
@@ -806,10 +836,9 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
             // Per layer and head group, the xor over its blocks is the xor of all its rows' words:
             // the same for every stream variant, whatever the data path.
             const auto got = to_host(sink, sink_n * sh.layers);
-            std::vector<unsigned> folded((size_t)sh.layers * sh.n_kv * head_groups, 0u);
+            std::vector<unsigned> folded((size_t)sh.layers * sh.n_kv, 0u);
             for (int l = 0; l < sh.layers; ++l)
-                for (size_t i = 0; i < (size_t)sh.n_kv * head_groups * bpkv; ++i)
-                    folded[(size_t)l * sh.n_kv * head_groups + i / bpkv] ^= got[sink_n * l + i];
+                for (size_t i = 0; i < (size_t)sh.n_kv * bpkv; ++i) folded[(size_t)l * sh.n_kv + i / bpkv] ^= got[sink_n * l + i];
             if (stream_sink.empty()) stream_sink = folded;
             res.ok = folded == stream_sink;
             res.err = NAN;
@@ -832,8 +861,8 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
         res.rate = bytes / (res.us_token * 1e-6);
         res.frac = res.rate / bw;
         all_ok = all_ok && res.ok;
-        printf("  %-18s %10.1f %10.2f %10.1f %7.1f%% %10.2e  %s\n", res.variant.c_str(), res.us_token, res.us_layer,
-               res.rate / 1e9, 100.0 * res.frac, res.err, res.ok ? "PASS" : "FAIL");
+        printf("  %-24s %6d %5d %10.1f %10.2f %10.1f %7.1f%% %10.2e  %s\n", res.variant.c_str(), head_groups, bpkv,
+               res.us_token, res.us_layer, res.rate / 1e9, 100.0 * res.frac, res.err, res.ok ? "PASS" : "FAIL");
         results.push_back(res);
     }
     CK(cudaStreamDestroy(stream));
@@ -900,10 +929,12 @@ int main(int argc, char **argv) {
 
     std::vector<Variant> variants;
     for (bool fold : {false, true}) {
-        for (int d : {0, 2, 4, 8, 16}) variants.push_back({kRegs, fold, d, 1});
-        for (int s : {2, 3, 4, 6}) variants.push_back({kBulk, fold, s, 1});
-        for (int s : {2, 3}) variants.push_back({kBulk, fold, s, 2});
+        for (int d : {0, 2, 4, 8, 16}) variants.push_back({kRegs, fold, d, 1, 8});
+        for (int s : {2, 3, 4, 6}) variants.push_back({kBulk, fold, s, 1, 8});
+        for (int s : {2, 3}) variants.push_back({kBulk, fold, s, 2, 8});
     }
+    for (int s : {3, 4, 6}) variants.push_back({kBulk, true, s, 1, 16});
+    for (int s : {2, 3}) variants.push_back({kBulk, true, s, 2, 16});
     std::vector<Result> results;
     bool ok = true;
     for (const Shape &sh : kShapes) {
