@@ -2,7 +2,8 @@
 // GPU, and what holds a kernel below that: the way its rows reach the multiprocessor (each warp
 // loading its next tile into registers, with an L2 prefetch some tiles ahead; or the block's
 // pages copied into a ring of shared-memory stages by the bulk-copy engine), or the fold (scores,
-// online softmax, weighted V on the CUDA cores) for a group of 2, 4 or 8 query heads a KV head?
+// online softmax, weighted V, on the CUDA cores or the tensor cores) for a group of 2, 4 or 8
+// query heads a KV head?
 // Standalone experiment, not part of the library.
 //
 //   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/attention_probe scripts/attention_probe.cu
@@ -16,7 +17,8 @@
 // The cache is paged as the library's: pages of 64 rows; layer l's pool holds, per block, the K
 // page [n_kv][64][128] int8, the V page, and the scale pages [n_kv][64] fp32; row t of a sequence
 // lies in block table[t / 64], and the table is a fixed random permutation of the pool's blocks.
-// Codes uniform in -127..127, scales uniform in (0.005, 0.02], q uniform in +-1 (per layer).
+// Codes uniform in -127..127, scales uniform in (0.005, 0.02], q uniform in +-1 (per layer and
+// head) times log2(e) / sqrt(128), so that the softmax is base 2.
 // What a step reads: C rows of every layer (context C, the new row not modelled), K, V and their
 // scales; the token's time is that of a graph of one kernel a layer, `layers` kernels in a row.
 //
@@ -41,12 +43,16 @@
 //               (__syncthreads), then refills it with eight cp.async.bulk copies completing on the
 //               stage's mbarrier; every warp waits on that mbarrier, then reads its rows from
 //               shared memory. S steps of the block (S x 33 KB) are in flight.
+//   mma-sS      the bulk data path with the fold on the tensor cores (mma.sync m16n8k16, fp16
+//               operands split into hi + lo halves where they are not exact, fp32 accumulators;
+//               see attn_mma_kernel): every query head of a KV head in one block, each row read
+//               once, for any group up to 8.
 //   ...-x2      the grid sized for two blocks an SM (registers capped at 128 a thread).
 //   ...-stream  the same data path without the fold, one head group a KV head: each lane xors
 //               the words it receives (and the scales' bits) into one register, written out at
 //               the end. It bounds what the data path alone can reach.
 //
-// Fold (every -fold variant, the same code): scores with fp32 fma over a lane's dims, a
+// Fold (every regs and bulk -fold variant, the same code): scores with fp32 fma over a lane's dims, a
 // butterfly over a row's lanes, times the row's k scale (q is pre-scaled by log2(e) / sqrt(128),
 // so the softmax is exp2); per tile of 16 rows a warp's running max, rescaled when it grows; p =
 // exp2(score - m); o[j][d] += (p v_scale) v[d]; the decode of 4 codes: a byte permute into the
@@ -59,6 +65,7 @@
 // relative L2 error of 1e-4, and every stream variant against the first (the same xor a KV head
 // and layer); PASS / FAIL, exit code 1 on any failure. A variant whose blocks do not fit an SM is
 // said so and skipped.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -118,6 +125,8 @@ struct Args {
     unsigned *sink;                // stream variants: [grid] xor of what a block read
     int prefetch;                  // regs: tiles ahead of the folded one (0: none)
     int stages;                    // bulk: stages in flight
+    float q_mul, q_inv;            // mma: q scaled by a power of two into fp16's range, and back
+    float w_mul, w_inv;            // mma: the weights p v_scale likewise
 };
 
 // ---- small device helpers -------------------------------------------------------------------
@@ -303,30 +312,11 @@ __device__ __forceinline__ void use_tile(const Tile<LPR> &t, const float *q_s, i
 }
 
 // ---- the block's end: warps -> block partial -> the last block's combine ----------------------
-// Shared memory: o_s [warps][HG][kHd], m_s, l_s [warps][HG].
-template <int HG, int LPR>
-__device__ void finish(const Args &a, State<HG, LPR> &st, float *o_s, float *m_s, float *l_s, int kv, int grp,
-                       int b, int n_active) {
-    using L = Lanes<LPR>;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int lane_in_row = lane % LPR;
-#pragma unroll
-    for (int j = 0; j < HG; ++j) {
-#pragma unroll
-        for (int off = LPR; off < kWarpSize; off <<= 1) {
-            st.l[j] += __shfl_xor_sync(0xffffffffu, st.l[j], off);
-#pragma unroll
-            for (int e = 0; e < L::DPL; ++e) st.o[j][e] += __shfl_xor_sync(0xffffffffu, st.o[j][e], off);
-        }
-        if (lane < LPR) {
-#pragma unroll
-            for (int e = 0; e < L::DPL; ++e) o_s[(warp * HG + j) * kHd + lane_in_row * L::DPL + e] = st.o[j][e];
-        }
-        if (lane == 0) {
-            m_s[warp * HG + j] = st.m[j];
-            l_s[warp * HG + j] = st.l[j];
-        }
-    }
+// Shared memory: o_s [warps][HG][kHd], m_s, l_s [warps][HG]: each warp's unnormalised o, its max
+// and its sum, written by the fold's own warp_state_out.
+template <int HG>
+__device__ void block_combine(const Args &a, const float *o_s, const float *m_s, const float *l_s, int kv, int grp,
+                              int b, int n_active) {
     __syncthreads();
     const int B = a.n_blocks_grid;
     const int head0 = kv * (a.n_heads / a.n_kv) + grp * HG;
@@ -374,12 +364,38 @@ __device__ void finish(const Args &a, State<HG, LPR> &st, float *o_s, float *m_s
     }
 }
 
+// The CUDA-core fold's warp state into o_s, m_s, l_s: l and o summed over the row groups.
+template <int HG, int LPR>
+__device__ void warp_state_out(State<HG, LPR> &st, float *o_s, float *m_s, float *l_s) {
+    using L = Lanes<LPR>;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int lane_in_row = lane % LPR;
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+#pragma unroll
+        for (int off = LPR; off < kWarpSize; off <<= 1) {
+            st.l[j] += __shfl_xor_sync(0xffffffffu, st.l[j], off);
+#pragma unroll
+            for (int e = 0; e < L::DPL; ++e) st.o[j][e] += __shfl_xor_sync(0xffffffffu, st.o[j][e], off);
+        }
+        if (lane < LPR) {
+#pragma unroll
+            for (int e = 0; e < L::DPL; ++e) o_s[(warp * HG + j) * kHd + lane_in_row * L::DPL + e] = st.o[j][e];
+        }
+        if (lane == 0) {
+            m_s[warp * HG + j] = st.m[j];
+            l_s[warp * HG + j] = st.l[j];
+        }
+    }
+}
+
 // The end of a kernel: the fold's partials and combine, or the stream variants' xor.
 template <int HG, int LPR, bool FOLD>
 __device__ __forceinline__ void end_block(const Args &a, State<HG, LPR> &st, unsigned acc, float *o_s, float *m_s,
                                           float *l_s, int kv, int grp, int b, int n_active) {
     if constexpr (FOLD) {
-        finish<HG, LPR>(a, st, o_s, m_s, l_s, kv, grp, b, n_active);
+        warp_state_out<HG, LPR>(st, o_s, m_s, l_s);
+        block_combine<HG>(a, o_s, m_s, l_s, kv, grp, b, n_active);
     } else {
         acc = __reduce_xor_sync(0xffffffffu, acc);
         if (threadIdx.x % kWarpSize == 0) atomicXor(a.sink + blockIdx.x * gridDim.y + blockIdx.y, acc);
@@ -529,44 +545,246 @@ __device__ __forceinline__ void read_stage(const unsigned char *stage, int row0,
     }
 }
 
+// The bulk pipeline of a block: thread 0 fills the first S stages (the block's first S steps),
+// then for each step every thread waits on its stage's mbarrier, `fold(stage, step_row0)` runs,
+// the block meets at a barrier and thread 0 refills the stage with step t + S. `full` holds the
+// stages' mbarriers; callers put q etc. in shared memory before and end the block after.
+template <class Fold>
+__device__ __forceinline__ void bulk_pipeline(const Args &a, const BlockWork &w, unsigned char *stages,
+                                              uint64_t *full, Fold fold) {
+    const int n_steps = (w.end - w.start + kStepRows - 1) / kStepRows;
+    for (int t = 0; t < n_steps; ++t) {
+        const int slot = t % a.stages;
+        while (!mbar_try_wait(&full[slot], (unsigned)(t / a.stages) & 1u)) {
+        }
+        fold(stages + (size_t)slot * kStageBytes, w.start + t * kStepRows);
+        __syncthreads();  // every warp is done with this stage
+        if (threadIdx.x == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue_step(a, stages + (size_t)slot * kStageBytes, &full[slot], w, t + a.stages);
+        }
+    }
+}
+__device__ __forceinline__ void bulk_start(const Args &a, const BlockWork &w, unsigned char *stages, uint64_t *full) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < a.stages; ++s) mbar_init(&full[s], 1);
+        // The barriers' initialisation is visible to the copy engine before its first copy.
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int t = 0; t < a.stages; ++t) issue_step(a, stages + (size_t)t * kStageBytes, &full[t], w, t);
+    }
+}
+
 template <int HG, int LPR, bool FOLD, int PER_SM>
 __global__ void __launch_bounds__(kThreads, PER_SM) attn_bulk_kernel(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[kMaxStages];
     const BlockWork w = block_work<HG>(a, smem, (size_t)a.stages * kStageBytes);
     if (w.start >= a.ctx) return;
-    const int n_steps = (w.end - w.start + kStepRows - 1) / kStepRows;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < a.stages; ++s) mbar_init(&full[s], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        for (int t = 0; t < a.stages; ++t) issue_step(a, smem + (size_t)t * kStageBytes, &full[t], w, t);
-    }
+    bulk_start(a, w, smem, full);
     for (int i = threadIdx.x; i < HG * kHd; i += kThreads) w.q_s[i] = a.layer.q[(size_t)w.head0 * kHd + i];
     __syncthreads();
 
     State<HG, LPR> st;
     state_init(st);
     unsigned acc = 0u;
-    for (int t = 0; t < n_steps; ++t) {
-        const int slot = t % a.stages;
-        while (!mbar_try_wait(&full[slot], (unsigned)(t / a.stages) & 1u)) {
-        }
+    bulk_pipeline(a, w, smem, full, [&](const unsigned char *stage, int row0) {
         Tile<LPR> tile;
-        read_stage<LPR>(smem + (size_t)slot * kStageBytes, w.start + t * kStepRows, w.end, warp, lane, tile);
+        read_stage<LPR>(stage, row0, w.end, warp, lane, tile);
         use_tile<HG, LPR, FOLD>(tile, w.q_s, lane % LPR, st, acc);
-        __syncthreads();  // every warp is done with this stage
-        if (threadIdx.x == 0) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue_step(a, smem + (size_t)slot * kStageBytes, &full[slot], w, t + a.stages);
-        }
-    }
+    });
     end_block<HG, LPR, FOLD>(a, st, acc, w.o_s, w.m_s, w.l_s, w.kv, w.grp, w.b, w.n_active);
 }
 
+// ---- the fold on the tensor cores (bulk data path; every query head of a KV head in a block) --
+// mma.sync m16n8k16, fp16 operands, fp32 accumulators; lane = 4 g + t (g = lane / 4, t = lane % 4).
+//   Scores S [16 x 8] = Q [16 x 128] . K^T, 8 k-steps of 16 dims, per n-tile of 8 rows: A's row g
+//   is head g's q (scaled by 2^s: q_mul) rounded to fp16 (hi), row g + 8 the remainder (lo), zero
+//   for g >= G; B is the tile's K codes, exact in fp16. The dims a k-step's 16 indices stand for
+//   are permuted (A and B alike, so the dot product is unchanged): index 2t + e -> dim 32 t + 4 kk
+//   + e and 2t + 8 + e -> 32 t + 4 kk + 2 + e, so a lane's K bytes of a row are one contiguous
+//   32-byte run. Accumulator c: (head g hi, rows 2t, 2t + 1 of the n-tile) and (head g lo, same
+//   rows): score = (hi + lo) / q_mul, times the row's k scale.
+//   Weighted V: O [16 x 8 dims] += P [16 x 16 rows] . V, for 16 n-tiles of 8 dims: P's row g is
+//   head g's weight p v_scale (scaled by 2^t: w_mul) in fp16 hi, row g + 8 its lo; its columns
+//   are the tile's 16 rows in the scores' accumulator order, so the scores' fragments become P's
+//   A fragments in place. V's codes are first widened to fp16 in the warp's own shared buffer
+//   (rows padded to 272 bytes: ldmatrix's 8 row addresses fall in 8 bank groups) and read with
+//   ldmatrix.trans. o = (hi + lo) / w_mul.
+constexpr int kVhLd = kHd + 8;                             // halves a widened V row
+constexpr int kVhBytes = kWarps * kTileRows * kVhLd * 2;   // every warp's buffer
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo_elem, float hi_elem) {
+    const __half2 h = __floats2half2_rn(lo_elem, hi_elem);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+// Codes i and j of a word of int8 codes (biased by 128) as an exact fp16 pair: 1024 + byte, then
+// 1152 off.
+__device__ __forceinline__ uint32_t code_pair(uint32_t biased, uint32_t selector) {
+    const uint32_t h = __byte_perm(biased, 0x64646464u, selector);
+    const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&h), __half2half2(__ushort_as_half(0x6480)));
+    return *reinterpret_cast<const uint32_t *>(&r);
+}
+// A float split into fp16 hi and its fp16 remainder lo.
+__device__ __forceinline__ void split_half(float v, float &hi, float &lo) {
+    hi = __half2float(__float2half_rn(v));
+    lo = v - hi;
+}
+
+template <int G, int PER_SM>
+__global__ void __launch_bounds__(kThreads, PER_SM) attn_mma_kernel(Args a) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[kMaxStages];
+    // After the pipeline the stages are free: o_s, m_s, l_s take their place.
+    BlockWork w = block_work<G>(a, smem, 0);
+    w.q_s = nullptr;
+    w.o_s = reinterpret_cast<float *>(smem);
+    w.m_s = w.o_s + kWarps * G * kHd;
+    w.l_s = w.m_s + kWarps * G;
+    if (w.start >= a.ctx) return;
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int g = lane / 4, t = lane % 4;
+    __half *vh = reinterpret_cast<__half *>(smem + (size_t)a.stages * kStageBytes) + warp * kTileRows * kVhLd;
+    bulk_start(a, w, smem, full);
+
+    // Q's A fragments, one per k-step: (hi, lo) of dims 32 t + 4 kk + (0, 1) and + (2, 3).
+    uint32_t qa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        float hi[4] = {0.f, 0.f, 0.f, 0.f}, lo[4] = {0.f, 0.f, 0.f, 0.f};
+        if (g < G) {
+            const float *q = a.layer.q + (size_t)(w.head0 + g) * kHd + 32 * t + 4 * kk;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_half(q[e] * a.q_mul, hi[e], lo[e]);
+        }
+        qa[kk][0] = pack_half2(hi[0], hi[1]);
+        qa[kk][1] = pack_half2(lo[0], lo[1]);
+        qa[kk][2] = pack_half2(hi[2], hi[3]);
+        qa[kk][3] = pack_half2(lo[2], lo[3]);
+    }
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m = -INFINITY, l = 0.f;  // head g's
+    __syncthreads();
+
+    bulk_pipeline(a, w, smem, full, [&](const unsigned char *stage, int row0) {
+        const int r0 = warp * kTileRows;  // the warp's rows of the step
+        // V's 16 rows widened to fp16: lane takes row lane / 2, dims 64 (lane % 2) .. + 63.
+        {
+            const int r = lane / 2, d0 = 64 * (lane % 2);
+            const uint4 *src = reinterpret_cast<const uint4 *>(stage + kStageV + (r0 + r) * kHd + d0);
+            uint4 *dst = reinterpret_cast<uint4 *>(vh + r * kVhLd + d0);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const uint4 wv = src[c];
+                const uint32_t words[4] = {wv.x ^ 0x80808080u, wv.y ^ 0x80808080u, wv.z ^ 0x80808080u,
+                                           wv.w ^ 0x80808080u};
+                dst[2 * c] = make_uint4(code_pair(words[0], 0x5140u), code_pair(words[0], 0x7362u),
+                                        code_pair(words[1], 0x5140u), code_pair(words[1], 0x7362u));
+                dst[2 * c + 1] = make_uint4(code_pair(words[2], 0x5140u), code_pair(words[2], 0x7362u),
+                                            code_pair(words[3], 0x5140u), code_pair(words[3], 0x7362u));
+            }
+        }
+        // Scores of the two n-tiles (rows r0 + 8 nt + g of the K stage as B's column g).
+        float c[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+            // Odd g reads its second 16 bytes first: rows g and g + 1 (128 bytes apart, the same
+            // banks) then fall in different banks within each load.
+            const uint4 *krow = reinterpret_cast<const uint4 *>(stage + kStageK + (r0 + 8 * nt + g) * kHd + 32 * t);
+            const int sw = g & 1;
+            const uint4 first = krow[sw], second = krow[sw ^ 1];
+            const uint4 k0 = sw ? second : first, k1 = sw ? first : second;
+            const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const uint32_t word = kw[kk] ^ 0x80808080u;
+                // B: k-indices 2t, 2t + 1 (codes 0, 1 of the word) and 2t + 8, 2t + 9 (codes 2, 3).
+                mma16816(c[nt], qa[kk], code_pair(word, 0x5140u), code_pair(word, 0x7362u));
+            }
+        }
+        // Head g's scores of this lane's 4 rows: r0 + 8 nt + 2 t + e.
+        const float *ks = reinterpret_cast<const float *>(stage + kStageKs);
+        const float *vs = reinterpret_cast<const float *>(stage + kStageVs);
+        float sc[2][2];
+        bool valid[2][2];
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = r0 + 8 * nt + 2 * t + e;
+                valid[nt][e] = row0 + r < w.end;
+                sc[nt][e] = valid[nt][e] ? (c[nt][e] + c[nt][2 + e]) * a.q_inv * ks[r] : -INFINITY;
+                tmax = fmaxf(tmax, sc[nt][e]);
+            }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+        const float m_new = fmaxf(m, tmax);
+        if (m_new > m) {  // uniform over head g's four lanes
+            const float f = exp2f(m - m_new);
+            l *= f;
+#pragma unroll
+            for (int n = 0; n < 16; ++n) o[n][0] *= f, o[n][1] *= f, o[n][2] *= f, o[n][3] *= f;
+            m = m_new;
+        }
+        float hi[2][2], lo[2][2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = valid[nt][e] && g < G ? exp2f(sc[nt][e] - m) : 0.f;
+                l += p;
+                split_half(p * vs[r0 + 8 * nt + 2 * t + e] * a.w_mul, hi[nt][e], lo[nt][e]);
+            }
+        const uint32_t pa[4] = {pack_half2(hi[0][0], hi[0][1]), pack_half2(lo[0][0], lo[0][1]),
+                                pack_half2(hi[1][0], hi[1][1]), pack_half2(lo[1][0], lo[1][1])};
+        __syncwarp();  // the widened V is in
+        // ldmatrix.trans x4 rows: lanes 0-7 rows 0-7, 8-15 rows 8-15 of dims 16 nj .. + 7; lanes
+        // 16-31 the same rows of dims 16 nj + 8 .. + 15: b0 b1 of n-tiles 2 nj and 2 nj + 1.
+        const int lrow = (lane % 8) + 8 * ((lane / 8) % 2), lcol = 8 * (lane / 16);
+#pragma unroll
+        for (int nj = 0; nj < 8; ++nj) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vh + lrow * kVhLd + 16 * nj + lcol);
+            mma16816(o[2 * nj], pa, b[0], b[1]);
+            mma16816(o[2 * nj + 1], pa, b[2], b[3]);
+        }
+        __syncwarp();  // done with the widened V before the next step rewrites it
+    });
+
+    // Head g's sum over its four lanes; o (hi + lo) / w_mul of dims 8 n + 2 t + e.
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < G) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                w.o_s[(warp * G + g) * kHd + 8 * n + 2 * t + e] = (o[n][e] + o[n][2 + e]) * a.w_inv;
+        if (t == 0) {
+            w.m_s[warp * G + g] = m;
+            w.l_s[warp * G + g] = l;
+        }
+    }
+    block_combine<G>(a, w.o_s, w.m_s, w.l_s, w.kv, w.grp, w.b, w.n_active);
+}
+
 // ---- host -------------------------------------------------------------------------------------
-enum Path { kRegs, kBulk };
+enum Path { kRegs, kBulk, kMma };
 struct Variant {
     Path path;
     bool fold;
@@ -575,13 +793,16 @@ struct Variant {
     int lpr;     // lanes a row (regs: 8)
     std::string name() const {
         char buf[64];
-        snprintf(buf, sizeof buf, "%s-%c%d-%s%s%s", path == kRegs ? "regs" : "bulk", path == kRegs ? 'd' : 's',
-                 param, fold ? "fold" : "stream", lpr == 16 ? "-l16" : "", per_sm > 1 ? "-x2" : "");
+        snprintf(buf, sizeof buf, "%s-%c%d-%s%s%s", path == kRegs ? "regs" : path == kBulk ? "bulk" : "mma",
+                 path == kRegs ? 'd' : 's', param, fold ? "fold" : "stream", lpr == 16 ? "-l16" : "",
+                 per_sm > 1 ? "-x2" : "");
         return buf;
     }
-    // Heads a block folds for a group of `group` (a stream variant reads each row once).
+    // Heads a block folds for a group of `group` (a stream variant, and the tensor cores' fold,
+    // read each row once).
     int head_group(int group) const {
-        return fold ? std::min(group, lpr == 16 ? Lanes<16>::MAX_HG : Lanes<8>::MAX_HG) : group;
+        if (!fold || path == kMma) return group;
+        return std::min(group, lpr == 16 ? Lanes<16>::MAX_HG : Lanes<8>::MAX_HG);
     }
 };
 constexpr int kMaxPerSm = 2;
@@ -594,7 +815,13 @@ Kernel bulk_kernel(bool fold, int hg) {
                    : hg == 4 ? attn_bulk_kernel<4, LPR, true, PER_SM>
                              : LPR == 16 && hg == 8 ? attn_bulk_kernel<LPR == 16 ? 8 : 4, LPR, true, PER_SM> : nullptr;
 }
+template <int PER_SM>
+Kernel mma_kernel(int group) {
+    return group == 2 ? attn_mma_kernel<2, PER_SM> : group == 4 ? attn_mma_kernel<4, PER_SM>
+                                                   : group == 8 ? attn_mma_kernel<8, PER_SM> : nullptr;
+}
 Kernel kernel_for(const Variant &v, int hg) {
+    if (v.path == kMma) return v.per_sm > 1 ? mma_kernel<2>(hg) : mma_kernel<1>(hg);
     if (v.path == kRegs) {
         if (!v.fold) return attn_regs_kernel<2, false>;
         return hg == 2 ? attn_regs_kernel<2, true> : hg == 4 ? attn_regs_kernel<4, true> : nullptr;
@@ -603,6 +830,7 @@ Kernel kernel_for(const Variant &v, int hg) {
     return v.per_sm > 1 ? bulk_kernel<8, 2>(v.fold, hg) : bulk_kernel<8, 1>(v.fold, hg);
 }
 size_t smem_for(const Variant &v, int hg) {
+    if (v.path == kMma) return (size_t)v.param * kStageBytes + kVhBytes;  // o_s etc. in the stages
     const size_t tail = (size_t)(hg * kHd + kWarps * hg * kHd + 2 * kWarps * hg) * 4;
     return (v.path == kBulk ? (size_t)v.param * kStageBytes : 0) + tail;
 }
@@ -722,6 +950,12 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
     for (size_t i = 0; i < q_host.size(); ++i)
         q_host[i] = qscale * (2.f * (float)(mix(i + 77) >> 40) / (float)(1ull << 24) - 1.f);
     CK(cudaMemcpy(q_all, q_host.data(), q_host.size() * 4, cudaMemcpyHostToDevice));
+    // The tensor cores' fold: q and the weights p v_scale (p <= 1, v_scale <= 0.02 by
+    // construction) scaled by powers of two that bring their largest to at most 2^14 in fp16.
+    float q_max = 0.f;
+    for (float v : q_host) q_max = std::max(q_max, std::fabs(v));
+    const float q_mul = std::exp2(std::floor(std::log2(16384.f / q_max)));
+    const float w_mul = std::exp2(std::floor(std::log2(16384.f / 0.02f)));
     std::vector<int32_t> table(pages);
     {
         std::vector<int32_t> perm(n_blocks);
@@ -808,7 +1042,11 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
                 a.counters = counters + (size_t)sh.n_heads * l;
                 a.sink = sink + sink_n * l;
                 a.prefetch = var.path == kRegs ? var.param : 0;
-                a.stages = var.path == kBulk ? var.param : 0;
+                a.stages = var.path != kRegs ? var.param : 0;
+                a.q_mul = q_mul;
+                a.q_inv = 1.f / q_mul;
+                a.w_mul = w_mul;
+                a.w_inv = 1.f / w_mul;
                 kernel<<<dim3(sh.n_kv * head_groups, bpkv), kThreads, smem, s>>>(a);
             }
         };
@@ -935,6 +1173,8 @@ int main(int argc, char **argv) {
     }
     for (int s : {3, 4, 6}) variants.push_back({kBulk, true, s, 1, 16});
     for (int s : {2, 3}) variants.push_back({kBulk, true, s, 2, 16});
+    for (int s : {2, 3, 4, 5}) variants.push_back({kMma, true, s, 1, 16});
+    for (int s : {2}) variants.push_back({kMma, true, s, 2, 16});
     std::vector<Result> results;
     bool ok = true;
     for (const Shape &sh : kShapes) {
