@@ -77,15 +77,10 @@
 #include <string>
 #include <vector>
 
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        const cudaError_t err_ = (call);                                                           \
-        if (err_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "CUDA error: %s\n  at %s:%d: %s\n", #call, __FILE__, __LINE__,         \
-                    cudaGetErrorString(err_));                                                     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "probe_common.cuh"
+
+using probe::copy_bandwidth;
+using probe::elapsed_ms;
 
 namespace {
 
@@ -851,38 +846,6 @@ __global__ void fill_scales(float *p, size_t n, uint64_t seed) {
         p[i] = 0.005f + 0.015f * (float)((mix(i + seed * 0x100000001B3ull) >> 40) + 1) / (float)(1ull << 24);
 }
 
-template <class F>
-float elapsed_ms(cudaStream_t s, F f) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    CK(cudaEventRecord(a, s));
-    f();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return ms;
-}
-
-double copy_bandwidth() {
-    const size_t bytes = 1ull << 30;
-    void *src, *dst;
-    CK(cudaMalloc(&src, bytes));
-    CK(cudaMalloc(&dst, bytes));
-    CK(cudaMemset(src, 1, bytes));
-    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-    const int reps = 5;
-    const float ms = elapsed_ms(0, [&] {
-        for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-    });
-    CK(cudaFree(src));
-    CK(cudaFree(dst));
-    return 2.0 * bytes * reps / (ms * 1e-3);
-}
-
 struct Result {
     std::string shape, variant;
     int ctx;
@@ -1109,18 +1072,6 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
         CK(cudaFree(p));
 }
 
-std::vector<std::string> split(const std::string &s) {
-    std::vector<std::string> out;
-    size_t pos = 0;
-    while (pos <= s.size()) {
-        const size_t comma = s.find(',', pos);
-        const size_t end = comma == std::string::npos ? s.size() : comma;
-        if (end > pos) out.push_back(s.substr(pos, end - pos));
-        pos = end + 1;
-    }
-    return out;
-}
-
 void usage(const char *argv0) {
     printf("usage: %s [--shape qwen3-0.6b|qwen3-8b|qwen3-30b-a3b|all] [--context C[,C...]] [--iters N] "
            "[--json PATH]\n",
@@ -1139,8 +1090,7 @@ int main(int argc, char **argv) {
         if (arg == "--shape" && has_value) {
             shape = argv[++i];
         } else if (arg == "--context" && has_value) {
-            contexts.clear();
-            for (const std::string &c : split(argv[++i])) contexts.push_back(atoi(c.c_str()));
+            contexts = probe::parse_ints(argv[++i]);
         } else if (arg == "--iters" && has_value) {
             iters = atoi(argv[++i]);
         } else if (arg == "--json" && has_value) {

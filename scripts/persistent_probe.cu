@@ -133,15 +133,10 @@
 #include <type_traits>
 #include <vector>
 
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        const cudaError_t err_ = (call);                                                           \
-        if (err_ != cudaSuccess) {                                                                 \
-            fprintf(stderr, "CUDA error: %s\n  at %s:%d: %s\n", #call, __FILE__, __LINE__,         \
-                    cudaGetErrorString(err_));                                                     \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "probe_common.cuh"
+
+using probe::copy_bandwidth;
+using probe::elapsed_ms;
 
 namespace cg = cooperative_groups;
 
@@ -2259,40 +2254,6 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     return res;
 }
 
-// Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
-// ms between two events on `stream` around what work() enqueues there.
-template <class Work>
-float elapsed_ms(cudaStream_t stream, Work work) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaEventRecord(e0, stream));
-    work();
-    CK(cudaEventRecord(e1, stream));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return ms;
-}
-
-double copy_bandwidth() {
-    const size_t bytes = 1ull << 30;
-    void *src, *dst;
-    CK(cudaMalloc(&src, bytes));
-    CK(cudaMalloc(&dst, bytes));
-    CK(cudaMemset(src, 1, bytes));
-    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-    const int reps = 5;
-    const float ms = elapsed_ms(0, [&] {
-        for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-    });
-    CK(cudaFree(src));
-    CK(cudaFree(dst));
-    return 2.0 * bytes * reps / (ms * 1e-3);
-}
-
 // µs a kernel of a graph of `kernels` kernels that enqueue(stream) captures: 20 replays to warm
 // up, then `iters` replays between two events.
 template <class Enqueue>
@@ -2439,12 +2400,7 @@ int main(int argc, char **argv) {
         if (arg == "--shape" && has_value) {
             shape = argv[++i];
         } else if (arg == "--context" && has_value) {
-            std::string list = argv[++i];
-            for (size_t p = 0; p <= list.size();) {
-                const size_t q = std::min(list.find(',', p), list.size());
-                contexts.push_back(atoi(list.substr(p, q - p).c_str()));
-                p = q + 1;
-            }
+            contexts = probe::parse_ints(argv[++i]);
         } else if (arg == "--iters" && has_value) {
             iters = atoi(argv[++i]);
         } else if (arg == "--json" && has_value) {

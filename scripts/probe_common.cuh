@@ -1,0 +1,70 @@
+// probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share on the host: the CUDA
+// error check that ends the program, event timing, the copy bandwidth they quote rates against,
+// and a comma list of integers from the command line.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        const cudaError_t err_ = (call);                                                           \
+        if (err_ != cudaSuccess) {                                                                 \
+            fprintf(stderr, "CUDA error: %s\n  at %s:%d: %s\n", #call, __FILE__, __LINE__,         \
+                    cudaGetErrorString(err_));                                                     \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+namespace probe {
+
+// ms between two events on `stream` around what work() enqueues there.
+template <class Work>
+float elapsed_ms(cudaStream_t stream, Work work) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0, stream));
+    work();
+    CK(cudaEventRecord(e1, stream));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return ms;
+}
+
+// Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
+inline double copy_bandwidth() {
+    const size_t bytes = 1ull << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    CK(cudaMemset(src, 1, bytes));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    const int reps = 5;
+    const float ms = elapsed_ms(0, [&] {
+        for (int i = 0; i < reps; ++i) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+    });
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+    return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+// "64,512" -> {64, 512}; an empty item reads as 0.
+inline std::vector<int> parse_ints(const std::string &list) {
+    std::vector<int> out;
+    for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        out.push_back(atoi(list.substr(p, q - p).c_str()));
+        p = q + 1;
+    }
+    return out;
+}
+
+}  // namespace probe
