@@ -152,6 +152,13 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, unsigned parity) {
         : "memory");
     return ok != 0;
 }
+// Wait for a stage; a wait that never ends (a copy that never lands: 2^26 polls, each of which
+// may suspend the thread for a while, some seconds at least) ends the kernel with a trap, so a
+// bug reads as a CUDA error in the output instead of a probe that hangs until its time limit.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+    for (unsigned polls = 0; !mbar_try_wait(bar, parity);)
+        if (++polls == (1u << 26)) __trap();
+}
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, unsigned bytes, uint64_t *bar) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
@@ -550,8 +557,7 @@ __device__ __forceinline__ void bulk_pipeline(const Args &a, const BlockWork &w,
     const int n_steps = (w.end - w.start + kStepRows - 1) / kStepRows;
     for (int t = 0; t < n_steps; ++t) {
         const int slot = t % a.stages;
-        while (!mbar_try_wait(&full[slot], (unsigned)(t / a.stages) & 1u)) {
-        }
+        mbar_wait(&full[slot], (unsigned)(t / a.stages) & 1u);
         fold(stages + (size_t)slot * kStageBytes, w.start + t * kStepRows);
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0) {
