@@ -404,7 +404,9 @@ __device__ __forceinline__ void end_block(const Args &a, State<HG, LPR> &st, uns
     }
 }
 
-// Where a block's work lies, and its shared memory after `skip` bytes (the stages).
+// Where a block's work lies, and its shared memory after `skip` bytes (the stages): o_s, m_s,
+// l_s first (the tensor cores' fold, which reads q once into registers, puts them at offset 0,
+// over stages it no longer needs), then q_s.
 struct BlockWork {
     int kv, grp, b, start, end, n_active, head0;
     float *q_s, *o_s, *m_s, *l_s;
@@ -419,10 +421,10 @@ __device__ __forceinline__ BlockWork block_work(const Args &a, unsigned char *sm
     w.end = min(a.ctx, w.start + a.rows_per_block);
     w.n_active = (a.ctx + a.rows_per_block - 1) / a.rows_per_block;
     w.head0 = w.kv * (a.n_heads / a.n_kv) + w.grp * HG;
-    w.q_s = reinterpret_cast<float *>(smem + skip);
-    w.o_s = w.q_s + HG * kHd;
+    w.o_s = reinterpret_cast<float *>(smem + skip);
     w.m_s = w.o_s + kWarps * HG * kHd;
     w.l_s = w.m_s + kWarps * HG;
+    w.q_s = w.l_s + kWarps * HG;
     return w;
 }
 
@@ -647,12 +649,8 @@ template <int G, int PER_SM>
 __global__ void __launch_bounds__(kThreads, PER_SM) attn_mma_kernel(Args a) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[kMaxStages];
-    // After the pipeline the stages are free: o_s, m_s, l_s take their place.
-    BlockWork w = block_work<G>(a, smem, 0);
-    w.q_s = nullptr;
-    w.o_s = reinterpret_cast<float *>(smem);
-    w.m_s = w.o_s + kWarps * G * kHd;
-    w.l_s = w.m_s + kWarps * G;
+    // After the pipeline the stages are free: o_s, m_s, l_s take their place (q_s is not used).
+    const BlockWork w = block_work<G>(a, smem, 0);
     if (w.start >= a.ctx) return;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     const int g = lane / 4, t = lane % 4;

@@ -2400,7 +2400,7 @@ int main(int argc, char **argv) {
         if (arg == "--shape" && has_value) {
             shape = argv[++i];
         } else if (arg == "--context" && has_value) {
-            contexts = probe::parse_ints(argv[++i]);
+            for (int c : probe::parse_ints(argv[++i])) contexts.push_back(c);  // repeated flags add up
         } else if (arg == "--iters" && has_value) {
             iters = atoi(argv[++i]);
         } else if (arg == "--json" && has_value) {
