@@ -294,23 +294,24 @@ __device__ __forceinline__ void fold_tile(const Tile<LPR> &t, const float *q_s, 
 }
 
 // The stream variants' stand-in for the fold: every word and scale of the rows before the
-// block's end, xored (so every data path gives the same xor a head group).
+// block's end, xored (so every data path gives the same xor a head group). Every lane of a row
+// holds its scales, so only the row's first lane xors them (an even count would cancel).
 template <int LPR>
-__device__ __forceinline__ void consume_tile(const Tile<LPR> &t, unsigned &acc) {
+__device__ __forceinline__ void consume_tile(const Tile<LPR> &t, int lane_in_row, unsigned &acc) {
     using L = Lanes<LPR>;
 #pragma unroll
     for (int s = 0; s < L::SLOTS; ++s) {
         if (!t.valid[s]) continue;
 #pragma unroll
         for (int w = 0; w < L::WORDS; ++w) acc ^= t.k[s][w] ^ t.v[s][w];
-        acc ^= __float_as_uint(t.ks[s]) ^ __float_as_uint(t.vs[s]);
+        if (lane_in_row == 0) acc ^= __float_as_uint(t.ks[s]) ^ __float_as_uint(t.vs[s]);
     }
 }
 template <int HG, int LPR, bool FOLD>
 __device__ __forceinline__ void use_tile(const Tile<LPR> &t, const float *q_s, int lane_in_row, State<HG, LPR> &st,
                                          unsigned &acc) {
     if constexpr (FOLD) fold_tile<HG, LPR>(t, q_s, lane_in_row, st);
-    else consume_tile<LPR>(t, acc);
+    else consume_tile<LPR>(t, lane_in_row, acc);
 }
 
 // ---- the block's end: warps -> block partial -> the last block's combine ----------------------
@@ -830,7 +831,8 @@ Kernel kernel_for(const Variant &v, int hg) {
 }
 size_t smem_for(const Variant &v, int hg) {
     if (v.path == kMma) return (size_t)v.param * kStageBytes + kVhBytes;  // o_s etc. in the stages
-    const size_t tail = (size_t)(hg * kHd + kWarps * hg * kHd + 2 * kWarps * hg) * 4;
+    const int khg = v.fold ? hg : 2;  // the stream kernels are built for 2 heads (kernel_for)
+    const size_t tail = (size_t)(khg * kHd + kWarps * khg * kHd + 2 * kWarps * khg) * 4;
     return (v.path == kBulk ? (size_t)v.param * kStageBytes : 0) + tail;
 }
 
@@ -895,6 +897,9 @@ std::vector<T> to_host(const T *p, size_t n) {
 void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector<Variant> &variants, int sms,
                std::vector<Result> &results, bool &all_ok) {
     const int group = sh.n_heads / sh.n_kv;
+    int device = 0, smem_optin = 0;
+    CK(cudaGetDevice(&device));
+    CK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     const int pages = (ctx + kStepRows - 1) / kStepRows * kStepRows / kPage;  // whole steps
     // The pool: its pages and a spare block per 64, so the table is not the identity's neighbour.
     const int n_blocks = pages + pages / 64 + 1;
@@ -977,6 +982,13 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
         const Kernel kernel = kernel_for(var, hg);
         if (kernel == nullptr) continue;
         const size_t smem = smem_for(var, hg);
+        cudaFuncAttributes attr;
+        CK(cudaFuncGetAttributes(&attr, kernel));
+        if (attr.sharedSizeBytes + smem > (size_t)smem_optin) {
+            printf("  %-24s needs %zu B of shared memory a block, more than the %d B a block may have\n",
+                   var.name().c_str(), attr.sharedSizeBytes + smem, smem_optin);
+            continue;
+        }
         CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int per_sm = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
@@ -1144,11 +1156,13 @@ int main(int argc, char **argv) {
         fprintf(f, "{\"device\": \"%s\", \"copy_bandwidth_GBps\": %.1f, \"results\": [\n", prop.name, bw / 1e9);
         for (size_t i = 0; i < results.size(); ++i) {
             const Result &r = results[i];
+            char err[32] = "null";  // no reference (stream variants) or not finite
+            if (std::isfinite(r.err)) snprintf(err, sizeof err, "%.3e", r.err);
             fprintf(f,
                     "  {\"shape\": \"%s\", \"context\": %d, \"variant\": \"%s\", \"us_token\": %.3f, \"us_layer\": %.4f, "
                     "\"GBps\": %.1f, \"of_copy\": %.4f, \"rel_l2\": %s, \"ok\": %s}%s\n",
                     r.shape.c_str(), r.ctx, r.variant.c_str(), r.us_token, r.us_layer, r.rate / 1e9, r.frac,
-                    std::isnan(r.err) ? "null" : std::to_string(r.err).c_str(), r.ok ? "true" : "false",
+                    err, r.ok ? "true" : "false",
                     i + 1 < results.size() ? "," : "");
         }
         fprintf(f, "]}\n");
