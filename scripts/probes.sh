@@ -8,6 +8,8 @@
 #                        one decode step's first attention kernel under ncu (speed of light,
 #                        memory, warp states with the stall reasons, occupancy)
 #   PROBES="attention_probe attention_ncu" bash scripts/probes.sh
+# With the attention probe and the library, scripts/sass_loops.py writes each attention kernel's
+# hot loop (instructions a trip by class, the issue-bound time) beside them: *-sass.{txt,json}.
 # Time limits (seconds) from the environment: PROBE_TIMEOUT (per part, default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,14 +18,19 @@ mkdir -p "$OUT"
 summary=()
 standalone() {  # probe name, then its arguments
   local probe=$1; shift
-  if ! nvcc -arch=sm_90 -O3 -std=c++17 -Xptxas -v -o "/tmp/$probe" "scripts/$probe.cu" > "$OUT/$probe-build.txt" 2>&1; then
+  if ! nvcc -arch=sm_90 -O3 -std=c++17 -lineinfo -Xptxas -v -o "/tmp/$probe" "scripts/$probe.cu" > "$OUT/$probe-build.txt" 2>&1; then
     summary+=("$probe: build failed (see $probe-build.txt)")
     return
   fi
+  [ "$probe" = attention_probe ] && sass_loops "/tmp/$probe" "$probe" attn_
   timeout "${PROBE_TIMEOUT:-300}" "/tmp/$probe" "$@" > "$OUT/$probe.txt" 2>&1
   summary+=("$probe: rc=$?, $(tail -n 1 "$OUT/$probe.txt")")
   echo "==== $probe"
   tail -n 40 "$OUT/$probe.txt"
+}
+sass_loops() {  # binary, output name, kernel regex
+  python3 scripts/sass_loops.py "$1" --kernel "$3" --lines 12 --json "$OUT/$2-sass.json" > "$OUT/$2-sass.txt" 2>&1
+  summary+=("$2 hot loops: rc=$?")
 }
 for part in ${PROBES:-attention_probe persistent_probe attention_ncu}; do
   case "$part" in
@@ -34,6 +41,7 @@ for part in ${PROBES:-attention_probe persistent_probe attention_ncu}; do
         summary+=("attention_ncu: library build failed")
         continue
       fi
+      sass_loops runtime/_lib/libonegraph.so library-attention 'attention_kernel<2, '
       (source scripts/source_tree_env.sh
        timeout "${PROBE_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off \
          --kernel-name regex:attention_kernel --launch-count 1 --section SpeedOfLight \

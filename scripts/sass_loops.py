@@ -1,0 +1,191 @@
+"""The hot loop of each kernel in a CUDA binary, as the compiler wrote it: its instructions by
+class and by source line, and how long one trip takes if issue alone bound it.
+
+    python3 scripts/sass_loops.py BINARY [--kernel REGEX] [--warps-per-sm N] [--lines K] [--json PATH]
+
+BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
+for the source lines). The hot loop of a function is its innermost loop (a backward branch and
+the code between its target and it) with at least half the arithmetic instructions (FFMA,
+HFMA2, HMMA, IMMA, IDP4A, ...) of the function's loop with the most, and at least --min-math. Issue-bound time of one trip = instructions x warps an SM / (4
+schedulers x 1 instruction a cycle) / the clock: what the loop costs if nothing but issue slots
+held it, to set against a measured time (a loop much slower than that waits on latency).
+
+Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
+(triton/backends/nvidia/bin), in that order.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MATH = {"FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "HMMA", "IMMA", "IDP4A", "DFMA"}
+CLASSES = {
+    "fp32 math": {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK"},
+    "fp16 pairs": {"HFMA2", "HMUL2", "HADD2", "HMNMX2", "HSETP2"},
+    "tensor core": {"HMMA", "IMMA", "HGMMA", "IGMMA"},
+    "int dot": {"IDP4A", "IDP2A"},
+    "sfu": {"MUFU"},
+    "conversion": {"I2F", "F2I", "F2F", "I2FP", "F2FP", "PRMT"},
+    "shuffle": {"SHFL", "VOTE", "REDUX", "MATCH"},
+    "load/store": {"LDG", "STG", "LDS", "STS", "LDSM", "LD", "ST", "LDL", "STL", "LDGSTS", "LDGDEPBAR",
+                   "UBLKCP", "UTMALDG", "SYNCS", "RED", "ATOM", "ATOMS", "CCTL"},
+    "control": {"BRA", "BSSY", "BSYNC", "WARPSYNC", "BAR", "EXIT", "NOP", "YIELD", "DEPBAR", "BREAK"},
+}
+
+
+def find_tool(name: str) -> str:
+    candidates = []
+    if os.environ.get("CUDA_BIN"):
+        candidates.append(Path(os.environ["CUDA_BIN"]) / name)
+    found = shutil.which(name)
+    if found:
+        candidates.append(Path(found))
+    try:
+        import triton  # noqa: F401  (only its bundled binaries are used)
+        candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    except ImportError:
+        pass
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    sys.exit(f"sass_loops: {name} not found (set CUDA_BIN, put it on the PATH, or install triton)")
+
+
+def cubins(binary: Path, workdir: Path) -> list[Path]:
+    """The binary itself when it is a cubin (an ELF for EM_CUDA, 190), else the sm_90 cubins
+    cuobjdump extracts from it."""
+    head = binary.read_bytes()[:20]
+    if head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 190:
+        return [binary]
+    subprocess.run([find_tool("cuobjdump"), "-xelf", "all", str(binary.resolve())], cwd=workdir,
+                   check=True, capture_output=True)
+    found = sorted(p for p in workdir.glob("*.cubin") if "sm_90" in p.name)
+    if not found:
+        sys.exit(f"sass_loops: no sm_90 code in {binary}")
+    return found
+
+
+def functions(cubin: Path) -> dict[str, list[tuple[int, str, tuple[str, int] | None, list[str]]]]:
+    """Mangled name -> [(address, instruction, (file, line) or None, labels at it)]."""
+    text = subprocess.run([find_tool("nvdisasm"), "-g", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+    out: dict[str, list] = {}
+    body = None
+    src = None
+    labels: list[str] = []
+    for line in text.splitlines():
+        m = re.match(r"\s*\.section\s+\.text\.(\S+?),", line)
+        if m:
+            body = out.setdefault(m.group(1), [])
+            src, labels = None, []
+            continue
+        if body is None:
+            continue
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            src = (Path(m.group(1)).name, int(m.group(2)))
+            continue
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels.append(m.group(1))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            body.append((int(m.group(1), 16), m.group(2), src, labels))
+            labels = []
+    return out
+
+
+def opcode(instr: str) -> str:
+    return re.sub(r"^@!?U?P[0-9T]\s+", "", instr).split()[0].split(".")[0]
+
+
+def hot_loop(body, min_math: int):
+    """The innermost loop with at least half the arithmetic of the loop with the most (and at
+    least min_math): (first, last) index, or None. A loop's code is what lies between a backward
+    branch's target and the branch, so the compiler's rotated and duplicated paths make loops
+    that nest or overlap; the hot one is the smallest of those that hold most of the math."""
+    where = {}
+    for i, (_, _, _, labels) in enumerate(body):
+        for label in labels:
+            where[label] = i
+    loops = []
+    for i, (_, instr, _, _) in enumerate(body):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", instr)
+        if m and where.get(m.group(1), i) < i:
+            first = where[m.group(1)]
+            loops.append((first, i, sum(opcode(x[1]) in MATH for x in body[first:i + 1])))
+    if not loops:
+        return None
+    need = max(min_math, max(n for _, _, n in loops) // 2)
+    hot = [(last - first, first, last) for first, last, n in loops if n >= need]
+    return min(hot)[1:] if hot else None
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    filt = shutil.which("c++filt")
+    if not filt:
+        return {n: n for n in names}
+    res = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, res)) if len(res) == len(names) else {n: n for n in names}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("binary", type=Path)
+    ap.add_argument("--kernel", default="", help="a regular expression on the demangled name")
+    ap.add_argument("--min-math", type=int, default=64)
+    ap.add_argument("--warps-per-sm", type=int, default=8, help="resident warps an SM (the issue-bound time)")
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--lines", type=int, default=0, help="also the K source lines with the most instructions")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not args.binary.is_file():
+        sys.exit(f"sass_loops: {args.binary}: no such file")
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for cubin in cubins(args.binary, Path(tmp)):
+            funcs = functions(cubin)
+            names = demangle(list(funcs))
+            for mangled, body in funcs.items():
+                name = names[mangled]
+                if not re.search(args.kernel, name):
+                    continue
+                loop = hot_loop(body, args.min_math)
+                if loop is None:
+                    continue
+                trip = body[loop[0]:loop[1] + 1]
+                ops = collections.Counter(opcode(x[1]) for x in trip)
+                classes = collections.Counter()
+                for op, n in ops.items():
+                    classes[next((c for c, s in CLASSES.items() if op in s), "integer/address/other")] += n
+                cycles = len(trip) * args.warps_per_sm / 4
+                rec = {"kernel": name, "instructions": len(trip), "classes": dict(classes.most_common()),
+                       "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": args.warps_per_sm,
+                       "lines": [[f"{s[0]}:{s[1]}" if s else "?", n] for s, n in
+                                 collections.Counter(x[2] for x in trip).most_common(args.lines)]}
+                records.append(rec)
+    if not records:
+        print(f"sass_loops: no kernel matching '{args.kernel}' has a loop with {args.min_math}+ math instructions")
+        return 1
+    for rec in sorted(records, key=lambda r: r["kernel"]):
+        print(f"{rec['kernel']}\n  hot loop: {rec['instructions']} instructions a trip, issue-bound "
+              f"{rec['issue_bound_us']:.2f} us at {rec['warps_per_sm']} warps an SM")
+        print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
+        for where, n in rec["lines"]:
+            print(f"    {where:>24}  {n}")
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
