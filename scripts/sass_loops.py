@@ -75,8 +75,12 @@ def cubins(binary: Path, workdir: Path) -> list[Path]:
 
 def functions(cubin: Path) -> dict[str, list[tuple[int, str, tuple[str, int] | None, list[str]]]]:
     """Mangled name -> [(address, instruction, (file, line) or None, labels at it)]."""
-    text = subprocess.run([find_tool("nvdisasm"), "-g", str(cubin)], check=True, capture_output=True,
-                          text=True).stdout
+    return parse_disassembly(subprocess.run([find_tool("nvdisasm"), "-g", str(cubin)], check=True,
+                                            capture_output=True, text=True).stdout)
+
+
+def parse_disassembly(text: str) -> dict[str, list[tuple[int, str, tuple[str, int] | None, list[str]]]]:
+    """nvdisasm -g's text -> functions() (a section .text.NAME a function)."""
     out: dict[str, list] = {}
     body = None
     src = None

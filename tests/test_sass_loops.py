@@ -1,0 +1,45 @@
+"""scripts/sass_loops.py on a disassembly written by hand in nvdisasm -g's format: which loop is
+the hot one, and what it counts."""
+import importlib.util
+import pathlib
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sass_loops.py"
+spec = importlib.util.spec_from_file_location("sass_loops", SCRIPT)
+sass_loops = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sass_loops)
+
+
+def disassembly(lines):
+    """A function `k` of the given (label or None, instruction, source line) rows."""
+    out = ["\t.section\t.text.k,\"ax\",@progbits", "k:"]
+    for address, (label, instr, line) in enumerate(lines):
+        if label:
+            out.append(f"{label}:")
+        out.append(f'\t//## File "/src/k.cu", line {line}')
+        out.append(f"        /*{address * 16:04x}*/                   {instr} ;")
+    return "\n".join(out)
+
+
+def test_the_hot_loop_is_the_smallest_holding_half_the_math():
+    rows = [(None, "MOV R1, c[0x0][0x28]", 1)]
+    # An outer loop (a rotated copy of the inner one) around an inner loop of 6 FFMA and a
+    # small epilogue loop of 2 FFMA: the inner one is hot.
+    rows += [(".L_x_0", "IMAD R2, R2, 0x2, RZ", 2)]
+    rows += [(".L_x_1" if i == 0 else None, "FFMA R3, R4, R5, R3", 3) for i in range(6)]
+    rows += [(None, "SHFL.BFLY PT, R6, R3, 0x1, 0x1f", 4), (None, "@P0 BRA `(.L_x_1)", 5)]
+    rows += [(None, "FFMA R7, R4, R5, R7", 6), (None, "@P1 BRA `(.L_x_0)", 7)]
+    rows += [(".L_x_2", "FFMA R8, R4, R5, R8", 8), (None, "FADD R8, R8, R9", 8), (None, "@P2 BRA `(.L_x_2)", 9)]
+    rows += [(None, "EXIT", 10)]
+    body = sass_loops.parse_disassembly(disassembly(rows))["k"]
+    first, last = sass_loops.hot_loop(body, min_math=1)
+    trip = body[first:last + 1]
+    assert [sass_loops.opcode(x[1]) for x in trip] == ["FFMA"] * 6 + ["SHFL", "BRA"]
+    assert trip[0][2] == ("k.cu", 3)
+    # Demanding more math than any loop holds: none.
+    assert sass_loops.hot_loop(body, min_math=100) is None
+
+
+def test_predicates_and_modifiers_do_not_change_the_opcode():
+    assert sass_loops.opcode("@!P3 LDG.E.128.CONSTANT R4, desc[UR6][R2.64]") == "LDG"
+    assert sass_loops.opcode("@UPT HMMA.16816.F32 R0, R4, R8, R0") == "HMMA"
+    assert sass_loops.opcode("FFMA R3, R4, R5, R3") == "FFMA"
