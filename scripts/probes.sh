@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The standalone probes, and Nsight Compute on the library's attention kernel at a long context,
-# in one GPU call; each part's output under $OUT (default ./out), a summary printed last.
+# on a GPU machine; each part's output under $OUT (default ./out), a summary printed last.
 #   bash scripts/probes.sh                         # every part, in this order:
 #     attention_probe    scripts/attention_probe.cu: the cache's read rate per data path and fold
 #     persistent_probe   scripts/persistent_probe.cu at contexts 16-128 with its trace
-#     attention_ncu      the library (built here) on qwen3-0.6b, 2 layers, int8 KV, context 32768:
-#                        one decode step's first attention kernel under ncu (speed of light,
-#                        memory, warp states with the stall reasons, occupancy)
+#     attention_ncu      the library (built here) on each of $NCU_PRESETS (default qwen3-0.6b), 2
+#                        layers, int8 KV, context 32768: one decode step's first attention kernel
+#                        under ncu (speed of light, memory, warp states with the stall reasons,
+#                        occupancy)
 #   PROBES="attention_probe attention_ncu" bash scripts/probes.sh
+#   PROBES=attention_ncu NCU_PRESETS="qwen3-0.6b qwen3-8b qwen3-30b-a3b" bash scripts/probes.sh
+# Every part in one call may pass a GPU call's 10 minutes: the two probes in one call and the
+# library's parts in a second is the safe split.
 # With the attention probe and the library, scripts/sass_loops.py writes each attention kernel's
 # hot loop (instructions a trip by class, the issue-bound time) beside them: *-sass.{txt,json}.
 # Time limits (seconds) from the environment: PROBE_TIMEOUT (per part, default 300).
@@ -42,15 +46,17 @@ for part in ${PROBES:-attention_probe persistent_probe attention_ncu}; do
         continue
       fi
       sass_loops runtime/_lib/libonegraph.so library-attention 'attention_kernel<2, '
-      (source scripts/source_tree_env.sh
-       timeout "${PROBE_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off \
-         --kernel-name regex:attention_kernel --launch-count 1 --section SpeedOfLight \
-         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-         --section SchedulerStats python3 scripts/profile_kernels.py --preset qwen3-0.6b --layers 2 --kv int8 \
-         --context 32768 --steps 1) > "$OUT/attention_ncu.txt" 2>&1
-      summary+=("attention_ncu: rc=$?")
-      echo "==== attention_ncu"
-      tail -n 40 "$OUT/attention_ncu.txt" ;;
+      for preset in ${NCU_PRESETS:-qwen3-0.6b}; do
+        (source scripts/source_tree_env.sh
+         timeout "${PROBE_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off \
+           --kernel-name regex:attention_kernel --launch-count 1 --section SpeedOfLight \
+           --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+           --section SchedulerStats python3 scripts/profile_kernels.py --preset "$preset" --layers 2 --kv int8 \
+           --context 32768 --steps 1) > "$OUT/attention_ncu-$preset.txt" 2>&1
+        summary+=("attention_ncu $preset: rc=$?, $(grep -m1 -E 'Duration' "$OUT/attention_ncu-$preset.txt" | tr -s ' ')")
+        echo "==== attention_ncu $preset"
+        tail -n 40 "$OUT/attention_ncu-$preset.txt"
+      done ;;
     *) summary+=("$part: unknown part") ;;
   esac
 done
