@@ -4,13 +4,15 @@
 #   bash scripts/probes.sh                         # every part, in this order:
 #     attention_probe    scripts/attention_probe.cu: the cache's read rate per data path and fold
 #     persistent_probe   scripts/persistent_probe.cu at contexts 16-128 with its trace
+#     conditional_probe  scripts/conditional_probe.cu: a layer's cost when the graph picks a
+#                        kernel by the context length through a conditional node
 #     attention_ncu      the library (built here) on each of $NCU_PRESETS (default qwen3-0.6b), 2
 #                        layers, int8 KV, context 32768: one decode step's first attention kernel
 #                        under ncu (speed of light, memory, warp states with the stall reasons,
 #                        occupancy)
 #   PROBES="attention_probe attention_ncu" bash scripts/probes.sh
 #   PROBES=attention_ncu NCU_PRESETS="qwen3-0.6b qwen3-8b qwen3-30b-a3b" bash scripts/probes.sh
-# Every part in one call may pass a GPU call's 10 minutes: the two probes in one call and the
+# Every part in one call may pass a GPU call's 10 minutes: the standalone probes in one call and the
 # library's parts in a second is the safe split.
 # With the attention probe and the library, scripts/sass_loops.py writes each attention kernel's
 # hot loop (instructions a trip by class, the issue-bound time) beside them: *-sass.{txt,json}.
@@ -36,10 +38,11 @@ sass_loops() {  # binary, output name, kernel regex
   python3 scripts/sass_loops.py "$1" --kernel "$3" --lines 12 --json "$OUT/$2-sass.json" > "$OUT/$2-sass.txt" 2>&1
   summary+=("$2 hot loops: rc=$?")
 }
-for part in ${PROBES:-attention_probe persistent_probe attention_ncu}; do
+for part in ${PROBES:-attention_probe persistent_probe conditional_probe attention_ncu}; do
   case "$part" in
     attention_probe) standalone attention_probe --json "$OUT/attention_probe.json" ;;
     persistent_probe) standalone persistent_probe --context 16,32,64,128 --trace --json "$OUT/persistent_probe.json" ;;
+    conditional_probe) standalone conditional_probe ;;
     attention_ncu)
       if ! python3 build.py --arch sm_90 > "$OUT/attention_ncu-build.txt" 2>&1; then
         summary+=("attention_ncu: library build failed")
