@@ -6,9 +6,11 @@ class and by source line, and how long one trip takes if issue alone bound it.
 BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
 for the source lines). The hot loop of a function is its innermost loop (a backward branch and
 the code between its target and it) with at least half the arithmetic instructions (FFMA,
-HFMA2, HMMA, IMMA, IDP4A, ...) of the function's loop with the most, and at least --min-math. Issue-bound time of one trip = instructions x warps an SM / (4
-schedulers x 1 instruction a cycle) / the clock: what the loop costs if nothing but issue slots
-held it, to set against a measured time (a loop much slower than that waits on latency).
+HFMA2, HMMA, IMMA, IDP4A, ...) of the function's loop with the most, and at least --min-math.
+Issue-bound time of one trip = instructions x warps an SM / (4 schedulers x 1 instruction a
+cycle) / the clock: what the loop costs if nothing but issue slots held it, to set against a
+measured time (a loop much slower than that waits on latency). The warps an SM are those its
+registers allow in blocks of --block-threads (or --warps-per-sm).
 
 Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
 (triton/backends/nvidia/bin), in that order.
@@ -108,6 +110,36 @@ def parse_disassembly(text: str) -> dict[str, list[tuple[int, str, tuple[str, in
     return out
 
 
+def resources(cubin: Path) -> dict[str, dict[str, int]]:
+    """Mangled name -> {"REG": registers a thread, "STACK": stack frame bytes (spills live there),
+    "SHARED": static shared bytes}, from cuobjdump -res-usage."""
+    text = subprocess.run([find_tool("cuobjdump"), "-res-usage", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+    return parse_resources(text)
+
+
+def parse_resources(text: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    name = None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        if name and "REG:" in line:
+            out[name] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", line)}
+            name = None
+    return out
+
+
+def resident_warps(registers: int, block_threads: int) -> int:
+    """Warps an SM holds when registers limit it (65,536 a multiprocessor, allocated in units of
+    256 a warp, i.e. 8 a thread; at most 2,048 threads): whole blocks of block_threads."""
+    per_thread = max(8, (registers + 7) // 8 * 8)
+    blocks = min(65536 // (per_thread * block_threads), 2048 // block_threads)
+    return blocks * block_threads // 32
+
+
 def opcode(instr: str) -> str:
     return re.sub(r"^@!?U?P[0-9T]\s+", "", instr).split()[0].split(".")[0]
 
@@ -147,7 +179,9 @@ def main() -> int:
     ap.add_argument("binary", type=Path)
     ap.add_argument("--kernel", default="", help="a regular expression on the demangled name")
     ap.add_argument("--min-math", type=int, default=64)
-    ap.add_argument("--warps-per-sm", type=int, default=8, help="resident warps an SM (the issue-bound time)")
+    ap.add_argument("--block-threads", type=int, default=256,
+                    help="threads a block: with the registers, how many warps an SM holds (the issue-bound time)")
+    ap.add_argument("--warps-per-sm", type=int, default=0, help="resident warps an SM, instead of the above")
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--lines", type=int, default=0, help="also the K source lines with the most instructions")
     ap.add_argument("--json", type=Path)
@@ -158,6 +192,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for cubin in cubins(args.binary, Path(tmp)):
             funcs = functions(cubin)
+            res = resources(cubin)
             names = demangle(list(funcs))
             for mangled, body in funcs.items():
                 name = names[mangled]
@@ -171,9 +206,12 @@ def main() -> int:
                 classes = collections.Counter()
                 for op, n in ops.items():
                     classes[next((c for c, s in CLASSES.items() if op in s), "integer/address/other")] += n
-                cycles = len(trip) * args.warps_per_sm / 4
+                r = res.get(mangled, {})
+                warps = args.warps_per_sm or resident_warps(r.get("REG", 255), args.block_threads)
+                cycles = len(trip) * warps / 4
                 rec = {"kernel": name, "instructions": len(trip), "classes": dict(classes.most_common()),
-                       "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": args.warps_per_sm,
+                       "registers": r.get("REG"), "stack_bytes": r.get("STACK"),
+                       "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": warps,
                        "lines": [[f"{s[0]}:{s[1]}" if s else "?", n] for s, n in
                                  collections.Counter(x[2] for x in trip).most_common(args.lines)]}
                 records.append(rec)
@@ -181,8 +219,9 @@ def main() -> int:
         print(f"sass_loops: no kernel matching '{args.kernel}' has a loop with {args.min_math}+ math instructions")
         return 1
     for rec in sorted(records, key=lambda r: r["kernel"]):
-        print(f"{rec['kernel']}\n  hot loop: {rec['instructions']} instructions a trip, issue-bound "
-              f"{rec['issue_bound_us']:.2f} us at {rec['warps_per_sm']} warps an SM")
+        print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack; hot loop: "
+              f"{rec['instructions']} instructions a trip, issue-bound {rec['issue_bound_us']:.2f} us at "
+              f"{rec['warps_per_sm']} warps an SM")
         print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
         for where, n in rec["lines"]:
             print(f"    {where:>24}  {n}")

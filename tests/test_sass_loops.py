@@ -43,3 +43,25 @@ def test_predicates_and_modifiers_do_not_change_the_opcode():
     assert sass_loops.opcode("@!P3 LDG.E.128.CONSTANT R4, desc[UR6][R2.64]") == "LDG"
     assert sass_loops.opcode("@UPT HMMA.16816.F32 R0, R4, R8, R0") == "HMMA"
     assert sass_loops.opcode("FFMA R3, R4, R5, R3") == "FFMA"
+
+
+def test_resources_and_the_warps_registers_allow():
+    text = """
+Resource usage:
+ Common:
+  GLOBAL:24 CONSTANT[4]:8
+ Function _Z1kv:
+  REG:128 STACK:608 SHARED:1152 LOCAL:0 CONSTANT[0]:664 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _Z1jv:
+  REG:250 STACK:32 SHARED:1040 LOCAL:0 CONSTANT[0]:752 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    res = sass_loops.parse_resources(text)
+    assert res == {"_Z1kv": {"REG": 128, "STACK": 608, "SHARED": 1152},
+                   "_Z1jv": {"REG": 250, "STACK": 32, "SHARED": 1040}}
+    # 65,536 registers an SM: two blocks of 256 threads at 128 a thread, one at 250 (256 after
+    # rounding to 8), four at 64, and never more than 2,048 threads.
+    assert sass_loops.resident_warps(128, 256) == 16
+    assert sass_loops.resident_warps(250, 256) == 8
+    assert sass_loops.resident_warps(129, 256) == 8
+    assert sass_loops.resident_warps(64, 256) == 32
+    assert sass_loops.resident_warps(16, 256) == 64
