@@ -28,8 +28,9 @@
 //   if_else_pdl  as if_else, but post launched with the PDL attribute, to see what capture does
 //                with a programmatic edge after a conditional node (reported if refused)
 // Each runs with a short and a long cache (the length in device memory, changed between
-// replays). Prints µs a layer per variant and cache, the difference against `pdl`, and whether
-// the output equals `pdl`'s for the same cache (bit for bit): PASS / FAIL, exit code 1 on FAIL.
+// replays). Prints µs a layer per variant and cache, the difference against `pdl`, whether the
+// output equals `pdl`'s for the same cache (bit for bit), and how many of the graph's edges
+// capture made programmatic: PASS / FAIL, exit code 1 on FAIL.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -137,8 +138,8 @@ cudaError_t launch_attention(int kind, bool pdl, cudaStream_t s, const Bufs &b, 
 char why[512];
 
 // Capture the variant's graph. The output of the last kernel is *result.
-cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStream_t side, cudaGraphExec_t *exec,
-                  float **result) {
+cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStream_t side, cudaGraph_t *graph_out,
+                  cudaGraphExec_t *exec, float **result, int *programmatic_edges) {
     cudaGraph_t graph = nullptr;
     std::vector<cudaGraphConditionalHandle> handles(layers);
     TRY(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -174,15 +175,16 @@ cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStre
             advance();
         } else {
             const cudaGraphNode_t *deps = nullptr;
+            const cudaGraphEdgeData *edges = nullptr;
             size_t n_deps = 0;
-            TRY(cudaStreamGetCaptureInfo(s, &status, nullptr, &capturing, &deps, nullptr, &n_deps));
+            TRY(cudaStreamGetCaptureInfo(s, &status, nullptr, &capturing, &deps, &edges, &n_deps));
             cudaGraphNodeParams p{};
             p.type = cudaGraphNodeTypeConditional;
             p.conditional.handle = handles[l];
             p.conditional.type = kind == kSwitch ? cudaGraphCondTypeSwitch : cudaGraphCondTypeIf;
             p.conditional.size = 2;
             cudaGraphNode_t node;
-            TRY(cudaGraphAddNode(&node, capturing, deps, nullptr, n_deps, &p));
+            TRY(cudaGraphAddNode(&node, capturing, deps, edges, n_deps, &p));
             TRY(cudaStreamUpdateCaptureDependencies(s, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
             // IF: body 0 when the condition is non-zero (long), body 1 otherwise; SWITCH: body n
             // when the condition is n (0 short, 1 long).
@@ -207,8 +209,17 @@ cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStre
     if (conditional)
         TRY(cudaMemcpy(b.handles, handles.data(), sizeof(cudaGraphConditionalHandle) * layers,
                        cudaMemcpyHostToDevice));
+    *graph_out = graph;  // destroyed by the caller after the executable graph
+    // How many of the top-level graph's edges capture made programmatic (PDL): shows whether a
+    // PDL launch after a conditional node kept its overlap or became a full dependency.
+    size_t n_edges = 0;
+    TRY(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &n_edges));
+    std::vector<cudaGraphNode_t> from(n_edges), to(n_edges);
+    std::vector<cudaGraphEdgeData> data(n_edges);
+    TRY(cudaGraphGetEdges(graph, from.data(), to.data(), data.data(), &n_edges));
+    *programmatic_edges = 0;
+    for (const cudaGraphEdgeData &e : data) *programmatic_edges += e.type == cudaGraphDependencyTypeProgrammatic;
     TRY(cudaGraphInstantiate(exec, graph, 0));
-    TRY(cudaGraphDestroy(graph));
     *result = cur;
     return cudaSuccess;
 }
@@ -253,10 +264,13 @@ int main(int argc, char **argv) {
     std::vector<float> reference[2];
     double ref_us[2] = {0, 0};
     for (int k = kPdl; k <= kIfElsePdl; ++k) {
+        cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         float *result = nullptr;
-        // Each variant's handles live in its own capture; b.handles is rewritten before capture.
-        if (build((Kind)k, layers, b, s, side, &exec, &result) != cudaSuccess) {
+        int programmatic = 0;
+        // Each variant's handles live in its own graph; b.handles is rewritten after its capture.
+        if (build((Kind)k, layers, b, s, side, &graph, &exec, &result, &programmatic) != cudaSuccess) {
+            if (graph != nullptr) cudaGraphDestroy(graph);
             for (cudaStream_t t : {side, s}) {  // a capture the failure left open
                 cudaStreamCaptureStatus st;
                 if (cudaStreamIsCapturing(t, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone) {
@@ -286,7 +300,7 @@ int main(int argc, char **argv) {
                 reference[c] = out;
                 ref_us[c] = us;
             } else {
-                same = memcmp(out.data(), reference[c].data(), b.sms * sizeof(float)) == 0;
+                same = !reference[c].empty() && memcmp(out.data(), reference[c].data(), b.sms * sizeof(float)) == 0;
                 ok = ok && same;
             }
             char diff[32] = "-";
@@ -294,7 +308,9 @@ int main(int argc, char **argv) {
             printf("  %-12s %-6s %10.3f %12s  %s\n", kNames[k], c ? "long" : "short", us, diff,
                    k == kPdl ? "reference" : same ? "same" : "DIFFERENT");
         }
+        printf("  %-12s %d of its edges programmatic\n", kNames[k], programmatic);
         CK(cudaGraphExecDestroy(exec));
+        CK(cudaGraphDestroy(graph));
     }
     printf("\n%s\n", ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;
