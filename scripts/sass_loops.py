@@ -6,7 +6,7 @@ class and by source line, and how long one trip takes if issue alone bound it.
 BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
 for the source lines). The hot loop of a function is its innermost loop (a backward branch and
 the code between its target and it) with at least half the arithmetic instructions (FFMA,
-HFMA2, HMMA, IMMA, IDP4A, ...) of the function's loop with the most, and at least --min-math.
+HFMA2, HMMA, IMMA, IDP.4A, ...) of the function's loop with the most, and at least --min-math.
 Issue-bound time of one trip = instructions x warps an SM / (4 schedulers x 1 instruction a
 cycle) / the clock: what the loop costs if nothing but issue slots held it, to set against a
 measured time (a loop much slower than that waits on latency). The warps an SM are those its
@@ -28,12 +28,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-MATH = {"FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "HMMA", "IMMA", "IDP4A", "DFMA"}
+MATH = {"FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "HMMA", "IMMA", "IDP", "DFMA"}  # IDP: IDP.4A (dp4a)
 CLASSES = {
     "fp32 math": {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK"},
     "fp16 pairs": {"HFMA2", "HMUL2", "HADD2", "HMNMX2", "HSETP2"},
     "tensor core": {"HMMA", "IMMA", "HGMMA", "IGMMA"},
-    "int dot": {"IDP4A", "IDP2A"},
+    "int dot": {"IDP"},
     "sfu": {"MUFU"},
     "conversion": {"I2F", "F2I", "F2F", "I2FP", "F2FP", "PRMT"},
     "shuffle": {"SHFL", "VOTE", "REDUX", "MATCH"},
