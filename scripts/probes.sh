@@ -56,7 +56,8 @@ for part in ${PROBES:-attention_probe persistent_probe conditional_probe attenti
            --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
            --section SchedulerStats python3 scripts/profile_kernels.py --preset "$preset" --layers 2 --kv int8 \
            --context 32768 --steps 1) > "$OUT/attention_ncu-$preset.txt" 2>&1
-        summary+=("attention_ncu $preset: rc=$?, $(grep -m1 -E 'Duration' "$OUT/attention_ncu-$preset.txt" | tr -s ' ')")
+        rc=$?
+        summary+=("attention_ncu $preset: rc=$rc, $(grep -m1 -E 'Duration' "$OUT/attention_ncu-$preset.txt" | tr -s ' ')")
         echo "==== attention_ncu $preset"
         tail -n 40 "$OUT/attention_ncu-$preset.txt"
       done ;;
