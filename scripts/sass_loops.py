@@ -68,7 +68,7 @@ def cubins(binary: Path, workdir: Path) -> list[Path]:
     if head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 190:
         return [binary]
     subprocess.run([find_tool("cuobjdump"), "-xelf", "all", str(binary.resolve())], cwd=workdir,
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, text=True)
     found = sorted(p for p in workdir.glob("*.cubin") if "sm_90" in p.name)
     if not found:
         sys.exit(f"sass_loops: no sm_90 code in {binary}")
@@ -188,6 +188,31 @@ def main() -> int:
     args = ap.parse_args()
     if not args.binary.is_file():
         sys.exit(f"sass_loops: {args.binary}: no such file")
+    try:
+        re.compile(args.kernel)
+    except re.error as e:
+        sys.exit(f"sass_loops: --kernel {args.kernel!r}: {e}")
+    try:
+        records = hot_loops(args)
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"sass_loops: {Path(e.cmd[0]).name} failed on {args.binary}: {(e.stderr or '').strip()[:300]}")
+    if not records:
+        print(f"sass_loops: no kernel matching '{args.kernel}' has a loop with {args.min_math}+ math instructions")
+        return 1
+    for rec in sorted(records, key=lambda r: r["kernel"]):
+        print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack; hot loop: "
+              f"{rec['instructions']} instructions a trip, issue-bound {rec['issue_bound_us']:.2f} us at "
+              f"{rec['warps_per_sm']} warps an SM")
+        print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
+        for where, n in rec["lines"]:
+            print(f"    {where:>24}  {n}")
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+def hot_loops(args) -> list[dict]:
+    """One record a kernel of args.binary matching args.kernel that has a hot loop."""
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for cubin in cubins(args.binary, Path(tmp)):
@@ -215,19 +240,7 @@ def main() -> int:
                        "lines": [[f"{s[0]}:{s[1]}" if s else "?", n] for s, n in
                                  collections.Counter(x[2] for x in trip).most_common(args.lines)]}
                 records.append(rec)
-    if not records:
-        print(f"sass_loops: no kernel matching '{args.kernel}' has a loop with {args.min_math}+ math instructions")
-        return 1
-    for rec in sorted(records, key=lambda r: r["kernel"]):
-        print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack; hot loop: "
-              f"{rec['instructions']} instructions a trip, issue-bound {rec['issue_bound_us']:.2f} us at "
-              f"{rec['warps_per_sm']} warps an SM")
-        print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
-        for where, n in rec["lines"]:
-            print(f"    {where:>24}  {n}")
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
-    return 0
+    return records
 
 
 if __name__ == "__main__":
