@@ -10,7 +10,9 @@ HFMA2, HMMA, IMMA, IDP.4A, ...) of the function's loop with the most, and at lea
 Issue-bound time of one trip = instructions x warps an SM / (4 schedulers x 1 instruction a
 cycle) / the clock: what the loop costs if nothing but issue slots held it, to set against a
 measured time (a loop much slower than that waits on latency). The warps an SM are those its
-registers allow in blocks of --block-threads (or --warps-per-sm).
+registers allow in blocks of --block-threads (or --warps-per-sm). The counts are static: every
+instruction between the loop's ends counts once, including branches a trip may skip (a task's
+final reduction in a loop over chunks, a rarely taken rescale).
 
 Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
 (triton/backends/nvidia/bin), in that order.
