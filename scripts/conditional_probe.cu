@@ -101,29 +101,28 @@ struct Bufs {
     int sms;
 };
 
-cudaError_t launch(void (*kernel)(const float *, float *, int), bool pdl, cudaStream_t s, const Bufs &b,
-                   const float *in, float *out) {
+// One block of kThreads a multiprocessor on stream s; pdl: with the programmatic-serialization
+// attribute (attr must outlive the launch).
+cudaLaunchConfig_t grid_config(const Bufs &b, cudaStream_t s, bool pdl, cudaLaunchAttribute *attr) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(b.sms);
     cfg.blockDim = dim3(kThreads);
     cfg.stream = s;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
+    *attr = cudaLaunchAttribute{};
+    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr->val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kernel, in, out, b.sms);
+    return cfg;
+}
+cudaError_t launch_step(bool pdl, cudaStream_t s, const Bufs &b, const float *in, float *out) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = grid_config(b, s, pdl, &attr);
+    return cudaLaunchKernelEx(&cfg, step_kernel, in, out, b.sms);
 }
 cudaError_t launch_attention(int kind, bool pdl, cudaStream_t s, const Bufs &b, const float *in, float *out) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(b.sms);
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = s;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = grid_config(b, s, pdl, &attr);
     return cudaLaunchKernelEx(&cfg, attention_kernel, in, out, b.sms, (const int *)b.ctx, kind);
 }
 
@@ -151,10 +150,8 @@ cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStre
         for (int l = 0; l < layers; ++l) TRY(cudaGraphConditionalHandleCreate(&handles[l], capturing, 0, 0));
     }
     {
-        cudaLaunchConfig_t cfg{};
-        cfg.gridDim = dim3(b.sms);
-        cfg.blockDim = dim3(kThreads);
-        cfg.stream = s;
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = grid_config(b, s, false, &attr);
         TRY(cudaLaunchKernelEx(&cfg, select_kernel, (const float *)b.x_in, b.a, b.sms, (const int *)b.ctx,
                                (const cudaGraphConditionalHandle *)b.handles, conditional ? layers : 0));
     }
@@ -162,7 +159,7 @@ cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStre
     auto advance = [&]() { std::swap(cur, nxt); };
     bool after_conditional = false;
     for (int l = 0; l < layers; ++l) {
-        TRY(launch(step_kernel, !after_conditional, s, b, cur, nxt));
+        TRY(launch_step(!after_conditional, s, b, cur, nxt));
         advance();
         after_conditional = false;
         if (kind == kPdl) {
@@ -199,7 +196,7 @@ cudaError_t build(Kind kind, int layers, const Bufs &b, cudaStream_t s, cudaStre
             advance();
             after_conditional = kind != kIfElsePdl;
         }
-        TRY(launch(step_kernel, !after_conditional, s, b, cur, nxt));
+        TRY(launch_step(!after_conditional, s, b, cur, nxt));
         advance();
         after_conditional = false;
     }
