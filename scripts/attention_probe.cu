@@ -79,6 +79,7 @@
 
 #include "probe_common.cuh"
 
+using probe::capture_graph;
 using probe::copy_bandwidth;
 using probe::elapsed_ms;
 
@@ -1060,19 +1061,13 @@ void run_shape(const Shape &sh, int ctx, int iters, double bw, const std::vector
             res.ok = folded == stream_sink;
             res.err = NAN;
         }
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        enqueue(stream);
-        CK(cudaStreamEndCapture(stream, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
+        const cudaGraphExec_t ge = capture_graph(stream, enqueue);
         for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, stream));
         const float ms = elapsed_ms(stream, [&] {
             for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
         });
         CK(cudaGetLastError());
         CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
         res.us_token = 1e3 * ms / iters;
         res.us_layer = res.us_token / sh.layers;
         res.rate = bytes / (res.us_token * 1e-6);

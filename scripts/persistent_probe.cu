@@ -135,6 +135,7 @@
 
 #include "probe_common.cuh"
 
+using probe::capture_graph;
 using probe::copy_bandwidth;
 using probe::elapsed_ms;
 
@@ -2024,44 +2025,39 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     auto gemv_grid = [&](int tasks) { return std::min(sms, (tasks + kWarps - 1) / kWarps); };
     auto build = [&](int v, const Acts &acts) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        if (v == 0 || v == kOAttn || v == kOAttnGated) {   // a kernel a phase (o_attn: attention in O)
-            for (int l = 0; l < L; ++l) {
-                launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
-                if (v == 0) {
-                    launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
-                    launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
-                } else {
-                    if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
-                    launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
-                }
-                launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
-                launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
-            }
-        } else if (v == 1) {
-            launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
-        } else if (v == 2) {
-            launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
-        } else {   // the clustered body, clusters of kClusterOf[v]
-            auto clustered = [&](auto cs_tag) {
-                constexpr int CS = decltype(cs_tag)::value;
-                using F = Fused<S, CS>;
-                const Model fm = fused_model(CS);
+        return capture_graph(stream, [&](cudaStream_t) {
+            if (v == 0 || v == kOAttn || v == kOAttnGated) {   // a kernel a phase (o_attn: attention in O)
                 for (int l = 0; l < L; ++l) {
-                    launch_cluster(fused_attention_kernel<S, CS>, S::NH * CS, CS, F::ATTN_SMEM, stream, l > 0, fm, af, l);
-                    launch_cluster(fused_ffn_kernel<S, CS>, kFfnBlocks, CS, F::FFN_SMEM, stream, true, fm, af, l);
+                    launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                    if (v == 0) {
+                        launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
+                        launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
+                    } else {
+                        if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
+                        launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
+                    }
+                    launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
                 }
-                launch(fused_final_kernel<S, CS>, 1, stream, true, false, af);
-            };
-            if (kClusterOf[v] == 8) clustered(std::integral_constant<int, 8>());
-            else clustered(std::integral_constant<int, 16>());
-        }
-        CK(cudaStreamEndCapture(stream, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        CK(cudaGraphDestroy(g));
-        return ge;
+            } else if (v == 1) {
+                launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
+            } else if (v == 2) {
+                launch(persistent_kernel<S, true>, sms, stream, false, true, m, acts, sync + 2);
+            } else {   // the clustered body, clusters of kClusterOf[v]
+                auto clustered = [&](auto cs_tag) {
+                    constexpr int CS = decltype(cs_tag)::value;
+                    using F = Fused<S, CS>;
+                    const Model fm = fused_model(CS);
+                    for (int l = 0; l < L; ++l) {
+                        launch_cluster(fused_attention_kernel<S, CS>, S::NH * CS, CS, F::ATTN_SMEM, stream, l > 0, fm, af, l);
+                        launch_cluster(fused_ffn_kernel<S, CS>, kFfnBlocks, CS, F::FFN_SMEM, stream, true, fm, af, l);
+                    }
+                    launch(fused_final_kernel<S, CS>, 1, stream, true, false, af);
+                };
+                if (kClusterOf[v] == 8) clustered(std::integral_constant<int, 8>());
+                else clustered(std::integral_constant<int, 16>());
+            }
+        });
     };
     cudaGraphExec_t exec[kVariants] = {};
     for (int v = 0; v < kVariants; ++v)
@@ -2258,13 +2254,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
 // up, then `iters` replays between two events.
 template <class Enqueue>
 double us_per_kernel(cudaStream_t stream, int kernels, int iters, Enqueue enqueue) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    enqueue(stream);
-    CK(cudaStreamEndCapture(stream, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    CK(cudaGraphDestroy(g));
+    const cudaGraphExec_t ge = capture_graph(stream, enqueue);
     for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
     const float ms = elapsed_ms(stream, [&] {
         for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));

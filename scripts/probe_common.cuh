@@ -1,6 +1,6 @@
 // probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share on the host: the CUDA
-// error check that ends the program, event timing, the copy bandwidth they quote rates against,
-// and a comma list of integers from the command line.
+// error check that ends the program, event timing, a stream's work captured as a graph, the copy
+// bandwidth they quote rates against, and a comma list of integers from the command line.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -37,6 +37,19 @@ float elapsed_ms(cudaStream_t stream, Work work) {
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
     return ms;
+}
+
+// What enqueue(stream) enqueues, captured and instantiated as one graph.
+template <class Enqueue>
+cudaGraphExec_t capture_graph(cudaStream_t stream, Enqueue enqueue) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue(stream);
+    CK(cudaStreamEndCapture(stream, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphDestroy(g));
+    return ge;
 }
 
 // Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
