@@ -40,8 +40,11 @@
 // L2 prefetch of tile i+2 and the block-table reads of tile i+3 are in flight (a row's address
 // depends on its table entry, so a tile is located two steps before it is loaded). Each warp
 // keeps an online softmax (running max m, sum l, accumulator o per head, rescaled when m grows);
-// the 8 warps combine through shared memory in warp order. A block that is alone for its head
-// group (len <= C) writes out directly; otherwise it writes (m, l, o) as a partial, and the last
+// the 8 warps combine through shared memory in warp order. Int8 rows of 128 dims in one group of
+// 4 query heads a KV head fold on the tensor cores instead (attend_mma: its own layout of a
+// tile's rows over the lanes; the same pipeline without the L2 prefetch, and the same combine).
+// A block that is alone for its head group (len <= C) writes out directly; otherwise it writes
+// (m, l, o) as a partial, and the last
 // of the n_active blocks of the head group to finish (an atomic counter, reset by that block)
 // combines the partials in block order: the same arithmetic whichever block is last, so results
 // are bit-identical run to run. The first tile's K/V loads depend only on the step record and on
@@ -151,6 +154,14 @@ struct TileLoc {
     int block[AttnLayout<KV, HD>::kSlots];
     int in_page[AttnLayout<KV, HD>::kSlots];
 };
+
+// A row the kernel takes from shared memory: ROWS (attention_kernel's), the new rows are a range;
+// else at most the one row new_hi. (locate_tile and attend_tile spell the test out: with this
+// function their instances compile to other instructions.)
+template <bool ROWS>
+__device__ __forceinline__ bool is_new_row(int row, const RowSource &src) {
+    return ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
+}
 
 // ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
 template <int KV, int HD, bool ROWS>
@@ -460,6 +471,329 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
     }
 }
 
+// ---- the fold on the tensor cores: int8 K/V, head dim 128, a group of 4 query heads -------
+// One warp tile (16 rows) folds with mma.sync m16n8k16 (fp16 operands, fp32 accumulators) in
+// place of the CUDA-core fold above, whose instructions, not the loads, bound it at long
+// context (1,816 instructions a 16-row tile for 4 heads: scripts/sass_loops.py). Lane = 4 g + t.
+//   Scores S [16 x 8 rows] = Q [16 x 128] . K^T, per n-tile nt of 8 rows, 8 k-steps kk of 16
+//   dims. A's row j < 4 is head j's q times 2^s_j (max |q| of the head in [2^13, 2^14)) rounded
+//   to fp16 (hi), row 8 + j the fp16 remainder (lo); other rows zero. B's column g is K row
+//   8 nt + g, whose codes are exact in fp16 (quant.cuh word_pairs). The k-indices of a step
+//   stand for dims in an order chosen so that lane t's K bytes of a row are two 16-byte runs,
+//   16 t and 64 + 16 t (one load instruction covers 64 whole bytes of 8 rows): in k-step kk,
+//   word w = kk % 4 of run kk / 4 holds dims D .. D + 3 (D = 64 (kk / 4) + 16 t + 4 w), and
+//   k-indices 2t, 2t + 1, 2t + 8, 2t + 9 are dims D, D + 2, D + 1, D + 3 (word_pairs' order).
+//   Accumulator rows g and 8 + g, columns 2t + e: head g's score of row 8 nt + 2t + e is
+//   (hi + lo) 2^-s_g, times k_scale / sqrt(hd) as on the CUDA cores.
+//   Weighted V: O [16 x 8 dims] += P [16 x 16 rows] . V per n-tile j of 8 dims. P's row g is
+//   head g's weight p v_scale times 2^w (hi), row 8 + g its remainder (lo); its k-indices are
+//   the tile's rows in the scores' accumulator order, so the score fragments become P's A
+//   fragments in place. B's column n of n-tile j is dim 16 n + j: lane (g, t) holds V rows 2t,
+//   2t + 1, 8 + 2t, 9 + 2t, bytes 16 g .. 16 g + 15 (one 16-byte load each), and pairs two
+//   rows' codes of a dim with one byte permute. 2^w follows head g's largest weight (every
+//   weight so far below 2^(w_exp), times the softmax's rescale since, scaled below 2^14); when
+//   it moves, o is rescaled by the exact power of two, as the running max rescales it. o = (hi
+//   + lo) 2^-w at the end.
+// Every scale is a power of two and hi + lo carries 22 bits of each fp32 operand, so the fold
+// matches the CUDA cores' error bound, except that a weight below about 2^-38 of its head's
+// largest falls below fp16's range and counts as zero (an error that small next to the head's
+// output). Both the decode and the verify body use it, so their results stay bit-identical.
+// The plan takes it where a KV head's query heads are exactly one group of 4
+// (AttentionPlan::tensor_cores). In two groups of 4 (the 30B-A3B shape) its blocks made a
+// short-context step slower (docs/journal.md), so those stay on the CUDA cores.
+template <int KV, int HD, int HG>
+constexpr bool kMmaFold = KV == OG_KV_INT8 && HD == 128 && HG == 4;
+constexpr int kMmaLocRows = 6;  // a lane's rows of a tile: K 8 nt + g (nt = 0, 1), V the four of mma_row
+
+struct MmaTile {
+    uint4 k[2][2];                 // K rows g, 8 + g: bytes 16 t .. and 64 + 16 t ..
+    uint4 v[4];                    // V rows 2t, 2t + 1, 8 + 2t, 9 + 2t: bytes 16 g ..
+    float k_scale[4], v_scale[4];  // of the V rows: the rows of this lane's scores
+};
+struct MmaLoc {
+    int row0;                      // the tile's first row, -1: none
+    int block[kMmaLocRows], in_page[kMmaLocRows];  // as TileLoc, per row of mma_row
+};
+struct MmaState {
+    float m, l;                    // head g's running max and (this lane's) sum
+    float o[16][4];                // n-tile j: (head g hi, dims 16 (2t + e) + j), (lo, same)
+    int w_exp;                     // head g's weights so far are below 2^w_exp; o holds them
+                                   // times 2^(14 - w_exp)
+};
+
+// Row i of a lane's tile rows (offset from row0): K rows 0, 1, then V rows 2..5.
+__device__ __forceinline__ int mma_row(int i, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    return i < 2 ? 8 * i + g : 8 * ((i - 2) / 2) + 2 * t + (i - 2) % 2;
+}
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }
+// The exponent e with x < 2^e (x > 0 finite), clamped to [kMinExp, kMaxExp] so that 2^(14 - e)
+// and 2^(e - 14) stay normal floats.
+constexpr int kMinExp = -100, kMaxExp = 120;
+__device__ __forceinline__ int bound_exponent(float x) {
+    int e;
+    frexpf(x, &e);
+    return max(kMinExp, min(e, kMaxExp));
+}
+// v split into fp16 hi and the fp16 remainder lo, packed in pairs (a, b).
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint32_t &lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    hi = half2_as_u32(h);
+    lo = half2_as_u32(__floats2half2_rn(a - __low2float(h), b - __high2float(h)));
+}
+// Locate a lane's rows of the tile at row0 (-1: none), as locate_tile does for its layout.
+template <bool ROWS>
+__device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSource &src, int lane) {
+    loc.row0 = row0;
+    int page0 = 0, in0 = 0;
+    if (row0 >= 0) {
+        page0 = row0 / src.page;
+        in0 = row0 - page0 * src.page;
+    }
+    if (src.page % 16 == 0) {  // a tile (row0 a multiple of 16) lies in one page: one table read
+        int block = -1;
+        if (row0 >= 0) {
+            block = __ldcg(src.table + page0);
+            if ((unsigned)block >= (unsigned)src.n_pool_blocks) block = -1;
+        }
+#pragma unroll
+        for (int i = 0; i < kMmaLocRows; ++i) {
+            const int row = row0 + mma_row(i, lane);
+            loc.block[i] = row < src.len && !is_new_row<ROWS>(row, src) ? block : -1;
+            loc.in_page[i] = in0 + mma_row(i, lane);
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < kMmaLocRows; ++i) {
+        const int row = row0 + mma_row(i, lane);
+        int page_index = page0, in_page = in0 + mma_row(i, lane);
+        while (in_page >= src.page) {  // at most 15 / page steps
+            in_page -= src.page;
+            ++page_index;
+        }
+        int block = -1;
+        if (row0 >= 0 && row < src.len && !is_new_row<ROWS>(row, src)) {
+            block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
+            if ((unsigned)block >= (unsigned)src.n_pool_blocks) block = -1;
+        }
+        loc.block[i] = block;
+        loc.in_page[i] = in_page;
+    }
+}
+
+// Issue the loads of a located tile; rows without a block read as zeros (scale 0).
+__device__ __forceinline__ void load_mma(MmaTile &t, const MmaLoc &loc, const RowSource &src, int lane) {
+    const int g = lane / 4, tq = lane % 4;
+    constexpr int kRowBytes = 128;
+#pragma unroll
+    for (int i = 0; i < kMmaLocRows; ++i) {
+        const bool ok = loc.block[i] >= 0;
+        const int64_t base = (int64_t)(ok ? loc.block[i] : 0) * src.block_stride;
+        const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[i];
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 2) {
+            const uint4 *k_row = reinterpret_cast<const uint4 *>(src.k + base + row_index * kRowBytes);
+            t.k[i][0] = ok ? load_row_chunk(k_row + tq) : zero;
+            t.k[i][1] = ok ? load_row_chunk(k_row + 4 + tq) : zero;
+        } else {
+            const uint4 *v_row = reinterpret_cast<const uint4 *>(src.v + base + row_index * kRowBytes);
+            t.v[i - 2] = ok ? load_row_chunk(v_row + g) : zero;
+            t.k_scale[i - 2] = ok ? __ldg(reinterpret_cast<const float *>(src.k_scales + base) + row_index) : 0.f;
+            t.v_scale[i - 2] = ok ? __ldg(reinterpret_cast<const float *>(src.v_scales + base) + row_index) : 0.f;
+        }
+    }
+}
+
+// Q's A fragments from q_s [HG, 128] (head j's row of shared memory) and head g's 2^-s.
+template <int HG>
+__device__ __forceinline__ void mma_query(const float *q_s, int lane, uint32_t (&qa)[8][4], float &q_inv) {
+    const int g = lane / 4, tq = lane % 4;
+    const float *q = q_s + (g < HG ? g : 0) * 128;
+    float amax = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(q[64 * (kk / 4) + 16 * tq + 4 * (kk % 4) + e]));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    const int s = amax > 0.f ? bound_exponent(amax) : 0;
+    const float q_mul = g < HG ? pow2(14 - s) : 0.f;
+    q_inv = pow2(s - 14);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const float *d = q + 64 * (kk / 4) + 16 * tq + 4 * (kk % 4);
+        split_pair(d[0] * q_mul, d[2] * q_mul, qa[kk][0], qa[kk][1]);  // k-indices 2t, 2t + 1
+        split_pair(d[1] * q_mul, d[3] * q_mul, qa[kk][2], qa[kk][3]);  // 2t + 8, 2t + 9
+    }
+}
+
+__device__ __forceinline__ void mma_state_init(MmaState &st) {
+    st.m = -INFINITY;
+    st.l = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) st.o[j][0] = st.o[j][1] = st.o[j][2] = st.o[j][3] = 0.f;
+    st.w_exp = kMinExp;
+}
+
+// Fold one tile into the warp's state (heads g < HG of lanes 4g .. 4g + 3).
+template <int HG, bool ROWS>
+__device__ __forceinline__ void attend_mma(MmaTile &t, int row0, const RowSource &src,
+                                           const uint32_t (&qa)[8][4], float q_inv,
+                                           const void *new_k_s, const void *new_v_s,
+                                           const float *new_scales, float inv_sqrt_hd, int lane,
+                                           MmaState &st) {
+    const int g = lane / 4, tq = lane % 4;
+    // The new rows (fused, the blocks whose chunks hold them): from shared memory, as stored.
+    if (src.new_lo <= src.new_hi) {
+#pragma unroll
+        for (int i = 0; i < kMmaLocRows; ++i) {
+            const int row = row0 + mma_row(i, lane);
+            if (!is_new_row<ROWS>(row, src)) continue;
+            const int r = ROWS ? row - src.new_lo : 0;
+            if (i < 2) {
+                const uint4 *k_s = reinterpret_cast<const uint4 *>(static_cast<const float *>(new_k_s) + r * src.row_floats);
+                t.k[i][0] = k_s[tq];
+                t.k[i][1] = k_s[4 + tq];
+            } else {
+                const uint4 *v_s = reinterpret_cast<const uint4 *>(static_cast<const float *>(new_v_s) + r * src.row_floats);
+                t.v[i - 2] = v_s[g];
+                t.k_scale[i - 2] = new_scales[2 * r];
+                t.v_scale[i - 2] = new_scales[2 * r + 1];
+            }
+        }
+    }
+
+    // ---- scores of rows 8 nt + 2t + e for head g -----------------------------------------
+    float c[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            __half2 h[2];
+            word_pairs(word_of(t.k[nt][kk / 4], kk % 4), h);
+            mma_16816(c[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], half2_as_u32(h[0]), half2_as_u32(h[1]));
+        }
+    }
+    float sc[4];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = row0 + 8 * (i / 2) + 2 * tq + i % 2;
+        const float dot = (c[i / 2][i % 2] + c[i / 2][2 + i % 2]) * q_inv;
+        sc[i] = row < src.len ? dot * (t.k_scale[i] * inv_sqrt_hd) : -INFINITY;
+        tile_max = fmaxf(tile_max, sc[i]);
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+
+    // ---- online softmax and head g's weight scale: rescale o when either moves --------------
+    // The weights' scale follows head g's own largest weight p v_scale, so that it stays within
+    // fp16's normal range whatever the other heads' and rows' scales: 2^w_exp bounds every
+    // weight folded so far (times the softmax's rescale factor f since) and this tile's.
+    float f = 1.f;
+    int bound = st.w_exp;
+    const float m_new = fmaxf(st.m, tile_max);
+    if (m_new != st.m) {  // uniform over head g's four lanes
+        f = expf(st.m - m_new);
+        st.l *= f;
+        st.m = m_new;
+        bound = f > 0.f ? min(kMaxExp, max(kMinExp, st.w_exp + bound_exponent(f))) : kMinExp;
+    }
+    float w[4], w_max = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float p = g < HG && sc[i] != -INFINITY ? expf(sc[i] - st.m) : 0.f;
+        st.l += p;
+        w[i] = p * t.v_scale[i];
+        w_max = fmaxf(w_max, w[i]);
+    }
+    w_max = fmaxf(w_max, __shfl_xor_sync(kFullMask, w_max, 1));
+    w_max = fmaxf(w_max, __shfl_xor_sync(kFullMask, w_max, 2));
+    const int w_exp = max(bound, w_max > 0.f ? bound_exponent(w_max) : kMinExp);
+    if (w_exp != st.w_exp) {  // o to the new scale: a power of two (<= 1 with f), exact
+        f = ldexpf(f, st.w_exp - w_exp);
+        st.w_exp = w_exp;
+    }
+    if (f != 1.f) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) st.o[j][0] *= f, st.o[j][1] *= f, st.o[j][2] *= f, st.o[j][3] *= f;
+    }
+    const float w_mul = pow2(14 - w_exp);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] *= w_mul;
+    uint32_t pa[4];
+    split_pair(w[0], w[1], pa[0], pa[1]);  // rows 2t, 2t + 1: hi (A row g), lo (row 8 + g)
+    split_pair(w[2], w[3], pa[2], pa[3]);  // rows 8 + 2t, 9 + 2t
+
+    // ---- o += P . V: n-tiles j, j + 1 from one byte permute of two rows' words --------------
+#pragma unroll
+    for (int word = 0; word < 4; ++word) {
+        const uint32_t r0 = word_of(t.v[0], word), r1 = word_of(t.v[1], word);
+        const uint32_t r2 = word_of(t.v[2], word), r3 = word_of(t.v[3], word);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            // Bytes b, b + 1 of the word (dims 16 g + 4 word + b, + 1) of rows a, a': (a b,
+            // a b+1, a' b, a' b+1), which word_pairs turns into (a, a') of each dim.
+            const uint32_t sel = half == 0 ? 0x5410u : 0x7632u;
+            __half2 lo_rows[2], hi_rows[2];
+            word_pairs(__byte_perm(r0, r1, sel), lo_rows);
+            word_pairs(__byte_perm(r2, r3, sel), hi_rows);
+            const int j = 4 * word + 2 * half;
+            mma_16816(st.o[j], pa[0], pa[1], pa[2], pa[3], half2_as_u32(lo_rows[0]), half2_as_u32(hi_rows[0]));
+            mma_16816(st.o[j + 1], pa[0], pa[1], pa[2], pa[3], half2_as_u32(lo_rows[1]), half2_as_u32(hi_rows[1]));
+        }
+    }
+}
+
+// The CUDA-core fold's warp state into shared memory: its row groups summed, then o [warps,
+// HG, hd], m and l [warps, HG] of this warp.
+template <int KV, int HD, int HG>
+__device__ __forceinline__ void warp_state_out(WarpState<HG, AttnLayout<KV, HD>::kLaneElems> &st,
+                                               float *o_s, float *m_s, float *l_s, int hd,
+                                               int warp, int lane) {
+    using L = AttnLayout<KV, HD>;
+    constexpr int LPR = L::kLanesPerRow, E = L::kLaneElems;
+#pragma unroll
+    for (int j = 0; j < HG; ++j) {
+#pragma unroll
+        for (int off = LPR; off < kWarpSize; off <<= 1) {
+            st.l[j] += __shfl_xor_sync(kFullMask, st.l[j], off);
+#pragma unroll
+            for (int e = 0; e < E; ++e) st.o[j][e] += __shfl_xor_sync(kFullMask, st.o[j][e], off);
+        }
+    }
+    if (lane < LPR) {
+#pragma unroll
+        for (int j = 0; j < HG; ++j) {
+            float *o_w = o_s + (warp * HG + j) * hd;
+#pragma unroll
+            for (int v = 0; v < L::kVecsPerLane; ++v) {
+                if constexpr (L::kVector) {
+                    const int e0 = (lane + v * LPR) * L::kVec;
+#pragma unroll
+                    for (int i = 0; i < L::kVec; i += 4)
+                        *reinterpret_cast<float4 *>(o_w + e0 + i) =
+                            make_float4(st.o[j][v * L::kVec + i], st.o[j][v * L::kVec + i + 1],
+                                        st.o[j][v * L::kVec + i + 2], st.o[j][v * L::kVec + i + 3]);
+                } else {
+                    const int d = lane + v * kWarpSize;
+                    if (d < hd) o_w[d] = st.o[j][v];
+                }
+            }
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < HG; ++j) {
+            m_s[warp * HG + j] = st.m[j];
+            l_s[warp * HG + j] = st.l[j];
+        }
+    }
+}
+
 // The warp's next tile after item n (n advances): its first row, or -1 when the warp is done.
 // Item n = (k, i) with k = n / per_warp, i = n % per_warp: chunk b + k * B, tile warp + i * 8.
 __device__ __forceinline__ int next_tile(int &n, int b, int n_blocks, int chunk_rows,
@@ -504,8 +838,10 @@ __device__ unsigned g_attn_trace_count;
 
 // ROWS: the verify body's launch of several rows (grid z); the decode body's one-row instance
 // is a function of its own, with the one-row shared-memory limit and none of the row loops.
-template <int KV, int HD, int HG, bool ROWS>
+// TC: the tensor-core fold (kMmaFold shapes only).
+template <int KV, int HD, int HG, bool ROWS, bool TC = false>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
+    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold is compiled for int8 rows of 128 dims, 4 heads");
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
@@ -577,14 +913,26 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     auto next_row = [&](int &cursor) {
         return next_tile(cursor, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
     };
+    // The tensor-core fold (kMmaFold) has a layout of its own: which rows and bytes a lane holds.
+    constexpr bool MMA = TC;
+    using Loc = std::conditional_t<MMA, MmaLoc, TileLoc<KV, HD>>;
+    using TileT = std::conditional_t<MMA, MmaTile, Tile<KV, HD>>;
+    auto locate = [&](Loc &loc, int r) {
+        if constexpr (MMA) locate_mma<ROWS>(loc, r, src, lane);
+        else locate_tile<KV, HD, ROWS>(loc, r, src);
+    };
+    auto load = [&](TileT &t, const Loc &loc) {
+        if constexpr (MMA) load_mma(t, loc, src, lane);
+        else load_tile<KV, HD>(t, loc, src, hd);
+    };
     int cursor = -1;
     int row0 = next_row(cursor);
-    TileLoc<KV, HD> loc1, loc2;
-    locate_tile<KV, HD, ROWS>(loc1, row0, src);
-    Tile<KV, HD> cur;
-    load_tile<KV, HD>(cur, loc1, src, hd);
-    locate_tile<KV, HD, ROWS>(loc1, next_row(cursor), src);
-    locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
+    Loc loc1, loc2;
+    locate(loc1, row0);
+    TileT cur;
+    load(cur, loc1);
+    locate(loc1, next_row(cursor));
+    locate(loc2, next_row(cursor));
 
     // The prologue's inputs that do not depend on the previous kernel: norm weights and the
     // rotation angles at `position`.
@@ -682,68 +1030,62 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     float *partial_m = partials + (size_t)a.n_heads * B * hd;               // [n_heads, B]
     float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
 
-    WarpState<HG, E> st;
+    std::conditional_t<MMA, MmaState, WarpState<HG, E>> st;
+    uint32_t qa[8][4];  // the tensor-core fold's query fragments and 2^-s (mma_query)
+    float q_inv = 1.f;
+    if constexpr (MMA) {
+        mma_state_init(st);
+        mma_query<HG>(q_s, lane, qa, q_inv);
+    } else {
 #pragma unroll
-    for (int j = 0; j < HG; ++j) {
-        st.m[j] = -INFINITY;
-        st.l[j] = 0.f;
+        for (int j = 0; j < HG; ++j) {
+            st.m[j] = -INFINITY;
+            st.l[j] = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
+            for (int e = 0; e < E; ++e) st.o[j][e] = 0.f;
+        }
     }
     while (row0 >= 0) {
         // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
-        // into L2 one step ago), the L2 prefetch of tile i+2, and the block-table reads of
-        // tile i+3 are in flight.
-        Tile<KV, HD> nxt;
-        load_tile<KV, HD>(nxt, loc1, src, hd);
-        prefetch_tile<KV, HD>(loc2, src);
+        // into L2 one step ago on the CUDA cores' layout), its L2 prefetch of tile i+2, and
+        // the block-table reads of tile i+3 are in flight.
+        TileT nxt;
+        load(nxt, loc1);
+        if constexpr (!MMA) prefetch_tile<KV, HD>(loc2, src);
         const int row1 = loc1.row0;
         loc1 = loc2;
-        locate_tile<KV, HD, ROWS>(loc2, next_row(cursor), src);
-        attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
-                                      hd, p.inv_sqrt_hd, lane, st);
+        locate(loc2, next_row(cursor));
+        if constexpr (MMA)
+            attend_mma<HG, ROWS>(cur, row0, src, qa, q_inv, new_k_s, new_v_s, new_scales,
+                                 p.inv_sqrt_hd, lane, st);
+        else
+            attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+                                          hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
     }
 
     ATTN_TRACE(trace_rows);
     // ---- the warp's state over its row groups, then the block's warps in order --------
-    constexpr int LPR = L::kLanesPerRow;
+    if constexpr (MMA) {
+        // Head g's sum over its four lanes; o (hi + lo) 2^-w of dims 16 (2t + e) + j.
+        const int g = lane / 4, tq = lane % 4;
+        st.l += __shfl_xor_sync(kFullMask, st.l, 1);
+        st.l += __shfl_xor_sync(kFullMask, st.l, 2);
+        if (g < HG) {
+            const float w_inv = pow2(st.w_exp - 14);
+            float *o_w = o_s + (warp * HG + g) * hd;
 #pragma unroll
-    for (int j = 0; j < HG; ++j) {
+            for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int off = LPR; off < kWarpSize; off <<= 1) {
-            st.l[j] += __shfl_xor_sync(kFullMask, st.l[j], off);
-#pragma unroll
-            for (int e = 0; e < E; ++e) st.o[j][e] += __shfl_xor_sync(kFullMask, st.o[j][e], off);
-        }
-    }
-    if (lane < LPR) {
-#pragma unroll
-        for (int j = 0; j < HG; ++j) {
-            float *o_w = o_s + (warp * HG + j) * hd;
-#pragma unroll
-            for (int v = 0; v < L::kVecsPerLane; ++v) {
-                if constexpr (L::kVector) {
-                    const int e0 = (lane + v * LPR) * L::kVec;
-#pragma unroll
-                    for (int i = 0; i < L::kVec; i += 4)
-                        *reinterpret_cast<float4 *>(o_w + e0 + i) =
-                            make_float4(st.o[j][v * L::kVec + i], st.o[j][v * L::kVec + i + 1],
-                                        st.o[j][v * L::kVec + i + 2], st.o[j][v * L::kVec + i + 3]);
-                } else {
-                    const int d = lane + v * kWarpSize;
-                    if (d < hd) o_w[d] = st.o[j][v];
-                }
+                for (int e = 0; e < 2; ++e) o_w[16 * (2 * tq + e) + j] = (st.o[j][e] + st.o[j][2 + e]) * w_inv;
+            if (tq == 0) {
+                m_s[warp * HG + g] = st.m;
+                l_s[warp * HG + g] = st.l;
             }
         }
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < HG; ++j) {
-            m_s[warp * HG + j] = st.m[j];
-            l_s[warp * HG + j] = st.l[j];
-        }
+    } else {
+        warp_state_out<KV, HD, HG>(st, o_s, m_s, l_s, hd, warp, lane);
     }
     __syncthreads();
     // Each output element combines the warps itself (m, the factors and l recomputed per
@@ -827,8 +1169,12 @@ using AttnKernel = void (*)(AttnParams);
 // Head-group sizes compiled: 1, 2, 4 and 8 (up to what the registers allow) for head_dim 64 and
 // 128 (where the real models are), the largest the registers allow for the other head dims.
 template <int KV, int HD, bool ROWS>
-AttnKernel kernel_for_group(int head_group) {
+AttnKernel kernel_for_group(int head_group, bool tensor_cores) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
+    if constexpr (kMmaFold<KV, HD, 4>) {
+        if (tensor_cores) return head_group == 4 ? attention_kernel<KV, HD, 4, ROWS, true> : nullptr;
+    }
+    if (tensor_cores) return nullptr;
     if constexpr (HD == 64 || HD == 128) {
         if (head_group == 1) return attention_kernel<KV, HD, 1, ROWS>;
         if (head_group == 2) return attention_kernel<KV, HD, 2, ROWS>;
@@ -841,24 +1187,25 @@ AttnKernel kernel_for_group(int head_group) {
 }
 
 template <int KV, bool ROWS>
-AttnKernel kernel_for(int head_dim, int head_group) {
+AttnKernel kernel_for(int head_dim, int head_group, bool tc) {
     switch (head_dim) {
-        case 64: return kernel_for_group<KV, 64, ROWS>(head_group);
-        case 128: return kernel_for_group<KV, 128, ROWS>(head_group);
-        case 256: return kernel_for_group<KV, 256, ROWS>(head_group);
-        default: return kernel_for_group<KV, 0, ROWS>(head_group);
+        case 64: return kernel_for_group<KV, 64, ROWS>(head_group, tc);
+        case 128: return kernel_for_group<KV, 128, ROWS>(head_group, tc);
+        case 256: return kernel_for_group<KV, 256, ROWS>(head_group, tc);
+        default: return kernel_for_group<KV, 0, ROWS>(head_group, tc);
     }
 }
 
-// The kernel of a launch of one row (the decode body) or of several (the verify body).
-AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group, bool rows) {
+// The kernel of a launch of one row (the decode body) or of several (the verify body); tc: the
+// tensor-core fold (nullptr where it is not compiled).
+AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group, bool rows, bool tc = false) {
     switch (kv_dtype) {
-        case OG_KV_F32: return rows ? kernel_for<OG_KV_F32, true>(head_dim, head_group)
-                                    : kernel_for<OG_KV_F32, false>(head_dim, head_group);
-        case OG_KV_BF16: return rows ? kernel_for<OG_KV_BF16, true>(head_dim, head_group)
-                                     : kernel_for<OG_KV_BF16, false>(head_dim, head_group);
-        case OG_KV_INT8: return rows ? kernel_for<OG_KV_INT8, true>(head_dim, head_group)
-                                     : kernel_for<OG_KV_INT8, false>(head_dim, head_group);
+        case OG_KV_F32: return rows ? kernel_for<OG_KV_F32, true>(head_dim, head_group, tc)
+                                    : kernel_for<OG_KV_F32, false>(head_dim, head_group, tc);
+        case OG_KV_BF16: return rows ? kernel_for<OG_KV_BF16, true>(head_dim, head_group, tc)
+                                     : kernel_for<OG_KV_BF16, false>(head_dim, head_group, tc);
+        case OG_KV_INT8: return rows ? kernel_for<OG_KV_INT8, true>(head_dim, head_group, tc)
+                                     : kernel_for<OG_KV_INT8, false>(head_dim, head_group, tc);
     }
     return nullptr;
 }
@@ -957,11 +1304,22 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     }
     const int head_groups = ceil_div(group, head_group);
     const int n_blocks = wave < 1 ? 1 : wave > n_splits ? n_splits : wave;
+    // The tensor-core fold where a KV head's query heads are one group of its shape (kMmaFold):
+    // the same blocks, shared memory and grid as the CUDA-core instance it replaces.
+    const bool tensor_cores = head_groups == 1 && kernel_for(kv_dtype, head_dim, head_group, false, true) != nullptr;
+    if (tensor_cores) {
+        const size_t smem = (size_t)attn_smem(head_group, head_dim, n_splits, eb, 1).total * 4;
+        const size_t smem_rows = (size_t)attn_smem(head_group, head_dim, n_splits, eb, kAttnMaxRows).total * 4;
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel_for(kv_dtype, head_dim, head_group, false, true), smem));
+        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel_for(kv_dtype, head_dim, head_group, true, true),
+                                             smem_rows <= (size_t)smem_optin - 64 ? smem_rows : smem));
+    }
     plan->split_len = split_len;
     plan->n_splits = n_splits;
     plan->n_blocks = n_blocks;
     plan->head_group = head_group;
     plan->head_groups = head_groups;
+    plan->tensor_cores = tensor_cores;
     plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb, 1).total * 4;
     return cudaSuccess;
 }
@@ -982,7 +1340,8 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     // Several rows: consecutive positions of one sequence, fused mode only.
     if (args.n_rows < 1 || args.n_rows > kAttnMaxRows || (args.n_rows > 1 && args.qkv == nullptr))
         return cudaErrorInvalidValue;
-    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group, args.n_rows > 1);
+    const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group, args.n_rows > 1,
+                                         plan.tensor_cores);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;

@@ -31,23 +31,8 @@ namespace {
 //   load ring, the MoE down kernel holds U in registers), and the 8 partial sums per row are
 //   added in warp order (deterministic: graph replays are bit-identical).
 
-// d += A . B for one m16n8k16 tile (fp16 inputs, fp32 accumulation).
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // int8 codes per 32-bit word, and the half2 pairs they make (quant.cuh word_pairs).
 constexpr int kCodesPerWord = 4, kPairsPerWord = 2;
-__device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
-    uint32_t u;
-    memcpy(&u, &h, sizeof u);
-    return u;
-}
 
 // The power of two 2^e that puts max |x| = bound in [2^14, 2^15) (fp16's range with room).
 __device__ __forceinline__ int split_exponent(float bound) {

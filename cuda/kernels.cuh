@@ -194,6 +194,7 @@ struct AttentionPlan {
                                   // b + n_blocks, ...
     int head_group = 0;           // query heads accumulated together in registers (HG)
     int head_groups = 0;          // ceil(n_heads / n_kv_heads / HG): blocks side by side per chunk
+    bool tensor_cores = false;    // the fold on the tensor cores (attention.cu kMmaFold)
     int smem_bytes = 0;
 };
 // split_len 0: the kernel's default chunk (one tile per warp); otherwise rounded up to a

@@ -97,10 +97,12 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
 
 /* The attention plan the kernels take for this shape (split_len 0: the engine's chunking):
  * the query heads a block folds together (head_group), blocks per (KV head, head group)
- * (n_blocks), rows per chunk (split_len_out). */
+ * (n_blocks), rows per chunk (split_len_out), and whether the fold runs on the tensor cores
+ * (tensor_cores: 1) or the CUDA cores (0). */
 OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                        int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out);
+                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out,
+                                       int32_t *tensor_cores);
 
 /* Decode attention of one query over the first visible_len rows of a KV cache.
  *   q [n_heads * hd]; caches and scales as for og_test_qk_norm_rope_kv (scales NULL

@@ -108,6 +108,22 @@ __device__ __forceinline__ uint32_t word_of(const uint4 &v, int k) {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ uint32_t half2_as_u32(__half2 h) {
+    uint32_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
+}
+
+// d += A . B for one m16n8k16 tile (fp16 inputs, fp32 accumulation).
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // The codes of one 32-bit word of int8 codes as exact fp16 pairs (low half first): (q0, q2), (q1, q3).
 __device__ __forceinline__ void word_pairs(uint32_t w, __half2 (&h)[2]) {
     const __half2 offset = half2_bits(0x64806480u);                        // 1152, 1152

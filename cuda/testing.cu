@@ -483,8 +483,9 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
 
 OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                        int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out) {
-    if (head_group == nullptr || n_blocks == nullptr || split_len_out == nullptr)
+                                       int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out,
+                                       int32_t *tensor_cores) {
+    if (head_group == nullptr || n_blocks == nullptr || split_len_out == nullptr || tensor_cores == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: NULL output");
     OG_TRY(require_device());
     AttentionPlan plan;
@@ -499,6 +500,7 @@ OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int
     *head_group = plan.head_group;
     *n_blocks = plan.n_blocks;
     *split_len_out = plan.split_len;
+    *tensor_cores = plan.tensor_cores ? 1 : 0;
     return OG_OK;
 }
 

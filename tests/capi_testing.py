@@ -112,8 +112,9 @@ def _bind(lib: ctypes.CDLL) -> None:
        P_f32, c_int32, c_int32, c_int32, c_void_p, c_void_p, P_f32, P_f32)
     # og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
     #                                  int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-    #                                  int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out);
-    fn("og_test_attention_plan", c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, P_i32, P_i32, P_i32)
+    #                                  int32_t *head_group, int32_t *n_blocks, int32_t *split_len_out,
+    #                                  int32_t *tensor_cores);
+    fn("og_test_attention_plan", c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, P_i32, P_i32, P_i32, P_i32)
     # og_status og_test_attention(const float *q, const void *k_cache, const void *v_cache,
     #                             const float *k_scales, const float *v_scales,
     #                             int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
@@ -461,12 +462,14 @@ def qk_norm_rope_kv(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv
 
 
 def attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype=OG_KV_F32, split_len=0) -> dict:
-    """The attention plan for this shape: head_group, n_blocks, split_len."""
-    hg, nb, split = c_int32(0), c_int32(0), c_int32(0)
+    """The attention plan for this shape: head_group, n_blocks, split_len, tensor_cores (bool)."""
+    hg, nb, split, tc = c_int32(0), c_int32(0), c_int32(0), c_int32(0)
     _check(load().og_test_attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype, split_len,
-                                         ctypes.byref(hg), ctypes.byref(nb), ctypes.byref(split)),
+                                         ctypes.byref(hg), ctypes.byref(nb), ctypes.byref(split),
+                                         ctypes.byref(tc)),
            "og_test_attention_plan")
-    return {"head_group": hg.value, "n_blocks": nb.value, "split_len": split.value}
+    return {"head_group": hg.value, "n_blocks": nb.value, "split_len": split.value,
+            "tensor_cores": bool(tc.value)}
 
 
 def attention(q, k_cache, v_cache, k_scales, v_scales, n_heads, visible_len, split_len=0,

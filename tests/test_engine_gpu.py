@@ -12,6 +12,7 @@ import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
 from onegraph.session import GpuSession
+from onegraph.synth import iter_tensors, preset_config
 from onegraph.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
@@ -55,6 +56,25 @@ def test_graph_replay_is_bit_identical_to_nongraph():
     assert graph_tokens == plain_tokens
     for g, p in zip(graph_logits, plain_logits):
         assert np.array_equal(g, p)
+
+
+def test_graph_replay_is_bit_identical_to_nongraph_on_the_tensor_cores():
+    # Four query heads a KV head over int8 rows of 128 dims and a long cache: attention folds on
+    # the tensor cores (test_kernels_gpu.py checks that fold against float64).
+    max_seq = 8192
+    assert ct.attention_plan(8, 2, 128, max_seq, ct.OG_KV_INT8)["tensor_cores"]
+    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    tensors = dict(iter_tensors(config, seed=0))
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, device="gpu") as engine:
+        engine.set_graph(True)
+        graph_tokens, graph_logits = _decode(engine.step, PROMPT, 200)
+        engine.reset()
+        engine.set_graph(False)
+        plain_tokens, plain_logits = _decode(engine.step, PROMPT, 200)
+    assert graph_tokens == plain_tokens
+    for g, p in zip(graph_logits, plain_logits):
+        assert np.array_equal(g, p)
+    assert all(np.isfinite(g).all() for g in graph_logits)
 
 
 def test_one_copy_each_way_per_token():

@@ -365,8 +365,11 @@ def random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len):
     return k, v, k_scales, v_scales, kv.astype(np.float64), vv.astype(np.float64)
 
 
-def ref_attention(q, k_values, v_values, n_heads, visible_len, split_len):
-    """(out [n_heads * hd] float64, tolerance) for the first visible_len rows."""
+def ref_attention(q, k_values, v_values, n_heads, visible_len, split_len, v_scales=None):
+    """(out [n_heads * hd] float64, tolerance) for the first visible_len rows. v_scales
+    [n_kv, rows] (int8 V): the tolerance of the fold on the tensor cores, whose weights p *
+    v_scale are fp16 pairs (hi + lo) scaled to their head's largest: a weight below 2^-38 of that
+    largest reads as zero, which may be all of an element whose larger rows hold code 0."""
     n_kv, _, hd = k_values.shape
     group = n_heads // n_kv
     q = q.astype(np.float64).reshape(n_heads, hd)
@@ -387,6 +390,8 @@ def ref_attention(q, k_values, v_values, n_heads, visible_len, split_len):
         n_splits = math.ceil(visible_len / split_len)
         rel = 2 * score_err + (visible_len + n_splits + SLACK) * U
         tol[h] = rel * (p @ np.abs(v)) + 1e-30
+        if v_scales is not None:
+            tol[h] += visible_len * 2.0 ** -38 * 127 * (p * v_scales[kv_head, :visible_len]).max()
     return out.ravel(), tol.ravel()
 
 
@@ -408,10 +413,15 @@ def test_attention_split_boundaries(shape, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda k: KV_NAMES[k])
-def test_attention_full_context_engine_split(kv_dtype):
-    # qwen3-0.6b attention shape over a full 4096-row cache, split length as the engine picks.
-    n_heads, n_kv, hd, max_seq = 16, 8, 128, 4096
-    rng = rng_for("attn_full", kv_dtype)
+@pytest.mark.parametrize("n_heads,n_kv", [(16, 8), (32, 8), (32, 4)], ids=["0.6b", "8b", "30b-a3b"])
+def test_attention_full_context_engine_split(n_heads, n_kv, kv_dtype):
+    # The qwen3-0.6b, 8B and 30B-A3B attention shapes over a full 4096-row cache, split length
+    # as the engine picks. The 8B shape's int8 rows fold on the tensor cores (one group of 4
+    # query heads a KV head); the others on the CUDA cores.
+    hd, max_seq = 128, 4096
+    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype)
+    assert plan["tensor_cores"] == (kv_dtype == ct.OG_KV_INT8 and n_heads // n_kv == 4), plan
+    rng = rng_for("attn_full", n_heads, n_kv, kv_dtype)
     for visible_len in (max_seq, 1000, 1):
         k, v, ks, vs, kv, vv = random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len)
         q = rng.standard_normal(n_heads * hd).astype(np.float32)
@@ -419,6 +429,31 @@ def test_attention_full_context_engine_split(kv_dtype):
         assert split % 32 == 0 and split * n_splits >= max_seq > split * (n_splits - 1)
         ref, tol = ref_attention(q, kv, vv, n_heads, visible_len, split)
         assert_within(out, ref, tol, f"attention len={visible_len} split={split}")
+
+
+def test_attention_tensor_cores_across_scales():
+    # The tensor-core fold scales q and the weights p * v_scale per head by powers of two into
+    # fp16's range: query heads 10^-3 .. 10^3 apart, and V scales growing 10^6-fold down the
+    # rows (each new tile lowers the weights' scale and rescales the sums) or shrinking, against
+    # the float64 reference within the CUDA cores' error bound plus the fp16 weights' floor
+    # (ref_attention).
+    n_heads, n_kv, hd, max_seq, split = 16, 4, 128, 600, 64
+    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, ct.OG_KV_INT8, split)
+    assert plan["tensor_cores"] and plan["head_group"] == 4, plan
+    rng = rng_for("attn_tc_scales")
+    head_scale = np.repeat(10.0 ** rng.uniform(-3, 3, n_heads), hd).astype(np.float32)
+    for order in (1, -1):
+        for visible_len in (1, 17, 255, 600):
+            k, v, ks, vs, _, _ = random_cache(rng, ct.OG_KV_INT8, n_kv, max_seq, hd, visible_len)
+            vs[:, :visible_len] *= np.logspace(-3, 3, visible_len)[::order].astype(np.float32)
+            kv = k.astype(np.float32) * ks[..., None]
+            vv = v.astype(np.float32) * vs[..., None]
+            q = (rng.standard_normal(n_heads * hd) * head_scale).astype(np.float32)
+            out, used_split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, split, ct.OG_KV_INT8)
+            assert used_split == split
+            ref, tol = ref_attention(q, kv.astype(np.float64), vv.astype(np.float64), n_heads, visible_len, split,
+                                     v_scales=vs.astype(np.float64))
+            assert_within(out, ref, tol, f"attention len={visible_len} order={order}")
 
 
 # A cache no longer than a few chunks (the engine's chunking, head_dim 64 or 128): the plan gives

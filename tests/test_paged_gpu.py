@@ -134,6 +134,8 @@ def paged(rows, kv, page, n_blocks, table, n_kv, hd, max_seq):
 ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths)
     (8, 4, 128, 16, (1, 16, 17, 100, 200)),
     (16, 8, 128, 64, (1, 63, 64, 65, 200)),
+    (16, 4, 128, 16, (1, 16, 17, 100, 200)),  # int8: the tensor-core fold, a tile in one page
+    (16, 4, 128, 7, (1, 7, 8, 100, 200)),     # and tiles across pages
     (6, 2, 16, 16, (5, 33, 200)),
     (6, 3, 20, 7, (1, 7, 8, 199)),
     (4, 2, 64, 200, (1, 200)),  # one block: the contiguous special case
@@ -210,6 +212,7 @@ def test_paged_kv_write_matches_contiguous_and_sets_the_table(kv):
 FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions): single block, several, owner mid-grid
     (16, 8, 128, 64, (0, 5, 127, 128, 300, 1000)),
     (32, 8, 128, 16, (0, 63, 64, 200)),
+    (16, 4, 128, 24, (0, 23, 24, 500)),  # int8: the tensor-core fold, tiles across pages
     (8, 1, 128, 16, (3, 129)),
     (6, 2, 16, 16, (0, 17, 130)),
     (6, 3, 20, 7, (1, 8, 199)),

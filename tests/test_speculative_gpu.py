@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from gpu_support import require_gpu, synthetic
+import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
+from onegraph.synth import iter_tensors, preset_config
 from speculative_support import EverySixth, PinnedCosts
 
 pytestmark = pytest.mark.gpu
@@ -69,20 +71,39 @@ CASES = [(preset, kv, "bf16") for preset in ("tiny-dense", "tiny-llama", "tiny-m
 CASES += [(preset, "int8", weights) for preset in ("tiny-dense", "tiny-moe") for weights in ("int8", "q4")]
 
 
+def check_verify_equals_decode(engine, graph):
+    """Each k: the verify step's logits, tokens and logit values at each position are the
+    decode body's bit for bit."""
+    engine.prefill(PROMPT)
+    base = engine.sequence
+    expected = decode_logits(engine, base, FEED)
+    for n in range(2, capi.MAX_VERIFY + 1):
+        got, next_tokens, next_logits = verify_logits(engine, base, FEED[:n], graph)
+        for j in range(n):
+            assert np.array_equal(got[j], expected[j]), f"k={n - 1}, position {j}"
+        best = np.argmax(expected[:n], axis=1)
+        assert np.array_equal(next_tokens, best)
+        assert np.array_equal(next_logits, expected[np.arange(n), best])
+
+
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
 @pytest.mark.parametrize("preset, kv, weights", CASES)
 def test_verify_logits_are_the_decode_bodys_bit_for_bit(preset, kv, weights, graph):
     with engine_for(preset, kv, weights, graph) as engine:
-        engine.prefill(PROMPT)
-        base = engine.sequence
-        expected = decode_logits(engine, base, FEED)
-        for n in range(2, capi.MAX_VERIFY + 1):
-            got, next_tokens, next_logits = verify_logits(engine, base, FEED[:n], graph)
-            for j in range(n):
-                assert np.array_equal(got[j], expected[j]), f"k={n - 1}, position {j}"
-            best = np.argmax(expected[:n], axis=1)
-            assert np.array_equal(next_tokens, best)
-            assert np.array_equal(next_logits, expected[np.arange(n), best])
+        check_verify_equals_decode(engine, graph)
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
+def test_verify_on_the_tensor_cores_is_the_decode_bodys_bit_for_bit(graph):
+    # Four query heads a KV head over int8 rows of 128 dims, with a cache long enough for the
+    # plan's widest head group: attention folds on the tensor cores in both bodies.
+    max_seq = 8192
+    assert ct.attention_plan(8, 2, 128, max_seq, ct.OG_KV_INT8)["tensor_cores"]
+    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    tensors = dict(iter_tensors(config, seed=0))
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, graph=graph, device="gpu",
+                             weights="bf16", kv_page_size=8, kv_pool_blocks=64) as engine:
+        check_verify_equals_decode(engine, graph)
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
