@@ -653,11 +653,13 @@ __device__ __forceinline__ void attend_mma(MmaTile &t, int row0, const RowSource
             if (!is_new_row<ROWS>(row, src)) continue;
             const int r = ROWS ? row - src.new_lo : 0;
             if (i < 2) {
-                const uint4 *k_s = reinterpret_cast<const uint4 *>(static_cast<const float *>(new_k_s) + r * src.row_floats);
+                const uint4 *k_s =
+                    reinterpret_cast<const uint4 *>(static_cast<const float *>(new_k_s) + r * src.row_floats);
                 t.k[i][0] = k_s[tq];
                 t.k[i][1] = k_s[4 + tq];
             } else {
-                const uint4 *v_s = reinterpret_cast<const uint4 *>(static_cast<const float *>(new_v_s) + r * src.row_floats);
+                const uint4 *v_s =
+                    reinterpret_cast<const uint4 *>(static_cast<const float *>(new_v_s) + r * src.row_floats);
                 t.v[i - 2] = v_s[g];
                 t.k_scale[i - 2] = new_scales[2 * r];
                 t.v_scale[i - 2] = new_scales[2 * r + 1];
@@ -841,7 +843,7 @@ __device__ unsigned g_attn_trace_count;
 // TC: the tensor-core fold (kMmaFold shapes only).
 template <int KV, int HD, int HG, bool ROWS, bool TC = false>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
-    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold is compiled for int8 rows of 128 dims, 4 heads");
+    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 4 heads");
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
@@ -914,15 +916,14 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         return next_tile(cursor, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
     };
     // The tensor-core fold (kMmaFold) has a layout of its own: which rows and bytes a lane holds.
-    constexpr bool MMA = TC;
-    using Loc = std::conditional_t<MMA, MmaLoc, TileLoc<KV, HD>>;
-    using TileT = std::conditional_t<MMA, MmaTile, Tile<KV, HD>>;
+    using Loc = std::conditional_t<TC, MmaLoc, TileLoc<KV, HD>>;
+    using TileT = std::conditional_t<TC, MmaTile, Tile<KV, HD>>;
     auto locate = [&](Loc &loc, int r) {
-        if constexpr (MMA) locate_mma<ROWS>(loc, r, src, lane);
+        if constexpr (TC) locate_mma<ROWS>(loc, r, src, lane);
         else locate_tile<KV, HD, ROWS>(loc, r, src);
     };
     auto load = [&](TileT &t, const Loc &loc) {
-        if constexpr (MMA) load_mma(t, loc, src, lane);
+        if constexpr (TC) load_mma(t, loc, src, lane);
         else load_tile<KV, HD>(t, loc, src, hd);
     };
     int cursor = -1;
@@ -1030,10 +1031,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     float *partial_m = partials + (size_t)a.n_heads * B * hd;               // [n_heads, B]
     float *partial_l = partial_m + (size_t)a.n_heads * B;                   // [n_heads, B]
 
-    std::conditional_t<MMA, MmaState, WarpState<HG, E>> st;
+    std::conditional_t<TC, MmaState, WarpState<HG, E>> st;
     uint32_t qa[8][4];  // the tensor-core fold's query fragments and 2^-s (mma_query)
     float q_inv = 1.f;
-    if constexpr (MMA) {
+    if constexpr (TC) {
         mma_state_init(st);
         mma_query<HG>(q_s, lane, qa, q_inv);
     } else {
@@ -1051,11 +1052,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         // the block-table reads of tile i+3 are in flight.
         TileT nxt;
         load(nxt, loc1);
-        if constexpr (!MMA) prefetch_tile<KV, HD>(loc2, src);
+        if constexpr (!TC) prefetch_tile<KV, HD>(loc2, src);
         const int row1 = loc1.row0;
         loc1 = loc2;
         locate(loc2, next_row(cursor));
-        if constexpr (MMA)
+        if constexpr (TC)
             attend_mma<HG, ROWS>(cur, row0, src, qa, q_inv, new_k_s, new_v_s, new_scales,
                                  p.inv_sqrt_hd, lane, st);
         else
@@ -1067,7 +1068,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
 
     ATTN_TRACE(trace_rows);
     // ---- the warp's state over its row groups, then the block's warps in order --------
-    if constexpr (MMA) {
+    if constexpr (TC) {
         // Head g's sum over its four lanes; o (hi + lo) 2^-w of dims 16 (2t + e) + j.
         const int g = lane / 4, tq = lane % 4;
         st.l += __shfl_xor_sync(kFullMask, st.l, 1);
@@ -1306,7 +1307,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     const int n_blocks = wave < 1 ? 1 : wave > n_splits ? n_splits : wave;
     // The tensor-core fold where a KV head's query heads are one group of its shape (kMmaFold):
     // the same blocks, shared memory and grid as the CUDA-core instance it replaces.
-    const bool tensor_cores = head_groups == 1 && kernel_for(kv_dtype, head_dim, head_group, false, true) != nullptr;
+    const bool tensor_cores =
+        head_groups == 1 && kernel_for(kv_dtype, head_dim, head_group, false, true) != nullptr;
     if (tensor_cores) {
         const size_t smem = (size_t)attn_smem(head_group, head_dim, n_splits, eb, 1).total * 4;
         const size_t smem_rows = (size_t)attn_smem(head_group, head_dim, n_splits, eb, kAttnMaxRows).total * 4;
