@@ -4,15 +4,16 @@ class and by source line, and how long one trip takes if issue alone bound it.
     python3 scripts/sass_loops.py BINARY [--kernel REGEX] [--warps-per-sm N] [--lines K] [--json PATH]
 
 BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
-for the source lines). The hot loop of a function is its innermost loop (a backward branch and
-the code between its target and it) with at least half the arithmetic instructions (FFMA,
-HFMA2, HMMA, IMMA, IDP.4A, ...) of the function's loop with the most, and at least --min-math.
+for the source lines). The hot loop of a function is its innermost loop (a backward branch's
+natural loop: its target and every instruction that can reach the branch without passing the
+target) with at least half the arithmetic instructions (FFMA, HFMA2, HMMA, IMMA, IDP.4A, ...) of
+the function's loop with the most, and at least --min-math.
 Issue-bound time of one trip = instructions x warps an SM / (4 schedulers x 1 instruction a
 cycle) / the clock: what the loop costs if nothing but issue slots held it, to set against a
 measured time (a loop much slower than that waits on latency). The warps an SM are those its
 registers allow in blocks of --block-threads (or --warps-per-sm). The counts are static: every
-instruction between the loop's ends counts once, including branches a trip may skip (a task's
-final reduction in a loop over chunks, a rarely taken rescale).
+instruction of the loop counts once, including branches a trip may skip (a task's final
+reduction in a loop over chunks, a rarely taken rescale).
 
 Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
 (triton/backends/nvidia/bin), in that order.
@@ -146,26 +147,62 @@ def opcode(instr: str) -> str:
     return re.sub(r"^@!?U?P[0-9T]\s+", "", instr).split()[0].split(".")[0]
 
 
+def successors(body) -> list[list[int]]:
+    """Per instruction, the instructions control may pass to next: a branch's target label (BRA
+    predicated, with a predicate operand, or .U), and the following one unless the instruction
+    is a plain `BRA` or an unpredicated EXIT, RET or BRX. BRA.DIV (taken only when the warp has
+    diverged, to the compiler's out-of-line copy of a warp-synchronous sequence) counts as
+    falling through: the copies are not the loop's work."""
+    where = {label: i for i, (_, _, _, labels) in enumerate(body) for label in labels}
+    out = []
+    for i, (_, instr, _, _) in enumerate(body):
+        nxt = []
+        op = opcode(instr)
+        ends = re.match(r"BRA\s+`\(", instr) or (op in ("EXIT", "RET", "BRX", "JMX") and not instr.startswith("@"))
+        if not ends and i + 1 < len(body):
+            nxt.append(i + 1)
+        m = re.search(r"`\((\.L_x_\d+)\)", instr) if op == "BRA" and "BRA.DIV" not in instr else None
+        if m and m.group(1) in where:
+            nxt.append(where[m.group(1)])
+        out.append(nxt)
+    return out
+
+
+def natural_loop(succ: list[list[int]], header: int, latch: int) -> list[int]:
+    """The instructions of the loop whose back edge goes from latch to header: the header and
+    every instruction that reaches the latch without passing the header (code the compiler laid
+    out between the two that leaves the loop for good, e.g. an epilogue, is not in it)."""
+    pred: dict[int, list[int]] = collections.defaultdict(list)
+    for i, nxt in enumerate(succ):
+        for j in nxt:
+            pred[j].append(i)
+    seen = {header, latch}
+    stack = [latch] if latch != header else []
+    while stack:
+        for p in pred[stack.pop()]:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return sorted(seen)
+
+
 def hot_loop(body, min_math: int):
     """The innermost loop with at least half the arithmetic of the loop with the most (and at
-    least min_math): (first, last) index, or None. A loop's code is what lies between a backward
-    branch's target and the branch, so the compiler's rotated and duplicated paths make loops
-    that nest or overlap; the hot one is the smallest of those that hold most of the math."""
-    where = {}
-    for i, (_, _, _, labels) in enumerate(body):
-        for label in labels:
-            where[label] = i
+    least min_math): the indices of its instructions, or None. A loop is a backward branch's
+    natural loop (natural_loop); the compiler's rotated and duplicated paths make loops that
+    nest or overlap, and the hot one is the smallest of those that hold most of the math."""
+    succ = successors(body)
     loops = []
-    for i, (_, instr, _, _) in enumerate(body):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", instr)
-        if m and where.get(m.group(1), i) < i:
-            first = where[m.group(1)]
-            loops.append((first, i, sum(opcode(x[1]) in MATH for x in body[first:i + 1])))
+    for i, nxt in enumerate(succ):
+        for j in nxt:
+            if j <= i and opcode(body[i][1]) == "BRA":
+                members = natural_loop(succ, j, i)
+                loops.append((members, sum(opcode(body[k][1]) in MATH for k in members)))
     if not loops:
         return None
-    need = max(min_math, max(n for _, _, n in loops) // 2)
-    hot = [(last - first, first, last) for first, last, n in loops if n >= need]
-    return min(hot)[1:] if hot else None
+    need = max(min_math, max(n for _, n in loops) // 2)
+    hot = [(len(members), members[0], members) for members, n in loops if n >= need]
+    return min(hot)[2] if hot else None
 
 
 def demangle(names: list[str]) -> dict[str, str]:
@@ -228,7 +265,7 @@ def hot_loops(args) -> list[dict]:
                 loop = hot_loop(body, args.min_math)
                 if loop is None:
                     continue
-                trip = body[loop[0]:loop[1] + 1]
+                trip = [body[i] for i in loop]
                 ops = collections.Counter(opcode(x[1]) for x in trip)
                 classes = collections.Counter()
                 for op, n in ops.items():

@@ -31,12 +31,31 @@ def test_the_hot_loop_is_the_smallest_holding_half_the_math():
     rows += [(".L_x_2", "FFMA R8, R4, R5, R8", 8), (None, "FADD R8, R8, R9", 8), (None, "@P2 BRA `(.L_x_2)", 9)]
     rows += [(None, "EXIT", 10)]
     body = sass_loops.parse_disassembly(disassembly(rows))["k"]
-    first, last = sass_loops.hot_loop(body, min_math=1)
-    trip = body[first:last + 1]
+    trip = [body[i] for i in sass_loops.hot_loop(body, min_math=1)]
     assert [sass_loops.opcode(x[1]) for x in trip] == ["FFMA"] * 6 + ["SHFL", "BRA"]
     assert trip[0][2] == ("k.cu", 3)
     # Demanding more math than any loop holds: none.
     assert sass_loops.hot_loop(body, min_math=100) is None
+
+
+def test_code_laid_out_inside_a_loop_that_leaves_it_is_not_counted():
+    # The loop's header, a rarely taken rescale branch (back into the loop), then an epilogue
+    # the compiler placed before the back edge, reached only by leaving the loop: the loop is
+    # the header, the body, the rescale and the back edge, not the epilogue.
+    rows = [(None, "MOV R1, c[0x0][0x28]", 1)]
+    rows += [(".L_x_0", "HMMA.16816.F32 R4, R8, R12, R4", 2), (None, "FFMA R3, R4, R5, R3", 2)]
+    rows += [(None, "@P0 BRA `(.L_x_1)", 3)]                       # to the rescale
+    rows += [(".L_x_2", "FADD R6, R6, R7", 4), (None, "@P1 BRA `(.L_x_3)", 4)]   # exit to epilogue
+    rows += [(None, "BRA `(.L_x_4)", 5)]                           # to the back edge
+    rows += [(".L_x_3", "FFMA R9, R9, R9, R9", 6), (None, "FFMA R9, R9, R9, R9", 6),
+             (None, "FFMA R9, R9, R9, R9", 6), (None, "EXIT", 6)]  # the epilogue
+    rows += [(".L_x_1", "FMUL R4, R4, R2", 7), (None, "BRA `(.L_x_2)", 7)]      # the rescale
+    rows += [(".L_x_4", "IADD3 R0, R0, 0x1, RZ", 8), (None, "@P2 BRA `(.L_x_0)", 8)]
+    rows += [(None, "EXIT", 9)]
+    body = sass_loops.parse_disassembly(disassembly(rows))["k"]
+    trip = [body[i] for i in sass_loops.hot_loop(body, min_math=1)]
+    assert [sass_loops.opcode(x[1]) for x in trip] == [
+        "HMMA", "FFMA", "BRA", "FADD", "BRA", "BRA", "FMUL", "BRA", "IADD3", "BRA"]
 
 
 def test_predicates_and_modifiers_do_not_change_the_opcode():
