@@ -20,6 +20,9 @@ DIR holds, per model, these documents (int8 KV, bf16 weights, E engines each):
 Each row: the median engine's tok/s (old, new), new / old, each side's spread over its engines
 (min-max tok/s), and the token checks: graph == non-graph within each run, old == new (the same
 seed gives the same weights and prompt, so an unchanged computation gives the same tokens).
+Where both documents of a model hold a context sweep (`--contexts`, this layout on both sides),
+a second table: per context and mode, each engine's ms a token (old, new) and the ratio of
+their means.
 Then, for each pair old-upper-PRESET.json / new-upper-PRESET.json in DIR (`python -m
 bench.speculative --upper-bound`, this layout on both sides), the verify path's ceiling per k:
 a verify step's time in plain steps and the speedup over plain decoding, old and new, and
@@ -79,6 +82,24 @@ def compare(docs: dict[str, dict], model: str) -> tuple[list[list[str]], list[st
     return rows, failed
 
 
+def context_rows(old: dict, new: dict, model: str) -> list[list[str]]:
+    """Rows of the context table: the int8-KV bf16 sweep records both documents hold, per
+    (runtime, context), each engine's ms a token and new mean / old mean."""
+    def sweep(doc):
+        return {(r["runtime"], r["context"]): r for r in doc.get("context_sweep", [])
+                if r.get("kv") == "int8" and r.get("weights") == "bf16" and r.get("ms_per_token")}
+    old_s, new_s = sweep(old), sweep(new)
+    rows = []
+    for key in sorted(old_s.keys() & new_s.keys(), key=lambda k: (k[0], k[1])):
+        o, n = old_s[key], new_s[key]
+        o_ms = o.get("ms_per_token_engines") or [o["ms_per_token"]]
+        n_ms = n.get("ms_per_token_engines") or [n["ms_per_token"]]
+        ratio = (sum(n_ms) / len(n_ms)) / (sum(o_ms) / len(o_ms))
+        rows.append([model, key[0].replace("onegraph-", ""), str(key[1]), ", ".join(f"{v:.3f}" for v in o_ms),
+                     ", ".join(f"{v:.3f}" for v in n_ms), f"{ratio:.3f}"])
+    return rows
+
+
 def format_table(rows: list[list[str]]) -> str:
     header = ["model", "mode", "old tok/s", "new tok/s", "new/old", "old engines", "new engines",
               "tokens"]
@@ -113,7 +134,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     folder, models = argv[0], argv[1:]
-    rows, failed = [], []
+    rows, failed, contexts = [], [], []
     for model in models:
         docs = {}
         stepped = os.path.join(folder, f"old-stepped-{model}.json")
@@ -129,8 +150,13 @@ def main(argv: list[str]) -> int:
             r, f = compare(docs, model)
             rows += r
             failed += f
+            contexts += context_rows(docs["old"], docs["new"], model)
     if rows:
         print(format_table(rows))
+    if contexts:
+        print()
+        print(format_rows(["model", "mode", "context", "old ms (engines)", "new ms (engines)", "new/old"],
+                          contexts, (0, 1, 3, 4)))
     upper = []
     for name in sorted(os.listdir(folder)):
         if not (name.startswith("old-upper-") and name.endswith(".json")):

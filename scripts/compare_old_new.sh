@@ -24,8 +24,11 @@
 #   bash scripts/compare_old_new.sh                 # qwen3-0.6b and qwen3-8b
 #   bash scripts/compare_old_new.sh qwen3-0.6b      # some models
 #   UPPER_BOUND=smollm2-135m bash scripts/compare_old_new.sh none   # the verify path only
+# CONTEXTS="128,4096,32768" (an old tree of this layout) also runs each benchmark's context sweep,
+# and the table compares each context's ms a token:
+#   CONTEXTS=128,4096,32768 bash scripts/compare_old_new.sh qwen3-8b:8
 # Environment: OLD (the old tree), ENGINES (3), BUILD_JOBS (16), BENCH_TIMEOUT (seconds per
-# bench run, 150), PROFILE (0), UPPER_BOUND (none).
+# bench run, 150), PROFILE (0), UPPER_BOUND (none), CONTEXTS (none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
@@ -57,6 +60,7 @@ echo "build: old rc=$old_rc, new rc=$new_rc"
 if [ $old_rc -ne 0 ] || [ $new_rc -ne 0 ]; then tail -n 30 "$LOG"; exit 1; fi
 
 common=(--kv int8 --weights bf16 --engines "$ENGINES")
+[ -n "${CONTEXTS:-}" ] && common+=(--contexts "$CONTEXTS")
 if [ -f "$OLD/bench/__main__.py" ]; then OLD_LAYOUT=bench; else OLD_LAYOUT=runtime; fi
 # Run "$@" from tree $2 (its package first on the path; the old layout's `runtime` from its
 # folder), logged under label $1; a failure sets status.

@@ -794,3 +794,35 @@ def test_compare_old_new_with_an_old_tree_of_this_layout(tmp_path):
     assert f"{144.0 / 150.0:.3f}" in rows["graph, stepped"]
     assert f"{152.0 / 160.0:.3f}" in rows["graph, pipelined"]
     assert f"{126.0 / 120.0:.3f}" in rows["non-graph"] and "NO" not in rows["non-graph"]
+
+
+def test_compare_old_new_context_table(tmp_path):
+    """Documents with a context sweep (--contexts on both sides): a second table, one row per
+    (mode, context) both hold, each engine's ms a token and the ratio of the means; a context
+    only one side swept has no row."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+
+    def doc(sweep):
+        results = [{"runtime": rt, "kv": "int8", "weights": "bf16", "status": "ok", "tokens_per_s": 100.0,
+                    "tokens": [1], "tokens_per_s_engines": [100.0], "same_tokens_as_nongraph": same}
+                   for rt, same in (("onegraph-graph", True), ("onegraph-graph-pipelined", True),
+                                    ("onegraph-nongraph", None))]
+        return {"results": results,
+                "context_sweep": [{"runtime": rt, "kv": "int8", "weights": "bf16", "context": c,
+                                   "ms_per_token": ms[0], "ms_per_token_engines": ms}
+                                  for (rt, c), ms in sweep.items()]}
+
+    old = {("onegraph-graph", 128): [1.0, 1.2], ("onegraph-graph", 32768): [2.0, 2.2],
+           ("onegraph-nongraph", 32768): [2.5, 2.5]}
+    new = {("onegraph-graph", 128): [1.1, 1.1], ("onegraph-graph", 32768): [1.6, 1.8],
+           ("onegraph-graph", 4096): [1.3, 1.3]}
+    (tmp_path / "old-m.json").write_text(json.dumps(doc(old)))
+    (tmp_path / "new-m.json").write_text(json.dumps(doc(new)))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "m"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout.split("\n\n")[1].splitlines()
+    assert table[0].split()[:3] == ["model", "mode", "context"]
+    rows = {tuple(re.split(r"\s{2,}", line)[1:3]): re.split(r"\s{2,}", line) for line in table[1:]}
+    assert set(rows) == {("graph", "128"), ("graph", "32768")}
+    assert rows[("graph", "32768")][3:] == ["2.000, 2.200", "1.600, 1.800", f"{1.7 / 2.1:.3f}"]
+    assert rows[("graph", "128")][5] == f"{1.1 / 1.1:.3f}"
