@@ -57,6 +57,18 @@ def synthetic(preset, layers=None, seed=0):
     return config, dict(iter_tensors(config, seed=seed))
 
 
+# A model whose attention folds on the tensor cores: 128-dim heads, 4 query heads a KV head; with
+# int8 KV and a cache of TENSOR_CORE_MAX_SEQ rows the plan takes the widest head group.
+TENSOR_CORE_MAX_SEQ = 8192
+
+
+def tensor_core_model(seed=0):
+    """(config, tensors dict) of that model (tiny-dense's other sizes), generated in memory."""
+    from onegraph.synth import iter_tensors, preset_config
+    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    return config, dict(iter_tensors(config, seed=seed))
+
+
 def float16_checkpoint(config, tensors):
     """(float16 tensors, the same rounded to bf16 as the GPU stores matrices): every matrix
     carries mantissa bits bf16 cannot hold (scaled by 1 + 2^-10), so the rounding rule is

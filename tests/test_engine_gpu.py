@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 
 from bounds import assert_below
-from gpu_support import float16_folder_runs, rel_l2, require_gpu, synthetic
+from gpu_support import TENSOR_CORE_MAX_SEQ, float16_folder_runs, rel_l2, require_gpu, synthetic, tensor_core_model
 from gpu_support import greedy_decode as _decode
 import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
 from onegraph.session import GpuSession
-from onegraph.synth import iter_tensors, preset_config
 from onegraph.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
@@ -61,10 +60,9 @@ def test_graph_replay_is_bit_identical_to_nongraph():
 def test_graph_replay_is_bit_identical_to_nongraph_on_the_tensor_cores():
     # Four query heads a KV head over int8 rows of 128 dims and a long cache: attention folds on
     # the tensor cores (test_kernels_gpu.py checks that fold against float64).
-    max_seq = 8192
+    max_seq = TENSOR_CORE_MAX_SEQ
     assert ct.attention_plan(8, 2, 128, max_seq, ct.OG_KV_INT8)["tensor_cores"]
-    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    tensors = dict(iter_tensors(config, seed=0))
+    config, tensors = tensor_core_model()
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, device="gpu") as engine:
         engine.set_graph(True)
         graph_tokens, graph_logits = _decode(engine.step, PROMPT, 200)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import require_gpu, synthetic
+from gpu_support import TENSOR_CORE_MAX_SEQ, require_gpu, synthetic, tensor_core_model
 import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
-from onegraph.synth import iter_tensors, preset_config
 from speculative_support import EverySixth, PinnedCosts
 
 pytestmark = pytest.mark.gpu
@@ -97,10 +96,9 @@ def test_verify_logits_are_the_decode_bodys_bit_for_bit(preset, kv, weights, gra
 def test_verify_on_the_tensor_cores_is_the_decode_bodys_bit_for_bit(graph):
     # Four query heads a KV head over int8 rows of 128 dims, with a cache long enough for the
     # plan's widest head group: attention folds on the tensor cores in both bodies.
-    max_seq = 8192
+    max_seq = TENSOR_CORE_MAX_SEQ
     assert ct.attention_plan(8, 2, 128, max_seq, ct.OG_KV_INT8)["tensor_cores"]
-    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    tensors = dict(iter_tensors(config, seed=0))
+    config, tensors = tensor_core_model()
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, graph=graph, device="gpu",
                              weights="bf16", kv_page_size=8, kv_pool_blocks=64) as engine:
         check_verify_equals_decode(engine, graph)
