@@ -67,7 +67,7 @@ for tool in "${TOOLS[@]}"; do
     *) echo "sanitize: unknown tool '$tool' (memcheck racecheck initcheck synccheck)" >&2; exit 2 ;;
   esac
 done
-read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill sample verify guards}"
+read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill sample verify guards attention}"
 
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
