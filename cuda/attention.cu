@@ -44,13 +44,12 @@
 // 4 query heads a KV head fold on the tensor cores instead (attend_mma: its own layout of a
 // tile's rows over the lanes; the same pipeline without the L2 prefetch, and the same combine).
 // A block that is alone for its head group (len <= C) writes out directly; otherwise it writes
-// (m, l, o) as a partial, and the last
-// of the n_active blocks of the head group to finish (an atomic counter, reset by that block)
-// combines the partials in block order: the same arithmetic whichever block is last, so results
-// are bit-identical run to run. The first tile's K/V loads depend only on the step record and on
-// earlier steps' rows, and the prologue's norm weights and rotation angles only on weights and
-// the position, so all of them are issued before waiting on the previous kernel (PDL),
-// overlapping its tail.
+// (m, l, o) as a partial, and the last of the n_active blocks of the head group to finish (an
+// atomic counter, reset by that block) combines the partials in block order: the same
+// arithmetic whichever block is last, so results are bit-identical run to run. The first
+// tile's K/V loads depend only on the step record and on earlier steps' rows, and the
+// prologue's norm weights and rotation angles only on weights and the position, so all of them
+// are issued before waiting on the previous kernel (PDL), overlapping its tail.
 #include <math.h>
 
 #include <type_traits>
@@ -155,9 +154,8 @@ struct TileLoc {
     int in_page[AttnLayout<KV, HD>::kSlots];
 };
 
-// A row the kernel takes from shared memory: ROWS (attention_kernel's), the new rows are a range;
-// else at most the one row new_hi. (locate_tile and attend_tile spell the test out: with this
-// function their instances compile to other instructions.)
+// A row the kernel takes from shared memory (the tensor-core fold's test; locate_tile and
+// attend_tile spell out the same one, which as a call compiles to other instructions there).
 template <bool ROWS>
 __device__ __forceinline__ bool is_new_row(int row, const RowSource &src) {
     return ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
@@ -526,6 +524,11 @@ __device__ __forceinline__ int mma_row(int i, int lane) {
     const int g = lane / 4, t = lane % 4;
     return i < 2 ? 8 * i + g : 8 * ((i - 2) / 2) + 2 * t + (i - 2) % 2;
 }
+// The largest v of the four lanes 4 g .. 4 g + 3 (one head's, or one tile row set's).
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
+    return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
+}
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((e + 127) << 23); }
 // The exponent e with x < 2^e (x > 0 finite), clamped to [kMinExp, kMaxExp] so that 2^(14 - e)
@@ -542,6 +545,12 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint3
     hi = half2_as_u32(h);
     lo = half2_as_u32(__floats2half2_rn(a - __low2float(h), b - __high2float(h)));
 }
+// Block-table entry page_index of the sequence, or -1 outside the pool (layer 0 of this step may
+// be storing it: read past L1).
+__device__ __forceinline__ int table_block(const RowSource &src, int page_index) {
+    const int block = __ldcg(src.table + page_index);
+    return (unsigned)block < (unsigned)src.n_pool_blocks ? block : -1;
+}
 // Locate a lane's rows of the tile at row0 (-1: none), as locate_tile does for its layout.
 template <bool ROWS>
 __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSource &src, int lane) {
@@ -552,11 +561,7 @@ __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSourc
         in0 = row0 - page0 * src.page;
     }
     if (src.page % 16 == 0) {  // a tile (row0 a multiple of 16) lies in one page: one table read
-        int block = -1;
-        if (row0 >= 0) {
-            block = __ldcg(src.table + page0);
-            if ((unsigned)block >= (unsigned)src.n_pool_blocks) block = -1;
-        }
+        const int block = row0 >= 0 ? table_block(src, page0) : -1;
 #pragma unroll
         for (int i = 0; i < kMmaLocRows; ++i) {
             const int row = row0 + mma_row(i, lane);
@@ -573,12 +578,8 @@ __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSourc
             in_page -= src.page;
             ++page_index;
         }
-        int block = -1;
-        if (row0 >= 0 && row < src.len && !is_new_row<ROWS>(row, src)) {
-            block = __ldcg(src.table + page_index);  // layer 0 of this step may be storing it
-            if ((unsigned)block >= (unsigned)src.n_pool_blocks) block = -1;
-        }
-        loc.block[i] = block;
+        const bool read = row0 >= 0 && row < src.len && !is_new_row<ROWS>(row, src);
+        loc.block[i] = read ? table_block(src, page_index) : -1;
         loc.in_page[i] = in_page;
     }
 }
@@ -616,8 +617,7 @@ __device__ __forceinline__ void mma_query(const float *q_s, int lane, uint32_t (
     for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
         for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(q[64 * (kk / 4) + 16 * tq + 4 * (kk % 4) + e]));
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 2));
+    amax = quad_max(amax);
     const int s = amax > 0.f ? bound_exponent(amax) : 0;
     const float q_mul = g < HG ? pow2(14 - s) : 0.f;
     q_inv = pow2(s - 14);
@@ -688,8 +688,7 @@ __device__ __forceinline__ void attend_mma(MmaTile &t, int row0, const RowSource
         sc[i] = row < src.len ? dot * (t.k_scale[i] * inv_sqrt_hd) : -INFINITY;
         tile_max = fmaxf(tile_max, sc[i]);
     }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+    tile_max = quad_max(tile_max);
 
     // ---- online softmax and head g's weight scale: rescale o when either moves --------------
     // The weights' scale follows head g's own largest weight p v_scale, so that it stays within
@@ -712,8 +711,7 @@ __device__ __forceinline__ void attend_mma(MmaTile &t, int row0, const RowSource
         w[i] = p * t.v_scale[i];
         w_max = fmaxf(w_max, w[i]);
     }
-    w_max = fmaxf(w_max, __shfl_xor_sync(kFullMask, w_max, 1));
-    w_max = fmaxf(w_max, __shfl_xor_sync(kFullMask, w_max, 2));
+    w_max = quad_max(w_max);
     const int w_exp = max(bound, w_max > 0.f ? bound_exponent(w_max) : kMinExp);
     if (w_exp != st.w_exp) {  // o to the new scale: a power of two (<= 1 with f), exact
         f = ldexpf(f, st.w_exp - w_exp);
