@@ -137,8 +137,12 @@ size_t layout_arena(og_engine *e, uintptr_t base) {
     // OG_MAX_VERIFY (the verify body's positions).
     e->argmax_partials = a.take<NextToken>((size_t)OG_MAX_VERIFY * argmax_partials(d.V));
     e->argmax_ticket = a.take<unsigned>(OG_MAX_VERIFY);
-    e->attn_partials = a.take<float>(attention_partial_floats(d.n_heads, d.hd, e->plan_attention, OG_MAX_VERIFY));
-    e->attn_counters = a.take<unsigned>(attention_counters(d.n_kv, e->plan_attention, OG_MAX_VERIFY));
+    e->attn_partials = a.take<float>(std::max(
+        attention_partial_floats(d.n_heads, d.hd, e->plan_attention[0], OG_MAX_VERIFY),
+        attention_partial_floats(d.n_heads, d.hd, e->plan_attention[1], OG_MAX_VERIFY)));
+    e->attn_counters = a.take<unsigned>(
+        std::max(attention_counters(d.n_kv, e->plan_attention[0], OG_MAX_VERIFY),
+                 attention_counters(d.n_kv, e->plan_attention[1], OG_MAX_VERIFY)));
     e->verify_qkv_ld = padded_cols(d.qkv_rows);
     e->verify_steps = a.take<og_step_record>(OG_MAX_VERIFY);
     e->verify_x = a.take<float>((size_t)OG_MAX_VERIFY * d.ldH);
@@ -237,8 +241,14 @@ og_status plan_kernels(og_engine *e) {
     }
     if (d.any_moe) OG_CUDA_TRY(gemv_plan(kGemvNorm, d.E, d.H, &e->plan_router));
     OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head, e->cfg.weights_lm_head));
-    const cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0,
-                                           &e->plan_attention);
+    // The short band up to attention_long_from rows, the long band over the whole cache.
+    const int short_rows = std::min(d.max_seq, e->attention_long_from);
+    cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, short_rows, d.kv_dtype, 0, false,
+                                     &e->plan_attention[0]);
+    e->plan_attention[1] = e->plan_attention[0];
+    if (err == cudaSuccess && d.max_seq > e->attention_long_from)
+        err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0, true,
+                             &e->plan_attention[1]);
     if (err == cudaErrorInvalidValue) {
         (void)cudaGetLastError();
         return set_error(OG_E_UNSUPPORTED,
@@ -268,6 +278,19 @@ og_status init_engine(og_engine *e) {
     const char *pdl_env = getenv("ONEGRAPH_PDL");
     e->pdl = prop.major >= 9 && !(pdl_env != nullptr && strcmp(pdl_env, "0") == 0);
     e->d = derive_dims(e);
+    // ONEGRAPH_ATTENTION_LONG_FROM=N: the long attention band starts at position N (default
+    // kAttentionLongFrom, for groups of 8 query heads a KV head kAttentionLongFromGroup8); a
+    // cache of at most N rows has the short band only.
+    const char *long_env = getenv("ONEGRAPH_ATTENTION_LONG_FROM");
+    long long long_from = e->d.n_heads / e->d.n_kv >= 8 ? kAttentionLongFromGroup8 : kAttentionLongFrom;
+    if (long_env != nullptr) {
+        char *end = nullptr;
+        long_from = strtoll(long_env, &end, 10);
+        if (end == long_env || *end != '\0' || long_from < 1)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "ONEGRAPH_ATTENTION_LONG_FROM=%s: expected a position >= 1", long_env);
+    }
+    e->attention_long_from = (int32_t)std::min<long long>(long_from, e->d.max_seq);
     og_status status = plan_kernels(e);
     if (status != OG_OK) return status;
     const og_config &c = e->cfg;

@@ -496,11 +496,11 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
 // matches the CUDA cores' error bound, except that a weight below about 2^-38 of its head's
 // largest falls below fp16's range and counts as zero (an error that small next to the head's
 // output). Both the decode and the verify body use it, so their results stay bit-identical.
-// The plan takes it where a KV head's query heads are exactly one group of 4
-// (AttentionPlan::tensor_cores). In two groups of 4 (the 30B-A3B shape) its blocks made a
-// short-context step slower (docs/journal.md), so those stay on the CUDA cores.
+// A group of 4 leaves the A rows of heads 4..7 (and their remainders) zero; a group of 8 fills
+// all 16. The plan takes it where a KV head's query heads are exactly one group and asked for
+// (AttentionPlan::tensor_cores: the engine's long-context plan).
 template <int KV, int HD, int HG>
-constexpr bool kMmaFold = KV == OG_KV_INT8 && HD == 128 && HG == 4;
+constexpr bool kMmaFold = KV == OG_KV_INT8 && HD == 128 && (HG == 4 || HG == 8);
 constexpr int kMmaLocRows = 6;  // a lane's rows of a tile: K 8 nt + g (nt = 0, 1), V the four of mma_row
 
 struct MmaTile {
@@ -841,7 +841,7 @@ __device__ unsigned g_attn_trace_count;
 // TC: the tensor-core fold (kMmaFold shapes only).
 template <int KV, int HD, int HG, bool ROWS, bool TC = false>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
-    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 4 heads");
+    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 4 or 8 heads");
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
@@ -1171,7 +1171,10 @@ template <int KV, int HD, bool ROWS>
 AttnKernel kernel_for_group(int head_group, bool tensor_cores) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
     if constexpr (kMmaFold<KV, HD, 4>) {
-        if (tensor_cores) return head_group == 4 ? attention_kernel<KV, HD, 4, ROWS, true> : nullptr;
+        if (tensor_cores)
+            return head_group == 4   ? attention_kernel<KV, HD, 4, ROWS, true>
+                   : head_group == 8 ? attention_kernel<KV, HD, 8, ROWS, true>
+                                     : nullptr;
     }
     if (tensor_cores) return nullptr;
     if constexpr (HD == 64 || HD == 128) {
@@ -1237,7 +1240,7 @@ int elem_bytes(int kv_dtype) { return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG
 }  // namespace
 
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
-                           int kv_dtype, int split_len, AttentionPlan *plan) {
+                           int kv_dtype, int split_len, bool long_band, AttentionPlan *plan) {
     if (plan == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
         head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 2 != 0 || max_seq_len <= 0 ||
         split_len < 0)
@@ -1245,10 +1248,12 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     int tile_rows = 0, max_group = 0;
     if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
-    int head_group = max_group;
+    // The long band's tensor-core fold where a KV head's query heads are one of its groups.
+    const bool tensor_cores = long_band && kernel_for(kv_dtype, head_dim, group, false, true) != nullptr;
+    int head_group = tensor_cores ? group : max_group;
     // Shapes with narrower head groups compiled (kernel_for_group): a one-head instance exists.
     const bool grouped = kernel_for(kv_dtype, head_dim, 1, false) != nullptr;
-    if (grouped) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
+    if (grouped && !tensor_cores) head_group = min(max_group, group <= 2 ? 2 : group <= 4 ? 4 : 8);
     const bool chosen_split = split_len == 0;
     // Chunks: by default one tile per warp, so that a context up to one chunk is one block's
     // single pass and longer ones spread over blocks.
@@ -1265,8 +1270,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // Blocks per (KV head, head group) for head group hg: one wave of blocks over all of them
     // (before the cap at one per chunk: *wave).
     auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
-        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg, false);
-        const AttnKernel rows_kernel = kernel_for(kv_dtype, head_dim, hg, true);
+        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg, false, tensor_cores);
+        const AttnKernel rows_kernel = kernel_for(kv_dtype, head_dim, hg, true, tensor_cores);
         if (kernel == nullptr || rows_kernel == nullptr) return cudaErrorInvalidValue;
         const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb, 1).total * 4;
         if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
@@ -1284,13 +1289,13 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     };
     int wave = 0;
     OG_CUDA_RETURN_IF(blocks_for(head_group, &wave));
-    // A cache whose longest context still fits one chunk per block of a narrower head group
-    // (the engine's chunking, head_dim 64 or 128) takes the narrowest such group: with no more
-    // chunks than the wide group has blocks, its blocks beyond the chunks sit idle while each
-    // busy one folds its rows for HG heads one after another; the narrower group puts those
-    // heads on blocks of their own, and no block ever takes a second chunk. Longer caches keep
-    // the widest group, which reads each K/V row the fewest times.
-    if (chosen_split && grouped) {
+    // The short band: a cache whose longest context still fits one chunk per block of a
+    // narrower head group (the engine's chunking, head_dim 64 or 128) takes the narrowest such
+    // group: with no more chunks than the wide group has blocks, its blocks beyond the chunks
+    // sit idle while each busy one folds its rows for HG heads one after another; the narrower
+    // group puts those heads on blocks of their own, and no block ever takes a second chunk.
+    // Longer caches keep the widest group, which reads each K/V row the fewest times.
+    if (!long_band && chosen_split && grouped) {
         for (int hg = head_group / 2; hg >= 1; hg /= 2) {
             int narrow_wave = 0;
             if (blocks_for(hg, &narrow_wave) != cudaSuccess || narrow_wave < n_splits) {
@@ -1301,26 +1306,13 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
             wave = narrow_wave;
         }
     }
-    const int head_groups = ceil_div(group, head_group);
-    const int n_blocks = wave < 1 ? 1 : wave > n_splits ? n_splits : wave;
-    // The tensor-core fold where a KV head's query heads are one group of its shape (kMmaFold):
-    // the same blocks, shared memory and grid as the CUDA-core instance it replaces.
-    const bool tensor_cores =
-        head_groups == 1 && kernel_for(kv_dtype, head_dim, head_group, false, true) != nullptr;
-    if (tensor_cores) {
-        const size_t smem = (size_t)attn_smem(head_group, head_dim, n_splits, eb, 1).total * 4;
-        const size_t smem_rows = (size_t)attn_smem(head_group, head_dim, n_splits, eb, kAttnMaxRows).total * 4;
-        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel_for(kv_dtype, head_dim, head_group, false, true), smem));
-        OG_CUDA_RETURN_IF(allow_dynamic_smem((const void *)kernel_for(kv_dtype, head_dim, head_group, true, true),
-                                             smem_rows <= (size_t)smem_optin - 64 ? smem_rows : smem));
-    }
     plan->split_len = split_len;
     plan->n_splits = n_splits;
-    plan->n_blocks = n_blocks;
+    plan->n_blocks = wave < 1 ? 1 : wave > n_splits ? n_splits : wave;
     plan->head_group = head_group;
-    plan->head_groups = head_groups;
+    plan->head_groups = ceil_div(group, head_group);
     plan->tensor_cores = tensor_cores;
-    plan->smem_bytes = (int)attn_smem(head_group, head_dim, n_blocks, eb, 1).total * 4;
+    plan->smem_bytes = (int)attn_smem(head_group, head_dim, plan->n_blocks, eb, 1).total * 4;
     return cudaSuccess;
 }
 

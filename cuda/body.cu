@@ -67,6 +67,8 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const bool pdl = e->pdl;
     // The newest begun step's slot: its pinned record in, its pinned result out.
     const int slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
+    const AttentionPlan &attention =
+        e->plan_attention[e->n_pending > 0 ? attention_band(e, e->pending[e->n_pending - 1].position) : 0];
     OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host + slot, sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
     // A chained step's token is the previous step's argmax or sample, still in e->next_token.
@@ -82,7 +84,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
         // QK-norm + RoPE + the K/V write of this row + attention, one kernel. Layer 0 also
         // stores the row's block into the block table; later layers read it there.
         const AttentionArgs attn = layer_attention(e, l, e->qkv, e->step, e->attn_out);
-        if (keep(e, kPartAttention)) OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
+        if (keep(e, kPartAttention)) OG_CUDA_TRY(launch_attention(attn, attention, stream, pdl));
 
         GemvArgs o_proj = {w.o_proj, e->attn_out, nullptr, 0.f, e->x, nullptr};
         // x's last writer is the previous layer's FFN, three kernels back (none when omitted).

@@ -91,6 +91,10 @@ struct ArenaCursor {
 };
 
 constexpr int kStepSlots = 2;  // steps in flight at once (pipelined greedy decoding)
+// The first position of the long attention band (og_engine::plan_attention) by default: about
+// where the long band's fold overtakes the short band's (docs/performance.md). A KV head's 8
+// query heads in one block leave half the blocks of two groups of 4 to a short context.
+constexpr int kAttentionLongFrom = 2048, kAttentionLongFromGroup8 = 16384;
 
 struct og_engine {
     og_config cfg;                       // copy; cfg.layer_is_moe points at layer_is_moe
@@ -153,7 +157,13 @@ struct og_engine {
 #endif
 
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
-    AttentionPlan plan_attention;
+    // Attention in two bands of the context: a step at a position below attention_long_from
+    // takes plan_attention[0] (the short band), the others plan_attention[1] (the long band:
+    // attention_plan's long_band). Which one a step takes is fixed when it is begun
+    // (og_step_bands), so that a captured graph holds one band's kernels and each band has
+    // graphs of its own. attention_long_from == max_seq_len: one band.
+    AttentionPlan plan_attention[2];
+    int32_t attention_long_from = 0;
 
     // ---- the verify step (verify.cu): n = 2..OG_MAX_VERIFY positions in one pass ----
     // Per position j < n: the step record (token, position, seq_slot, row_block) and the
@@ -192,6 +202,10 @@ struct og_engine {
 };
 
 // ---- shared by the engine's files --------------------------------------------------------
+// The attention band (0 short, 1 long) of a step at `position`.
+inline int attention_band(const og_engine *e, int32_t position) {
+    return position >= e->attention_long_from ? 1 : 0;
+}
 // api.cu: whether e is a live handle (the registry of og_init / og_free), and its device made
 // current for the calling thread.
 bool is_live(og_engine *e);

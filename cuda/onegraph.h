@@ -81,7 +81,7 @@ extern "C" {
  * major.minor works with a library of the same major number and a minor number at least its
  * own (og_abi_version_numbers); the Python binding checks exactly that. */
 #define OG_ABI_VERSION_MAJOR 7
-#define OG_ABI_VERSION_MINOR 0
+#define OG_ABI_VERSION_MINOR 1
 /* The major number alone (og_config.abi_version, og_abi_version()). */
 #define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
 
@@ -352,6 +352,15 @@ OG_API og_status og_cancel_step(og_engine *e);
 /* The slot (0 or 1) of the newest begun step: which pinned record and result og_enqueue
  * uses, i.e. which graph to launch for it. 0 when no step is begun. */
 OG_API og_status og_step_slot(og_engine *e, int32_t *slot);
+
+/* The attention bands of the begun step: *first and *last are the bands (0 short, 1 long) of
+ * the newest begun decode step's position, or of a begun verify step's first and last
+ * positions; both 0 when no step is begun. Attention reads a short context with one kernel
+ * and a long one with another, each the faster there; the long band starts at position
+ * ONEGRAPH_ATTENTION_LONG_FROM (read at og_init; by default 2048, or 16384 where a KV head has
+ * 8 or more query heads), and a cache of no more rows has the short band only. A step's graph
+ * serves the later steps of the same slot, output and bands: capture one per band. */
+OG_API og_status og_step_bands(og_engine *e, int32_t *first, int32_t *last);
 
 /* THE BODY. Enqueue one decode step on stream (a cudaStream_t; NULL = the engine's own
  * stream): H2D step record -> embedding -> layers -> final norm -> lm_head -> D2H logits.

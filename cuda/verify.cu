@@ -9,11 +9,13 @@
 //     multi-vector instance of the decode kernel (same block size and unroll, each vector's
 //     staging, norm, chunk order and reduction as alone); int8 / q4 weights, and inputs whose n
 //     staged copies do not fit in a block's shared memory, one decode launch per vector;
-//   - attention: one launch of the decode kernel over the n positions (AttentionArgs::n_rows):
-//     position j takes the new K/V rows of positions 0..j from the QKV output, encoded in
-//     shared memory exactly as the decode body stores and reads them back, and earlier rows
-//     from the cache; each position stores its own row. Nothing reads a row this launch
-//     writes, so it goes with programmatic dependent launch like the decode body's;
+//   - attention: one launch of the decode kernel over the n positions (AttentionArgs::n_rows)
+//     of its attention band (og_engine::plan_attention): position j takes the new K/V rows of
+//     positions 0..j from the QKV output, encoded in shared memory exactly as the decode body
+//     stores and reads them back, and earlier rows from the cache; each position stores its
+//     own row. Nothing reads a row this launch writes, so it goes with programmatic dependent
+//     launch like the decode body's. Positions on both sides of the long band's start take
+//     one launch per band, the long band's after the short band's has completed;
 //   - MoE layers: router, top-k and experts once per position, in order (their scratch is
 //     single);
 //   - the argmax of the n positions in one launch.
@@ -25,6 +27,7 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
     const bool pdl = e->pdl;
     const int n = e->verify_n;
     const int64_t ld_qkv = e->verify_qkv_ld;
+    const int n_short = std::max(0, std::min(n, e->attention_long_from - e->verify_position));
     OG_CUDA_TRY(cudaMemcpyAsync(e->verify_steps, e->verify_host, n * sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
     for (int j = 0; j < n; ++j)
@@ -38,11 +41,24 @@ og_status enqueue_verify(og_engine *e, cudaStream_t stream) {
                                    e->verify_qkv, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvNorm, e->vplan_qkv, qkv_proj, n, d.ldH, ld_qkv, stream, pdl));
 
+        // Rows 0..n_short - 1 in the short attention band, the rest in the long one: each band's
+        // rows in one launch of that band's kernel, as a decode step at their positions takes.
+        // The long rows read the short rows' K/V from the cache, so their launch waits for the
+        // short one to complete (no programmatic dependent launch).
         AttentionArgs attn = layer_attention(e, l, e->verify_qkv, e->verify_steps, e->verify_attn);
-        attn.n_rows = n;
         attn.qkv_stride = ld_qkv;
         attn.out_stride = d.ldQ;
-        OG_CUDA_TRY(launch_attention(attn, e->plan_attention, stream, pdl));
+        if (n_short > 0) {
+            attn.n_rows = n_short;
+            OG_CUDA_TRY(launch_attention(attn, e->plan_attention[0], stream, pdl));
+        }
+        if (n_short < n) {
+            attn.step = e->verify_steps + n_short;
+            attn.qkv = e->verify_qkv + (size_t)n_short * ld_qkv;
+            attn.out = e->verify_attn + (size_t)n_short * d.ldQ;
+            attn.n_rows = n - n_short;
+            OG_CUDA_TRY(launch_attention(attn, e->plan_attention[1], stream, pdl && n_short == 0));
+        }
 
         const GemvArgs o_proj = {w.o_proj, e->verify_attn, nullptr, 0.f, e->verify_x, nullptr};
         OG_CUDA_TRY(launch_gemv_multi(kGemvResidual, e->vplan_o, o_proj, n, d.ldQ, d.ldH, stream, pdl));

@@ -14,7 +14,7 @@ from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint
 # The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
 # and at least this minor number loads.
 ABI_VERSION = 7          # OG_ABI_VERSION_MAJOR (og_abi_version())
-ABI_MINOR_REQUIRED = 0   # OG_ABI_VERSION_MINOR: every call bound below is in 7.0
+ABI_MINOR_REQUIRED = 1   # OG_ABI_VERSION_MINOR: every call bound below is in 7.1
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -243,6 +243,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn("og_cancel_step", c_int32, Handle)
     # og_status og_step_slot(og_engine *e, int32_t *slot);
     fn("og_step_slot", c_int32, Handle, POINTER(c_int32))
+    # og_status og_step_bands(og_engine *e, int32_t *first, int32_t *last);
+    fn("og_step_bands", c_int32, Handle, POINTER(c_int32), POINTER(c_int32))
     # og_status og_enqueue(og_engine *e, void *stream);
     fn("og_enqueue", c_int32, Handle, c_void_p)
     # og_status og_run(og_engine *e);

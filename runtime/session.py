@@ -6,9 +6,11 @@
 
 What it owns (all freed by close()):
 - the handle (og_init .. og_free): weights, the paged KV cache (runtime/kvpool.py), buffers;
-- the captured graphs, one per (output, step slot): "logits" or "next_token" (og_set_output),
-  slot 0 for og_begin_step, the chained slots og_begin_chained_step returns; and one per
-  ("verify", output, n) for the verify steps of n positions (speculative decoding);
+- the captured graphs, one per (output, step slot, attention band): "logits" or "next_token"
+  (og_set_output), slot 0 for og_begin_step, the chained slots og_begin_chained_step returns,
+  and the band of the step's position (og_step_bands: a long context's attention runs another
+  kernel); and one per ("verify", output, n, first band, last band) for the verify steps of n
+  positions (speculative decoding);
 - the capture stream, on which graphs are captured and replayed one step at a time (replaced
   after a failed capture);
 - the pipeline stream and one event per slot: pipelined steps (Engine.stream) launch the graphs
@@ -62,7 +64,8 @@ class GpuSession:
         capi.check(self.lib.og_init(ctypes.byref(cfg), ctypes.byref(self.handle)), "og_init")
         self.pool = DevicePool(self.lib, self.handle)
         self.output = "logits"              # og_set_output: what a step copies to the host
-        self._graphs = {}                   # (output, step slot) -> its captured DecodeGraph
+        self._graphs = {}                   # (output, step slot, band) -> its captured DecodeGraph
+        self._slot0_band = 0                # the band of the last step capture() served on slot 0
         self._capture_stream = None         # graphs are captured and replayed step by step here
         self._pipe_stream = None            # pipelined steps: one stream for both slots' graphs
         self._slot_done = {}                # step slot -> event recorded after its launch
@@ -207,7 +210,7 @@ class GpuSession:
         verify step begun must have n positions)."""
         def enqueue(stream: int) -> None:
             capi.check(self.lib.og_enqueue_verify(self.handle, ctypes.c_void_p(stream)), "og_enqueue_verify")
-        return self._captured(("verify", self.output, int(n)), enqueue)
+        return self._captured(("verify", self.output, int(n)) + self._bands(), enqueue)
 
     def run_verify_nongraph(self) -> None:
         capi.check(self.lib.og_run_verify(self.handle), "og_run_verify")
@@ -264,10 +267,17 @@ class GpuSession:
                                   frequency_penalty=params.frequency_penalty, logprobs=int(params.logprobs))
         capi.check(self.lib.og_seq_set_sampling(self.handle, int(seq), ctypes.byref(p)), "og_seq_set_sampling")
 
+    def _bands(self) -> tuple[int, int]:
+        """og_step_bands: the attention bands of the begun step's first and last positions."""
+        first, last = ctypes.c_int32(), ctypes.c_int32()
+        capi.check(self.lib.og_step_bands(self.handle, ctypes.byref(first), ctypes.byref(last)), "og_step_bands")
+        return first.value, last.value
+
     @property
     def graph(self):
-        """The captured graph of the current output, slot 0 (None before its first capture)."""
-        return self._graphs.get((self.output, 0))
+        """The captured graph of the current output, slot 0, of the attention band of the last
+        step that capture() served on slot 0 (None before its first capture)."""
+        return self._graphs.get((self.output, 0, self._slot0_band))
 
     def capture(self, slot: int = 0):
         """The graph of the current output for steps of `slot` (og_begin_step: 0; a chained
@@ -276,7 +286,10 @@ class GpuSession:
         def enqueue(stream: int) -> None:
             capi.check(self.lib.og_enqueue(self.handle, ctypes.c_void_p(stream)), "og_enqueue")
 
-        return self._captured((self.output, slot), enqueue)
+        band = self._bands()[0]
+        if slot == 0:
+            self._slot0_band = band
+        return self._captured((self.output, slot, band), enqueue)
 
     def _captured(self, key: tuple, enqueue):
         """The graph under `key`, captured from enqueue(stream) now when new."""
@@ -303,7 +316,7 @@ class GpuSession:
         self.drain()
         for key, graph in list(self._graphs.items()):
             try:
-                if key == (self.output, 0):
+                if key[:2] == (self.output, 0):
                     self.graph_copies = graph.memcpy_directions()
                 graph.synchronize()
             except Exception:  # the failure being handled may make these fail too

@@ -12,7 +12,8 @@
 #   paged-kernels  pytest tests/test_paged_gpu.py: the zeroing kernel, paged attention, paged
 #            KV write
 #   attention  the attention fold on the tensor cores: its kernel tests (contiguous, paged, fused),
-#            and its engine's graph, non-graph and verify steps (racecheck: the kernel tests only)
+#            and its engine's graph, non-graph and verify steps across the two attention bands
+#            (racecheck: its kernel test over scales only)
 #   prefill  pytest tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or
 #            refusals or cancels or quantized": the
 #            batched prefill's GEMM, chunked passes over 16-row KV pages, a second turn
@@ -96,12 +97,12 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     attention)  # racecheck: the kernel's own tests (shared-memory hazards are per kernel; the
                 # engine tests under racecheck ran past 60 s on an H200)
                if [ "$2" = racecheck ]; then
-                 printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_paged_gpu.py \
-                   -k "tensor_cores or (h16kv4 and int8)"
+                 printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
+                   -k "tensor_cores_across_scales"
                else
                  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_paged_gpu.py \
                    tests/test_engine_gpu.py tests/test_speculative_gpu.py \
-                   -k "tensor_cores or (full_context and 8b and int8) or (h16kv4 and int8)"
+                   -k "tensor_cores or attention_bands or (full_context and int8 and long-band) or ((h16kv4 or h32kv4) and int8)"
                fi ;;
     prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized" ;;
     sample)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow" ;;

@@ -57,11 +57,13 @@ def synthetic(preset, layers=None, seed=0):
     return config, dict(iter_tensors(config, seed=seed))
 
 
-# A model whose attention folds on the tensor cores: 128-dim heads, 4 query heads a KV head; with
-# int8 KV and a cache of TENSOR_CORE_MAX_SEQ rows the plan takes the widest head group.
-TENSOR_CORE_MAX_SEQ = 8192
+# The position where the engine's long attention band starts, read at og_init (onegraph.h,
+# og_step_bands): tests set it low so that a short decode crosses it.
+LONG_FROM_ENV = "ONEGRAPH_ATTENTION_LONG_FROM"
 
 
+# A model whose attention folds on the tensor cores in the long band: 128-dim heads, 4 query
+# heads a KV head, int8 KV.
 def tensor_core_model(seed=0):
     """(config, tensors dict) of that model (tiny-dense's other sizes), generated in memory."""
     from onegraph.synth import iter_tensors, preset_config

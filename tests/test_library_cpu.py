@@ -190,6 +190,8 @@ HANDLE_CALLS = {
     "og_begin_chained_step": lambda lib, h: lib.og_begin_chained_step(h, ctypes.byref(ctypes.c_int32())),
     "og_cancel_step": lambda lib, h: lib.og_cancel_step(h),
     "og_step_slot": lambda lib, h: lib.og_step_slot(h, ctypes.byref(ctypes.c_int32())),
+    "og_step_bands": lambda lib, h: lib.og_step_bands(h, ctypes.byref(ctypes.c_int32()),
+                                                      ctypes.byref(ctypes.c_int32())),
     "og_enqueue": lambda lib, h: lib.og_enqueue(h, None),
     "og_run": lambda lib, h: lib.og_run(h),
     "og_end_step": lambda lib, h: lib.og_end_step(h),

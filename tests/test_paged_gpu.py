@@ -136,6 +136,7 @@ ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths)
     (16, 8, 128, 64, (1, 63, 64, 65, 200)),
     (16, 4, 128, 16, (1, 16, 17, 100, 200)),  # int8: the tensor-core fold, a tile in one page
     (16, 4, 128, 7, (1, 7, 8, 100, 200)),     # and tiles across pages
+    (32, 4, 128, 7, (1, 7, 8, 100, 200)),     # int8: the fold of a group of 8, across pages
     (6, 2, 16, 16, (5, 33, 200)),
     (6, 3, 20, 7, (1, 7, 8, 199)),
     (4, 2, 64, 200, (1, 200)),  # one block: the contiguous special case
@@ -213,6 +214,7 @@ FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions): single block, several, 
     (16, 8, 128, 64, (0, 5, 127, 128, 300, 1000)),
     (32, 8, 128, 16, (0, 63, 64, 200)),
     (16, 4, 128, 24, (0, 23, 24, 500)),  # int8: the tensor-core fold, tiles across pages
+    (32, 4, 128, 16, (0, 15, 16, 300)),  # int8: the fold of a group of 8, a tile in one page
     (8, 1, 128, 16, (3, 129)),
     (6, 2, 16, 16, (0, 17, 130)),
     (6, 3, 20, 7, (1, 8, 199)),
@@ -554,15 +556,14 @@ def long_context_check(context: int, kv: str, page: int, checks):
         done = p + 1
     got = {}
     with make_engine(config, tensors, kv=kv, max_seq_len=context, kv_page_size=page) as engine:
-        engine.step(tokens[0])
-        graph = engine._gpu.graph             # captured once, at the first step
         for p, t in enumerate(tokens[:max(checks) + 1]):
-            if p == 0:
-                continue
             logits = engine.step(t)
             if p in want:
                 got[p] = logits
-        assert engine._gpu.graph is graph and engine.stats()["graph_steps"] == max(checks) + 1
+        # One graph for each attention band the positions cross, each captured once.
+        bands = {key[2] for key in engine._gpu._graphs}
+        assert engine._gpu.captures == len(engine._gpu._graphs) == len(bands)
+        assert engine.stats()["graph_steps"] == max(checks) + 1
     assert_below(f"paged/long-{context}/kv={kv}", max(rel_l2(got[p], want[p]) for p in checks),
                  f"worst logits rel. L2 at positions {checks}")
     for p in checks:

@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_abi_7_in_header_binding_and_rust():
     header = (ROOT / "cuda" / "onegraph.h").read_text()
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
-    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h")) == (7, 0)
-    assert capi.ABI_VERSION == 7 and capi.ABI_MINOR_REQUIRED == 0
+    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h")) == (7, 1)
+    assert capi.ABI_VERSION == 7 and capi.ABI_MINOR_REQUIRED == 1  # 7.1 added og_step_bands
     assert re.search(r"pub const OG_ABI_VERSION: i32 = 7;", rust)
     # 7.0 dropped the test and tool calls (now og_test_* in onegraph_testing.h) from the ABI.
     testing = (ROOT / "cuda" / "onegraph_testing.h").read_text()
@@ -47,7 +47,7 @@ def test_abi_7_in_header_binding_and_rust():
         assert f"OG_API og_status {name}(og_engine *e" in header
     assert "og_prefill(og_engine *e, const int32_t *tokens, int32_t n_tokens, float *logits)" in header
     assert "pub fn og_prefill(" in rust
-    for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot"):
+    for name in ("og_begin_chained_step", "og_cancel_step", "og_step_slot", "og_step_bands"):
         assert f"OG_API og_status {name}(og_engine *e" in header and f"pub fn {name}(" in rust
     # og_config ends with prefill_chunk in all three
     assert capi.OgConfig._fields_[-1] == ("prefill_chunk", ctypes.c_int32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import TENSOR_CORE_MAX_SEQ, require_gpu, synthetic, tensor_core_model
+from gpu_support import LONG_FROM_ENV, require_gpu, synthetic, tensor_core_model
 import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
@@ -93,15 +93,21 @@ def test_verify_logits_are_the_decode_bodys_bit_for_bit(preset, kv, weights, gra
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
-def test_verify_on_the_tensor_cores_is_the_decode_bodys_bit_for_bit(graph):
-    # Four query heads a KV head over int8 rows of 128 dims, with a cache long enough for the
-    # plan's widest head group: attention folds on the tensor cores in both bodies.
-    max_seq = TENSOR_CORE_MAX_SEQ
-    assert ct.attention_plan(8, 2, 128, max_seq, ct.OG_KV_INT8)["tensor_cores"]
+@pytest.mark.parametrize("long_from", [len(PROMPT), len(PROMPT) + 4], ids=["long", "straddling"])
+def test_verify_across_the_attention_bands_is_the_decode_bodys_bit_for_bit(graph, long_from, monkeypatch):
+    # Four query heads a KV head over int8 rows of 128 dims: the long attention band folds on
+    # the tensor cores, the short one on the CUDA cores. Every verify row lies in the long band,
+    # or (straddling) the first four in the short band and the rest in the long one: each row's
+    # logits are a decode step's at its position, in that position's band.
+    monkeypatch.setenv(LONG_FROM_ENV, str(long_from))
+    assert ct.attention_plan(8, 2, 128, 96, ct.OG_KV_INT8)["tensor_cores"]
     config, tensors = tensor_core_model()
-    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=max_seq, graph=graph, device="gpu",
+    with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, graph=graph, device="gpu",
                              weights="bf16", kv_page_size=8, kv_pool_blocks=64) as engine:
         check_verify_equals_decode(engine, graph)
+        if graph:
+            bands = {key[-2:] for key in engine.session._graphs if key[0] == "verify"}
+            assert bands == ({(1, 1)} if long_from == len(PROMPT) else {(0, 0), (0, 1)}), bands
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])

@@ -115,6 +115,7 @@ extern "C" {
     pub fn og_begin_chained_step(e: *mut og_engine, slot: *mut i32) -> og_status;
     pub fn og_cancel_step(e: *mut og_engine) -> og_status;
     pub fn og_step_slot(e: *mut og_engine, slot: *mut i32) -> og_status;
+    pub fn og_step_bands(e: *mut og_engine, first: *mut i32, last: *mut i32) -> og_status;
     pub fn og_enqueue(e: *mut og_engine, stream: *mut c_void) -> og_status;
     pub fn og_run(e: *mut og_engine) -> og_status;
     pub fn og_end_step(e: *mut og_engine) -> og_status;
