@@ -328,15 +328,12 @@ OG_API og_status og_step_bands(og_engine *e, int32_t *first, int32_t *last) {
     OG_CHECK_HANDLE(e);
     if (first == nullptr || last == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_step_bands: first or last is NULL");
-    int32_t lo = 0, hi = 0;
-    if (e->n_pending > 0) {
-        lo = hi = attention_band(e, e->pending[e->n_pending - 1].position);
-    } else if (e->verify_n > 0) {
-        lo = attention_band(e, e->verify_position);
-        hi = attention_band(e, e->verify_position + e->verify_n - 1);
+    if (e->n_pending == 0 && e->verify_n > 0) {  // a begun verify step
+        *first = attention_band(e, e->verify_position);
+        *last = attention_band(e, e->verify_position + e->verify_n - 1);
+    } else {
+        *first = *last = newest_step_band(e);
     }
-    *first = lo;
-    *last = hi;
     return OG_OK;
 }
 

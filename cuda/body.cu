@@ -67,8 +67,7 @@ og_status enqueue_body(og_engine *e, cudaStream_t stream) {
     const bool pdl = e->pdl;
     // The newest begun step's slot: its pinned record in, its pinned result out.
     const int slot = e->n_pending > 0 ? e->pending[e->n_pending - 1].slot : 0;
-    const AttentionPlan &attention =
-        e->plan_attention[e->n_pending > 0 ? attention_band(e, e->pending[e->n_pending - 1].position) : 0];
+    const AttentionPlan &attention = e->plan_attention[newest_step_band(e)];
     OG_CUDA_TRY(cudaMemcpyAsync(e->step, e->step_host + slot, sizeof(og_step_record),
                                 cudaMemcpyHostToDevice, stream));
     // A chained step's token is the previous step's argmax or sample, still in e->next_token.

@@ -206,6 +206,11 @@ struct og_engine {
 inline int attention_band(const og_engine *e, int32_t position) {
     return position >= e->attention_long_from ? 1 : 0;
 }
+// The attention band of the newest begun decode step (0 when none is begun): the one its
+// body launches.
+inline int newest_step_band(const og_engine *e) {
+    return e->n_pending > 0 ? attention_band(e, e->pending[e->n_pending - 1].position) : 0;
+}
 // api.cu: whether e is a live handle (the registry of og_init / og_free), and its device made
 // current for the calling thread.
 bool is_live(og_engine *e);
