@@ -243,11 +243,11 @@ og_status plan_kernels(og_engine *e) {
     OG_CUDA_TRY(gemv_plan(kGemvNorm, d.V, d.H, &e->plan_lm_head, e->cfg.weights_lm_head));
     // The short band up to attention_long_from rows, the long band over the whole cache.
     const int short_rows = std::min(d.max_seq, e->attention_long_from);
-    cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, short_rows, d.kv_dtype, 0, false,
+    cudaError_t err = attention_plan(d.n_heads, d.n_kv, d.hd, short_rows, d.kv_dtype, 0, kBandShort,
                                      &e->plan_attention[0]);
     e->plan_attention[1] = e->plan_attention[0];
     if (err == cudaSuccess && d.max_seq > e->attention_long_from)
-        err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0, true,
+        err = attention_plan(d.n_heads, d.n_kv, d.hd, d.max_seq, d.kv_dtype, 0, e->long_band,
                              &e->plan_attention[1]);
     if (err == cudaErrorInvalidValue) {
         (void)cudaGetLastError();
@@ -291,6 +291,17 @@ og_status init_engine(og_engine *e) {
                              "ONEGRAPH_ATTENTION_LONG_FROM=%s: expected a position >= 1", long_env);
     }
     e->attention_long_from = (int32_t)std::min<long long>(long_from, e->d.max_seq);
+    // ONEGRAPH_ATTENTION_FOLD=auto|tensor|cuda: the long band folds on the tensor cores where
+    // they win (auto), wherever that fold is compiled (tensor), or never (cuda).
+    const char *fold_env = getenv("ONEGRAPH_ATTENTION_FOLD");
+    e->long_band = kBandLong;
+    if (fold_env != nullptr) {
+        if (strcmp(fold_env, "tensor") == 0) e->long_band = kBandLongTensorCores;
+        else if (strcmp(fold_env, "cuda") == 0) e->long_band = kBandLongCudaCores;
+        else if (strcmp(fold_env, "auto") != 0)
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "ONEGRAPH_ATTENTION_FOLD=%s: expected auto, tensor or cuda", fold_env);
+    }
     og_status status = plan_kernels(e);
     if (status != OG_OK) return status;
     const og_config &c = e->cfg;

@@ -40,9 +40,10 @@
 // L2 prefetch of tile i+2 and the block-table reads of tile i+3 are in flight (a row's address
 // depends on its table entry, so a tile is located two steps before it is loaded). Each warp
 // keeps an online softmax (running max m, sum l, accumulator o per head, rescaled when m grows);
-// the 8 warps combine through shared memory in warp order. Int8 rows of 128 dims in one group of
-// 4 query heads a KV head fold on the tensor cores instead (attend_mma: its own layout of a
-// tile's rows over the lanes; the same pipeline without the L2 prefetch, and the same combine).
+// the 8 warps combine through shared memory in warp order. Int8 rows of 128 dims whose KV head's
+// query heads form one group of 2, 4 or 8 may fold on the tensor cores instead (attend_mma: its
+// own layout of a tile's rows over the lanes; the same pipeline without the L2 prefetch, and the
+// same combine).
 // A block that is alone for its head group (len <= C) writes out directly; otherwise it writes
 // (m, l, o) as a partial, and the last of the n_active blocks of the head group to finish (an
 // atomic counter, reset by that block) combines the partials in block order: the same
@@ -469,7 +470,7 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
     }
 }
 
-// ---- the fold on the tensor cores: int8 K/V, head dim 128, a group of 4 query heads -------
+// ---- the fold on the tensor cores: int8 K/V, head dim 128, a group of 2, 4 or 8 query heads --
 // One warp tile (16 rows) folds with mma.sync m16n8k16 (fp16 operands, fp32 accumulators) in
 // place of the CUDA-core fold above, whose instructions, not the loads, bound it at long
 // context (1,816 instructions a 16-row tile for 4 heads: scripts/sass_loops.py). Lane = 4 g + t.
@@ -496,11 +497,11 @@ __device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const Row
 // matches the CUDA cores' error bound, except that a weight below about 2^-38 of its head's
 // largest falls below fp16's range and counts as zero (an error that small next to the head's
 // output). Both the decode and the verify body use it, so their results stay bit-identical.
-// A group of 4 leaves the A rows of heads 4..7 (and their remainders) zero; a group of 8 fills
-// all 16. The plan takes it where a KV head's query heads are exactly one group and asked for
-// (AttentionPlan::tensor_cores: the engine's long-context plan).
+// A group of 2 or 4 leaves the A rows of heads 2..7 or 4..7 (and their remainders) zero; a
+// group of 8 fills all 16, at the same instructions a tile. The plan takes it where a KV head's
+// query heads are exactly one group and the long band asks for it (attention_plan).
 template <int KV, int HD, int HG>
-constexpr bool kMmaFold = KV == OG_KV_INT8 && HD == 128 && (HG == 4 || HG == 8);
+constexpr bool kMmaFold = KV == OG_KV_INT8 && HD == 128 && (HG == 2 || HG == 4 || HG == 8);
 constexpr int kMmaLocRows = 6;  // a lane's rows of a tile: K 8 nt + g (nt = 0, 1), V the four of mma_row
 
 struct MmaTile {
@@ -841,7 +842,7 @@ __device__ unsigned g_attn_trace_count;
 // TC: the tensor-core fold (kMmaFold shapes only).
 template <int KV, int HD, int HG, bool ROWS, bool TC = false>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
-    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 4 or 8 heads");
+    static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 2, 4 or 8 heads");
     using L = AttnLayout<KV, HD>;
     constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
@@ -1172,7 +1173,8 @@ AttnKernel kernel_for_group(int head_group, bool tensor_cores) {
     constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
     if constexpr (kMmaFold<KV, HD, 4>) {
         if (tensor_cores)
-            return head_group == 4   ? attention_kernel<KV, HD, 4, ROWS, true>
+            return head_group == 2   ? attention_kernel<KV, HD, 2, ROWS, true>
+                   : head_group == 4 ? attention_kernel<KV, HD, 4, ROWS, true>
                    : head_group == 8 ? attention_kernel<KV, HD, 8, ROWS, true>
                                      : nullptr;
     }
@@ -1240,16 +1242,19 @@ int elem_bytes(int kv_dtype) { return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG
 }  // namespace
 
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
-                           int kv_dtype, int split_len, bool long_band, AttentionPlan *plan) {
+                           int kv_dtype, int split_len, AttentionBand band, AttentionPlan *plan) {
     if (plan == nullptr || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 ||
         head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 2 != 0 || max_seq_len <= 0 ||
-        split_len < 0)
+        split_len < 0 || band < kBandShort || band > kBandLongCudaCores)
         return cudaErrorInvalidValue;
     int tile_rows = 0, max_group = 0;
     if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
-    // The long band's tensor-core fold where a KV head's query heads are one of its groups.
-    const bool tensor_cores = long_band && kernel_for(kv_dtype, head_dim, group, false, true) != nullptr;
+    // The long band's tensor-core fold where a KV head's query heads are one of its groups: by
+    // default for groups of 4 and 8; a group of 2 keeps the tensor cores' work of a group of 4
+    // while the CUDA cores' fold has half the multiply-adds, so it takes them only when asked.
+    const bool tensor_cores = (band == kBandLongTensorCores || (band == kBandLong && group >= 4)) &&
+                              kernel_for(kv_dtype, head_dim, group, false, true) != nullptr;
     int head_group = tensor_cores ? group : max_group;
     // Shapes with narrower head groups compiled (kernel_for_group): a one-head instance exists.
     const bool grouped = kernel_for(kv_dtype, head_dim, 1, false) != nullptr;
@@ -1295,7 +1300,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // sit idle while each busy one folds its rows for HG heads one after another; the narrower
     // group puts those heads on blocks of their own, and no block ever takes a second chunk.
     // Longer caches keep the widest group, which reads each K/V row the fewest times.
-    if (!long_band && chosen_split && grouped) {
+    if (band == kBandShort && chosen_split && grouped) {
         for (int hg = head_group / 2; hg >= 1; hg /= 2) {
             int narrow_wave = 0;
             if (blocks_for(hg, &narrow_wave) != cudaSuccess || narrow_wave < n_splits) {

@@ -159,11 +159,13 @@ struct og_engine {
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     // Attention in two bands of the context: a step at a position below attention_long_from
     // takes plan_attention[0] (the short band), the others plan_attention[1] (the long band:
-    // attention_plan's long_band). Which one a step takes is fixed when it is begun
-    // (og_step_bands), so that a captured graph holds one band's kernels and each band has
-    // graphs of its own. attention_long_from == max_seq_len: one band.
+    // attention_plan's long_band, kBandLong unless ONEGRAPH_ATTENTION_FOLD asks for another
+    // fold). Which one a step takes is fixed when it is begun (og_step_bands), so that a
+    // captured graph holds one band's kernels and each band has graphs of its own.
+    // attention_long_from == max_seq_len: one band.
     AttentionPlan plan_attention[2];
     int32_t attention_long_from = 0;
+    AttentionBand long_band = kBandLong;
 
     // ---- the verify step (verify.cu): n = 2..OG_MAX_VERIFY positions in one pass ----
     // Per position j < n: the step record (token, position, seq_slot, row_block) and the

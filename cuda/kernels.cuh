@@ -197,16 +197,22 @@ struct AttentionPlan {
     bool tensor_cores = false;    // the fold on the tensor cores (attention.cu kMmaFold)
     int smem_bytes = 0;
 };
+// Which plan attention_plan makes (the engine's two attention bands, engine.cuh; the testing
+// ABI's band argument takes the same values):
+//   kBandShort: the CUDA cores, and with the default chunk the narrowest head group that still
+//     gives every chunk of max_seq_len rows a block of its own;
+//   kBandLong: a KV head's query heads in one group, folded on the tensor cores where a group of
+//     4 or 8 int8 rows of 128 dims makes them win (docs/performance.md), else the widest group
+//     on the CUDA cores;
+//   kBandLongTensorCores: the same on the tensor cores wherever that fold is compiled (int8 rows
+//     of 128 dims, groups of 2, 4 or 8);
+//   kBandLongCudaCores: the same, never on the tensor cores.
+enum AttentionBand : int { kBandShort = 0, kBandLong = 1, kBandLongTensorCores = 2, kBandLongCudaCores = 3 };
 // split_len 0: the kernel's default chunk (one tile per warp); otherwise rounded up to a
-// multiple of 32. n_blocks: one wave of blocks over the KV heads, at most n_splits.
-// long_band: the plan of contexts past the short band's (the engine's two attention bands,
-// engine.cuh): a KV head's query heads in one group folded on the tensor cores where that
-// fold is compiled (int8 rows of 128 dims, groups of 4 or 8), else the widest group on the
-// CUDA cores. Otherwise the CUDA cores, and with the default chunk the narrowest head group
-// that still gives every chunk of max_seq_len rows a block of its own. Fails with
+// multiple of 32. n_blocks: one wave of blocks over the KV heads, at most n_splits. Fails with
 // cudaErrorInvalidValue when the shape needs more shared memory than a block can have.
 cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_seq_len,
-                           int kv_dtype, int split_len, bool long_band, AttentionPlan *plan);
+                           int kv_dtype, int split_len, AttentionBand band, AttentionPlan *plan);
 // Size of the scratch a launch of `rows` rows needs: partial outputs and softmax statistics.
 size_t attention_partial_floats(int n_heads, int head_dim, const AttentionPlan &plan, int rows = 1);
 // Entries of AttentionArgs::counters: one per (row, KV head, head group).

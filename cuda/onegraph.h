@@ -358,8 +358,12 @@ OG_API og_status og_step_slot(og_engine *e, int32_t *slot);
  * positions; both 0 when no step is begun. Attention reads a short context with one kernel
  * and a long one with another, each the faster there; the long band starts at position
  * ONEGRAPH_ATTENTION_LONG_FROM (read at og_init; by default 2048, or 16384 where a KV head has
- * 8 or more query heads), and a cache of no more rows has the short band only. A step's graph
- * serves the later steps of the same slot, output and bands: capture one per band. */
+ * 8 or more query heads), and a cache of no more rows has the short band only.
+ * ONEGRAPH_ATTENTION_FOLD (read at og_init) picks the long band's fold: auto (the default: the
+ * tensor cores where a KV head's 4 or 8 query heads read int8 rows of 128 dims), tensor (the
+ * tensor cores wherever that fold is compiled, 2 query heads a KV head too) or cuda (the CUDA
+ * cores). A step's graph serves the later steps of the same slot, output and bands: capture
+ * one per band. */
 OG_API og_status og_step_bands(og_engine *e, int32_t *first, int32_t *last);
 
 /* THE BODY. Enqueue one decode step on stream (a cudaStream_t; NULL = the engine's own

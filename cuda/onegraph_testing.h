@@ -96,13 +96,14 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
                                          float *k_scales, float *v_scales);
 
 /* The attention plan the kernels take for this shape (split_len 0: the engine's chunking) in
- * the engine's short band (long_band 0) or long band (1): the query heads a block folds
- * together (head_group), blocks per (KV head, head group) (n_blocks), rows per chunk
+ * the engine's short band (band 0) or long band (1; 2: on the tensor cores wherever that fold
+ * is compiled, 3: never on them; cuda/kernels.cuh AttentionBand): the query heads a block
+ * folds together (head_group), blocks per (KV head, head group) (n_blocks), rows per chunk
  * (split_len_out), and whether the fold runs on the tensor cores (tensor_cores: 1) or the
- * CUDA cores (0). The attention entry points below take the plan of their long_band. */
+ * CUDA cores (0). The attention entry points below take the plan of their band. */
 OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                        int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-                                       int32_t long_band, int32_t *head_group, int32_t *n_blocks,
+                                       int32_t band, int32_t *head_group, int32_t *n_blocks,
                                        int32_t *split_len_out, int32_t *tensor_cores);
 
 /* Decode attention of one query over the first visible_len rows of a KV cache.
@@ -116,7 +117,7 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
                                    const float *k_scales, const float *v_scales,
                                    int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                    int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
-                                   int32_t split_len, int32_t long_band, float *out,
+                                   int32_t split_len, int32_t band, float *out,
                                    int32_t *split_len_out, int32_t *n_splits_out);
 
 /* The prefill GEMM (cuda/gemm.cu): y[m, n] (= or, with accumulate = 1, +=) sum_k a[m, k] *
@@ -208,7 +209,7 @@ OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64
                                          int64_t v_scales_offset, const int32_t *block_table,
                                          int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
                                          int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
-                                         int32_t visible_len, int32_t split_len, int32_t long_band,
+                                         int32_t visible_len, int32_t split_len, int32_t band,
                                          float *out);
 
 /* og_test_qk_norm_rope_kv writing into a paged pool (in/out): the row `position` goes to
@@ -236,7 +237,7 @@ OG_API og_status og_test_attention_fused(
     int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
-    int32_t max_blocks_per_seq, int32_t split_len, int32_t long_band, float *out);
+    int32_t max_blocks_per_seq, int32_t split_len, int32_t band, float *out);
 
 /* The block-zeroing kernel on a host buffer (in/out) of backing_bytes: the pool starts at
  * byte pool_offset (the bytes around it are guard regions the kernel must not touch) and

@@ -162,11 +162,11 @@ og_status check_counters_reset(const char *fn, const DeviceBuffer &d_counters, i
 // launches it; checks that the split counters are left at zero.
 og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n_heads,
                         int n_kv_heads, int head_dim, int max_seq_len, int kv_dtype,
-                        int visible_len, int split_len, bool long_band, float *out,
+                        int visible_len, int split_len, AttentionBand band, float *out,
                         int32_t *split_len_out, int32_t *n_splits_out) {
     AttentionPlan plan;
     OG_CUDA_TRY(attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len,
-                               long_band, &plan));
+                               band, &plan));
     const size_t q_len = (size_t)n_heads * head_dim;
     DeviceBuffer d_q, d_step, d_partials, d_counters, d_out;
     OG_TRY(alloc_copy(d_q, q, q_len * 4));
@@ -202,11 +202,11 @@ og_status run_attention(const char *fn, const float *q, const KvPages &kv, int n
 // launches it, on device buffers the caller set up in `a` (qkv, cache, step). The rotated q
 // goes to q_host [n_heads * hd], the attention output to out; checks that the split counters
 // are left at zero.
-og_status run_fused(const char *fn, AttentionArgs a, int split_len, bool long_band, float *q_host,
+og_status run_fused(const char *fn, AttentionArgs a, int split_len, AttentionBand band, float *q_host,
                     float *out) {
     AttentionPlan plan;
     OG_CUDA_TRY(attention_plan(a.n_heads, a.n_kv_heads, a.head_dim, a.max_seq_len, a.kv_dtype,
-                               split_len, long_band, &plan));
+                               split_len, band, &plan));
     const size_t q_len = (size_t)a.n_heads * a.head_dim;
     DeviceBuffer d_partials, d_counters, d_out, d_q;
     const size_t partial_bytes = attention_partial_floats(a.n_heads, a.head_dim, plan) * 4;
@@ -484,14 +484,14 @@ OG_API og_status og_test_qk_norm_rope_kv(float *qkv, int32_t n_heads, int32_t n_
 
 OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                        int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-                                       int32_t long_band, int32_t *head_group, int32_t *n_blocks,
+                                       int32_t band, int32_t *head_group, int32_t *n_blocks,
                                        int32_t *split_len_out, int32_t *tensor_cores) {
     if (head_group == nullptr || n_blocks == nullptr || split_len_out == nullptr || tensor_cores == nullptr)
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: NULL output");
     OG_TRY(require_device());
     AttentionPlan plan;
     const cudaError_t err =
-        attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len, long_band != 0, &plan);
+        attention_plan(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, split_len, (AttentionBand)band, &plan);
     if (err == cudaErrorInvalidValue) {
         (void)cudaGetLastError();
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: heads=%d kv_heads=%d head_dim=%d "
@@ -510,7 +510,7 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
                                    const float *k_scales, const float *v_scales,
                                    int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                                    int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
-                                   int32_t split_len, int32_t long_band, float *out,
+                                   int32_t split_len, int32_t band, float *out,
                                    int32_t *split_len_out, int32_t *n_splits_out) {
     const bool int8 = kv_dtype == OG_KV_INT8;
     if (q == nullptr || k_cache == nullptr || v_cache == nullptr || out == nullptr ||
@@ -533,7 +533,7 @@ OG_API og_status og_test_attention(const float *q, const void *k_cache, const vo
     const KvPages kv = contiguous_pages(d_k.ptr, d_v.ptr, d_ks.as<float>(), d_vs.as<float>(),
                                         max_seq_len, d_table.as<int32_t>());
     return run_attention("og_test_attention", q, kv, n_heads, n_kv_heads, head_dim, max_seq_len,
-                         kv_dtype, visible_len, split_len, long_band != 0, out, split_len_out,
+                         kv_dtype, visible_len, split_len, (AttentionBand)band, out, split_len_out,
                          n_splits_out);
 }
 
@@ -543,7 +543,7 @@ OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64
                                          int64_t v_scales_offset, const int32_t *block_table,
                                          int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
                                          int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
-                                         int32_t visible_len, int32_t split_len, int32_t long_band,
+                                         int32_t visible_len, int32_t split_len, int32_t band,
                                          float *out) {
     if (q == nullptr || pool == nullptr || block_table == nullptr || out == nullptr ||
         !attention_shape_ok(n_heads, n_kv_heads, head_dim, max_seq_len, kv_dtype, visible_len,
@@ -565,7 +565,7 @@ OG_API og_status og_test_attention_paged(const float *q, const void *pool, int64
                        page_size, n_kv_heads, head_dim, kv_dtype, k_offset, v_offset,
                        k_scales_offset, v_scales_offset, d_table.as<int32_t>(), n_table, &kv));
     return run_attention("og_test_attention_paged", q, kv, n_heads, n_kv_heads, head_dim,
-                         max_seq_len, kv_dtype, visible_len, split_len, long_band != 0, out, nullptr,
+                         max_seq_len, kv_dtype, visible_len, split_len, (AttentionBand)band, out, nullptr,
                          nullptr);
 }
 
@@ -680,7 +680,7 @@ OG_API og_status og_test_attention_fused(
     int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
-    int32_t max_blocks_per_seq, int32_t split_len, int32_t long_band, float *out) {
+    int32_t max_blocks_per_seq, int32_t split_len, int32_t band, float *out) {
     const char *fn = "og_test_attention_fused";
     if (out == nullptr || position < 0 || position >= max_seq_len || split_len < 0)
         return set_error(OG_E_INVALID_ARGUMENT, "%s: bad argument", fn);
@@ -692,7 +692,7 @@ OG_API og_status og_test_attention_fused(
     OG_TRY(upload_paged_row(fn, in, d));
     AttentionArgs a = {};
     set_paged_row_args(a, in, d);
-    OG_TRY(run_fused(fn, a, split_len, long_band != 0, qkv, out));  // q over the first n_heads * hd of qkv
+    OG_TRY(run_fused(fn, a, split_len, (AttentionBand)band, qkv, out));  // q over the first n_heads * hd of qkv
     return copy_back_paged(in, d);
 }
 

@@ -102,7 +102,7 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
                else
                  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_paged_gpu.py \
                    tests/test_engine_gpu.py tests/test_speculative_gpu.py \
-                   -k "tensor_cores or attention_bands or (full_context and int8 and long-band) or ((h16kv4 or h32kv4) and int8)"
+                   -k "tensor_cores or attention_bands or (full_context and int8 and long-band) or ((h16kv4 or h32kv4 or -tc) and int8)"
                fi ;;
     prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized" ;;
     sample)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow" ;;

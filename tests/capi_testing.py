@@ -112,7 +112,7 @@ def _bind(lib: ctypes.CDLL) -> None:
        P_f32, c_int32, c_int32, c_int32, c_void_p, c_void_p, P_f32, P_f32)
     # og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
     #                                  int32_t max_seq_len, int32_t kv_dtype, int32_t split_len,
-    #                                  int32_t long_band, int32_t *head_group, int32_t *n_blocks,
+    #                                  int32_t band, int32_t *head_group, int32_t *n_blocks,
     #                                  int32_t *split_len_out, int32_t *tensor_cores);
     fn("og_test_attention_plan", c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, P_i32, P_i32,
        P_i32, P_i32)
@@ -120,7 +120,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                             const float *k_scales, const float *v_scales,
     #                             int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
     #                             int32_t max_seq_len, int32_t kv_dtype, int32_t visible_len,
-    #                             int32_t split_len, int32_t long_band, float *out,
+    #                             int32_t split_len, int32_t band, float *out,
     #                             int32_t *split_len_out, int32_t *n_splits_out);
     fn("og_test_attention", P_f32, c_void_p, c_void_p, P_f32, P_f32, c_int32, c_int32, c_int32,
        c_int32, c_int32, c_int32, c_int32, c_int32, P_f32, P_i32, P_i32)
@@ -131,7 +131,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     #                                   int64_t v_scales_offset, const int32_t *block_table,
     #                                   int32_t n_table, int32_t n_heads, int32_t n_kv_heads,
     #                                   int32_t head_dim, int32_t max_seq_len, int32_t kv_dtype,
-    #                                   int32_t visible_len, int32_t split_len, int32_t long_band,
+    #                                   int32_t visible_len, int32_t split_len, int32_t band,
     #                                   float *out);
     fn("og_test_attention_paged", P_f32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
        c_int64, c_int64, P_i32, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32, c_int32,
@@ -152,7 +152,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     #     int32_t kv_dtype, void *pool, int64_t block_stride, int32_t n_blocks, int32_t page_size,
     #     int64_t k_offset, int64_t v_offset, int64_t k_scales_offset, int64_t v_scales_offset,
     #     int32_t seq_slot, int32_t row_block, int32_t *block_tables, int32_t n_tables,
-    #     int32_t max_blocks_per_seq, int32_t split_len, int32_t long_band, float *out);
+    #     int32_t max_blocks_per_seq, int32_t split_len, int32_t band, float *out);
     fn("og_test_attention_fused", P_f32, c_int32, c_int32, c_int32, P_f32, P_f32, c_float,
        P_f32, c_int32, c_int32, c_int32, c_void_p, c_int64, c_int32, c_int32, c_int64, c_int64,
        c_int64, c_int64, c_int32, c_int32, P_i32, c_int32, c_int32, c_int32, c_int32, P_f32)
@@ -464,13 +464,16 @@ def qk_norm_rope_kv(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv
 
 
 # The attention entry points below take the plan of the engine's long band by default (the
-# tensor-core fold where it is compiled), of its short band with long_band=False.
+# tensor-core fold for groups of 4 and 8), of its short band with band=BAND_SHORT; BAND_LONG_TC
+# puts the long band on the tensor cores wherever that fold is compiled (groups of 2 too), and
+# BAND_LONG_CUDA keeps it on the CUDA cores (cuda/kernels.cuh AttentionBand).
+BAND_SHORT, BAND_LONG, BAND_LONG_TC, BAND_LONG_CUDA = 0, 1, 2, 3
 def attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype=OG_KV_F32, split_len=0,
-                   long_band=True) -> dict:
+                   band=BAND_LONG) -> dict:
     """The attention plan for this shape: head_group, n_blocks, split_len, tensor_cores (bool)."""
     hg, nb, split, tc = c_int32(0), c_int32(0), c_int32(0), c_int32(0)
     _check(load().og_test_attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype, split_len,
-                                         int(long_band), ctypes.byref(hg), ctypes.byref(nb), ctypes.byref(split),
+                                         band, ctypes.byref(hg), ctypes.byref(nb), ctypes.byref(split),
                                          ctypes.byref(tc)),
            "og_test_attention_plan")
     return {"head_group": hg.value, "n_blocks": nb.value, "split_len": split.value,
@@ -478,7 +481,7 @@ def attention_plan(n_heads, n_kv, head_dim, max_seq_len, kv_dtype=OG_KV_F32, spl
 
 
 def attention(q, k_cache, v_cache, k_scales, v_scales, n_heads, visible_len, split_len=0,
-              kv_dtype=OG_KV_F32, long_band=True):
+              kv_dtype=OG_KV_F32, band=BAND_LONG):
     """-> (out [n_heads * head_dim], split_len used, n_splits)."""
     dtype = KV_NUMPY_DTYPES[kv_dtype]
     q = _array(q, np.float32)
@@ -493,7 +496,7 @@ def attention(q, k_cache, v_cache, k_scales, v_scales, n_heads, visible_len, spl
     _check(load().og_test_attention(_p(q, c_float), _vp(k_cache), _vp(v_cache),
                                     _p(k_scales, c_float), _p(v_scales, c_float), n_heads, n_kv,
                                     head_dim, max_seq_len, kv_dtype, visible_len, split_len,
-                                    int(long_band), _p(out, c_float), ctypes.byref(used_split),
+                                    band, _p(out, c_float), ctypes.byref(used_split),
                                     ctypes.byref(n_splits)),
            "og_test_attention")
     return out, used_split.value, n_splits.value
@@ -586,7 +589,7 @@ def _pages(offsets: dict):
 def attention_paged(q, pool: np.ndarray, block_stride: int, page_size: int, offsets: dict,
                     block_table, n_heads: int, n_kv_heads: int, head_dim: int, max_seq_len: int,
                     visible_len: int, split_len: int = 0, kv_dtype=OG_KV_F32,
-                    long_band: bool = True) -> np.ndarray:
+                    band: int = BAND_LONG) -> np.ndarray:
     """Attention through a paged pool (uint8 [n_blocks * block_stride]); offsets: byte offsets
     of the layer's pages in a block, keys "k", "v" (and "k_scales", "v_scales" for int8)."""
     q = _array(q, np.float32)
@@ -597,7 +600,7 @@ def attention_paged(q, pool: np.ndarray, block_stride: int, page_size: int, offs
                                           pool.size // block_stride, page_size, *_pages(offsets),
                                           _p(table, c_int32), table.size, n_heads, n_kv_heads,
                                           head_dim, max_seq_len, kv_dtype, visible_len, split_len,
-                                          int(long_band), _p(out, c_float)),
+                                          band, _p(out, c_float)),
            "og_test_attention_paged")
     return out
 
@@ -631,7 +634,7 @@ def qk_norm_rope_kv_paged(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, ep
 
 def attention_fused(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, position,
                     max_seq_len, pool, block_stride, page_size, offsets, seq_slot, row_block,
-                    block_tables, split_len=0, kv_dtype=OG_KV_F32, long_band=True):
+                    block_tables, split_len=0, kv_dtype=OG_KV_F32, band=BAND_LONG):
     """The body's fused attention kernel on copies; -> (out [n_heads * head_dim], qkv, pool,
     block_tables) after the kernel (qkv's q part replaced by the rotated q)."""
     qkv, pool, tables, q_norm, k_norm, inv_freq = _paged_row_inputs(qkv, pool, block_tables, q_norm,
@@ -641,7 +644,7 @@ def attention_fused(qkv, n_heads, n_kv_heads, head_dim, q_norm, k_norm, eps, inv
         _p(qkv, c_float), n_heads, n_kv_heads, head_dim, _p(q_norm, c_float), _p(k_norm, c_float), eps,
         _p(inv_freq, c_float), position, max_seq_len, kv_dtype, _vp(pool), block_stride,
         pool.size // block_stride, page_size, *_pages(offsets), seq_slot, row_block, _p(tables, c_int32),
-        tables.shape[0], tables.shape[1], split_len, int(long_band), _p(out, c_float)),
+        tables.shape[0], tables.shape[1], split_len, band, _p(out, c_float)),
         "og_test_attention_fused")
     return out, qkv, pool, tables
 

@@ -58,16 +58,19 @@ def synthetic(preset, layers=None, seed=0):
 
 
 # The position where the engine's long attention band starts, read at og_init (onegraph.h,
-# og_step_bands): tests set it low so that a short decode crosses it.
+# og_step_bands): tests set it low so that a short decode crosses it. FOLD_ENV picks the long
+# band's fold ("tensor": the tensor cores wherever that fold is compiled).
 LONG_FROM_ENV = "ONEGRAPH_ATTENTION_LONG_FROM"
+FOLD_ENV = "ONEGRAPH_ATTENTION_FOLD"
 
 
-# A model whose attention folds on the tensor cores in the long band: 128-dim heads, 4 query
-# heads a KV head, int8 KV.
-def tensor_core_model(seed=0):
+# A model whose attention can fold on the tensor cores in the long band: 128-dim heads, int8 KV,
+# 2 KV heads of `group` query heads each (4: by default on the tensor cores; 2: with FOLD_ENV
+# "tensor").
+def tensor_core_model(seed=0, group=4):
     """(config, tensors dict) of that model (tiny-dense's other sizes), generated in memory."""
     from onegraph.synth import iter_tensors, preset_config
-    config = preset_config("tiny-dense", num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    config = preset_config("tiny-dense", num_attention_heads=2 * group, num_key_value_heads=2, head_dim=128)
     return config, dict(iter_tensors(config, seed=seed))
 
 

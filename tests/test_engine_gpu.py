@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bounds import assert_below
-from gpu_support import LONG_FROM_ENV, float16_folder_runs, rel_l2, require_gpu, synthetic, tensor_core_model
+from gpu_support import FOLD_ENV, LONG_FROM_ENV, float16_folder_runs, rel_l2, require_gpu, synthetic, tensor_core_model
 from gpu_support import greedy_decode as _decode
 import capi_testing as ct
 from onegraph import capi
@@ -57,16 +57,19 @@ def test_graph_replay_is_bit_identical_to_nongraph():
         assert np.array_equal(g, p)
 
 
-def test_graph_replay_is_bit_identical_to_nongraph_across_the_attention_bands(monkeypatch):
-    # Four query heads a KV head over int8 rows of 128 dims: the short band folds on the CUDA
-    # cores, the long band (from position 100 here) on the tensor cores. Each band has its own
-    # graph; graph and non-graph agree bit for bit on both sides, and the reference fed the same
-    # tokens picks the same token at every step but a near tie (test_kernels_gpu.py bounds both
-    # folds' error against float64).
+@pytest.mark.parametrize("group, fold", [(4, "auto"), (2, "tensor")], ids=["group-4", "group-2-tensor"])
+def test_graph_replay_is_bit_identical_to_nongraph_across_the_attention_bands(group, fold, monkeypatch):
+    # Int8 rows of 128 dims, 4 query heads a KV head (or 2, with the long band asked onto the
+    # tensor cores): the short band folds on the CUDA cores, the long band (from position 100
+    # here) on the tensor cores. Each band has its own graph; graph and non-graph agree bit for
+    # bit on both sides, and the reference fed the same tokens picks the same token at every
+    # step but a near tie (test_kernels_gpu.py bounds both folds' error against float64).
     monkeypatch.setenv(LONG_FROM_ENV, "100")
-    assert not ct.attention_plan(8, 2, 128, 100, ct.OG_KV_INT8, long_band=False)["tensor_cores"]
-    assert ct.attention_plan(8, 2, 128, 256, ct.OG_KV_INT8)["tensor_cores"]
-    config, tensors = tensor_core_model()
+    monkeypatch.setenv(FOLD_ENV, fold)
+    band = ct.BAND_LONG_TC if fold == "tensor" else ct.BAND_LONG
+    assert not ct.attention_plan(2 * group, 2, 128, 100, ct.OG_KV_INT8, band=ct.BAND_SHORT)["tensor_cores"]
+    assert ct.attention_plan(2 * group, 2, 128, 256, ct.OG_KV_INT8, band=band)["tensor_cores"]
+    config, tensors = tensor_core_model(group=group)
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=256, device="gpu") as engine:
         engine.set_graph(True)
         graph_tokens, graph_logits = _decode(engine.step, PROMPT, 200)
@@ -83,6 +86,20 @@ def test_graph_replay_is_bit_identical_to_nongraph_across_the_attention_bands(mo
         top = np.sort(want)[-2:]
         assert token == int(np.argmax(want)) or top[1] - top[0] < 1e-3 * np.abs(want).max(), \
             f"position {len(PROMPT) - 1 + i}"
+
+
+@pytest.mark.parametrize("name, value", [(LONG_FROM_ENV, "0"), (LONG_FROM_ENV, "2k"), (FOLD_ENV, "fast")])
+def test_bad_attention_settings_are_refused_by_name(name, value, monkeypatch):
+    # A setting read at og_init that it cannot take fails the engine's creation with a one-line
+    # error naming the variable and its value; with the setting gone the same model loads.
+    monkeypatch.setenv(name, value)
+    config, tensors = tensor_core_model()
+    with pytest.raises(capi.LibraryError) as err:
+        GpuSession(config, tensors.items(), kv="int8", max_seq_len=64)
+    assert err.value.status == capi.OG_E_INVALID_ARGUMENT and f"{name}={value}" in str(err.value)
+    assert "\n" not in str(err.value)
+    monkeypatch.delenv(name)
+    GpuSession(config, tensors.items(), kv="int8", max_seq_len=64).close()
 
 
 def test_one_copy_each_way_per_token():

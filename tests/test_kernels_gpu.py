@@ -412,39 +412,46 @@ def test_attention_split_boundaries(shape, kv_dtype):
         assert same_bits(again, out), f"len={visible_len}: not bit-identical run to run"
 
 
-@pytest.mark.parametrize("long_band", [False, True], ids=["short-band", "long-band"])
+# The plans' kinds (capi_testing BAND_*) and the groups of query heads a KV head whose int8 rows
+# of 128 dims each folds on the tensor cores.
+BANDS = {ct.BAND_SHORT: (), ct.BAND_LONG: (4, 8), ct.BAND_LONG_TC: (2, 4, 8), ct.BAND_LONG_CUDA: ()}
+BAND_NAMES = {ct.BAND_SHORT: "short-band", ct.BAND_LONG: "long-band", ct.BAND_LONG_TC: "long-band-tc",
+              ct.BAND_LONG_CUDA: "long-band-cuda"}
+
+
+@pytest.mark.parametrize("band", list(BANDS), ids=lambda b: BAND_NAMES[b])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda k: KV_NAMES[k])
 @pytest.mark.parametrize("n_heads,n_kv", [(16, 8), (32, 8), (32, 4)], ids=["0.6b", "8b", "30b-a3b"])
-def test_attention_full_context_engine_split(n_heads, n_kv, kv_dtype, long_band):
+def test_attention_full_context_engine_split(n_heads, n_kv, kv_dtype, band):
     # The qwen3-0.6b, 8B and 30B-A3B attention shapes over a full 4096-row cache, split length
     # as the engine picks, in either attention band. In the long band the 8B and 30B-A3B
-    # shapes' int8 rows fold on the tensor cores (a KV head's 4 or 8 query heads in one group);
+    # shapes' int8 rows fold on the tensor cores (a KV head's 4 or 8 query heads in one group),
+    # and the 0.6b shape's 2 too where the band asks for the tensor cores wherever compiled;
     # everything else on the CUDA cores.
     hd, max_seq = 128, 4096
-    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype, long_band=long_band)
-    tensor_cores = long_band and kv_dtype == ct.OG_KV_INT8 and n_heads // n_kv in (4, 8)
+    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype, band=band)
+    tensor_cores = kv_dtype == ct.OG_KV_INT8 and n_heads // n_kv in BANDS[band]
     assert plan["tensor_cores"] == tensor_cores, plan
     assert not tensor_cores or plan["head_group"] == n_heads // n_kv, plan
     rng = rng_for("attn_full", n_heads, n_kv, kv_dtype)
     for visible_len in (max_seq, 1000, 1):
         k, v, ks, vs, kv, vv = random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len)
         q = rng.standard_normal(n_heads * hd).astype(np.float32)
-        out, split, n_splits = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype,
-                                            long_band=long_band)
+        out, split, n_splits = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype, band=band)
         assert split % 32 == 0 and split * n_splits >= max_seq > split * (n_splits - 1)
         ref, tol = ref_attention(q, kv, vv, n_heads, visible_len, split)
         assert_within(out, ref, tol, f"attention len={visible_len} split={split}")
 
 
-@pytest.mark.parametrize("n_heads", [16, 32], ids=["group-4", "group-8"])
+@pytest.mark.parametrize("n_heads", [8, 16, 32], ids=["group-2", "group-4", "group-8"])
 def test_attention_tensor_cores_across_scales(n_heads):
     # The tensor-core fold scales q and the weights p * v_scale per head by powers of two into
     # fp16's range: query heads 10^-3 .. 10^3 apart, and V scales growing 10^6-fold down the
     # rows (each new tile lowers the weights' scale and rescales the sums) or shrinking, against
     # the float64 reference within the CUDA cores' error bound plus the fp16 weights' floor
-    # (ref_attention). Groups of 4 and of 8 query heads a KV head.
+    # (ref_attention). Groups of 2, 4 and 8 query heads a KV head.
     n_kv, hd, max_seq, split = 4, 128, 600, 64
-    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, ct.OG_KV_INT8, split)
+    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, ct.OG_KV_INT8, split, band=ct.BAND_LONG_TC)
     assert plan["tensor_cores"] and plan["head_group"] == n_heads // n_kv, plan
     rng = rng_for("attn_tc_scales", n_heads)
     head_scale = np.repeat(10.0 ** rng.uniform(-3, 3, n_heads), hd).astype(np.float32)
@@ -455,7 +462,8 @@ def test_attention_tensor_cores_across_scales(n_heads):
             kv = k.astype(np.float32) * ks[..., None]
             vv = v.astype(np.float32) * vs[..., None]
             q = (rng.standard_normal(n_heads * hd) * head_scale).astype(np.float32)
-            out, used_split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, split, ct.OG_KV_INT8)
+            out, used_split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, split, ct.OG_KV_INT8,
+                                              band=ct.BAND_LONG_TC)
             assert used_split == split
             ref, tol = ref_attention(q, kv.astype(np.float64), vv.astype(np.float64), n_heads, visible_len, split,
                                      v_scales=vs.astype(np.float64))
@@ -473,18 +481,18 @@ SHORT_CACHE_SHAPES = [(32, 8, 128), (16, 8, 128), (32, 4, 128), (8, 1, 128), (9,
 @pytest.mark.parametrize("n_heads,n_kv,hd", SHORT_CACHE_SHAPES)
 def test_attention_short_cache_head_group_one(n_heads, n_kv, hd, kv_dtype):
     max_seq = 97  # the default bench's cache: 32 prompt + 64 decoded rows
-    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype, long_band=False)
+    plan = ct.attention_plan(n_heads, n_kv, hd, max_seq, kv_dtype, band=ct.BAND_SHORT)
     assert plan["head_group"] == 1, plan
-    long_plan = ct.attention_plan(n_heads, n_kv, hd, 8192 + 16, kv_dtype, long_band=False)
+    long_plan = ct.attention_plan(n_heads, n_kv, hd, 8192 + 16, kv_dtype, band=ct.BAND_SHORT)
     assert long_plan["head_group"] > 1 or n_heads == n_kv, long_plan
     rng = rng_for("attn_short", n_heads, n_kv, hd, kv_dtype)
     for visible_len in (1, 31, 64, 97):
         k, v, ks, vs, kv, vv = random_cache(rng, kv_dtype, n_kv, max_seq, hd, visible_len)
         q = rng.standard_normal(n_heads * hd).astype(np.float32)
-        out, split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype, long_band=False)
+        out, split, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype, band=ct.BAND_SHORT)
         ref, tol = ref_attention(q, kv, vv, n_heads, visible_len, split)
         assert_within(out, ref, tol, f"attention len={visible_len} head group 1")
-        again, _, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype, long_band=False)
+        again, _, _ = ct.attention(q, k, v, ks, vs, n_heads, visible_len, 0, kv_dtype, band=ct.BAND_SHORT)
         assert same_bits(again, out), f"len={visible_len}: not bit-identical run to run"
 
 

@@ -131,8 +131,14 @@ def paged(rows, kv, page, n_blocks, table, n_kv, hd, max_seq):
     return layout, pool
 
 
-ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths)
+# The plans of the long band (capi_testing BAND_*): by default, and on the tensor cores wherever
+# that fold is compiled (int8 rows of 128 dims, a group of 2 query heads a KV head included).
+TC = ct.BAND_LONG_TC
+
+ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths[, band])
     (8, 4, 128, 16, (1, 16, 17, 100, 200)),
+    (8, 4, 128, 16, (1, 16, 17, 100, 200), TC),  # int8: a group of 2 on the tensor cores
+    (8, 4, 128, 7, (1, 7, 8, 100, 200), TC),     # and tiles across pages
     (16, 8, 128, 64, (1, 63, 64, 65, 200)),
     (16, 4, 128, 16, (1, 16, 17, 100, 200)),  # int8: the tensor-core fold, a tile in one page
     (16, 4, 128, 7, (1, 7, 8, 100, 200)),     # and tiles across pages
@@ -144,9 +150,10 @@ ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths)
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}")
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}" + "-tc" * (c[5:] == (TC,)))
 def test_paged_attention_is_bit_identical_to_contiguous(case, kv):
-    n_heads, n_kv, hd, page, lengths = case
+    n_heads, n_kv, hd, page, lengths, *rest = case
+    band = rest[0] if rest else ct.BAND_LONG
     max_seq, split = 200, 32
     rng = np.random.default_rng(page * 31 + hd)
     n_table = -(-max_seq // page)
@@ -159,9 +166,9 @@ def test_paged_attention_is_bit_identical_to_contiguous(case, kv):
         layout, pool_v = paged(vis, kv, page, n_blocks, table, n_kv, hd, max_seq)
         k, v, ks, vs = contiguous(vis, kv, max_seq)
         q = rng.standard_normal(n_heads * hd).astype(np.float32)
-        want, _, _ = ct.attention(q, k, v, ks, vs, n_heads, visible, split, KV_CODES[kv])
+        want, _, _ = ct.attention(q, k, v, ks, vs, n_heads, visible, split, KV_CODES[kv], band=band)
         got = ct.attention_paged(q, pool_v, layout.block_stride, page, layout.offsets(0), table, n_heads,
-                                 n_kv, hd, max_seq, visible, split, KV_CODES[kv])
+                                 n_kv, hd, max_seq, visible, split, KV_CODES[kv], band=band)
         assert np.isfinite(got).all() and same_bits(got, want), f"visible {visible}"
 
 
@@ -210,8 +217,9 @@ def test_paged_kv_write_matches_contiguous_and_sets_the_table(kv):
     assert same_bits(pool, pool0) and np.array_equal(tables, tables0)
 
 
-FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions): single block, several, owner mid-grid
+FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions[, band]): single block, several, owner mid-grid
     (16, 8, 128, 64, (0, 5, 127, 128, 300, 1000)),
+    (16, 8, 128, 24, (0, 23, 24, 500), TC),  # int8: a group of 2 on the tensor cores, across pages
     (32, 8, 128, 16, (0, 63, 64, 200)),
     (16, 4, 128, 24, (0, 23, 24, 500)),  # int8: the tensor-core fold, tiles across pages
     (32, 4, 128, 16, (0, 15, 16, 300)),  # int8: the fold of a group of 8, a tile in one page
@@ -225,12 +233,13 @@ FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions): single block, several, 
 
 @pytest.mark.parametrize("split", [0, 32])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}")
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}" + "-tc" * (c[5:] == (TC,)))
 def test_fused_attention_is_rope_then_attention(case, kv, split):
     # The body's kernel (QK-norm + RoPE + the new row's write + attention, the new row taken
     # from shared memory) gives bit for bit what the attention-only kernel gives over the q and
     # the pool it leaves behind; and it stores what the KV-write entry point stores.
-    n_heads, n_kv, hd, page, positions = case
+    n_heads, n_kv, hd, page, positions, *rest = case
+    band = rest[0] if rest else ct.BAND_LONG
     max_seq = 1024 + 8
     rng = np.random.default_rng(hd * 7 + page + n_heads)
     inv_freq = rope_inv_freq(hd, 1e6)
@@ -252,7 +261,7 @@ def test_fused_attention_is_rope_then_attention(case, kv, split):
         qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
         out, q_qkv, pool_after, tables_after = ct.attention_fused(
             qkv, n_heads, n_kv, hd, q_norm, k_norm, 1e-6, inv_freq, position, max_seq, pool,
-            layout.block_stride, page, layout.offsets(0), 1, row_block, tables, split, KV_CODES[kv])
+            layout.block_stride, page, layout.offsets(0), 1, row_block, tables, split, KV_CODES[kv], band=band)
         assert np.isfinite(out).all(), f"position {position}"
         assert tables_after[1, position // page] == row_block
         q_want, pool_want, tables_want = ct.qk_norm_rope_kv_paged(
@@ -263,7 +272,7 @@ def test_fused_attention_is_rope_then_attention(case, kv, split):
         q = q_qkv[:n_heads * hd]
         want = ct.attention_paged(q, pool_after, layout.block_stride, page, layout.offsets(0),
                                   tables_after[1, :n_table], n_heads, n_kv, hd, max_seq, position + 1,
-                                  split, KV_CODES[kv])
+                                  split, KV_CODES[kv], band=band)
         assert same_bits(out, want), f"position {position}"
 
 

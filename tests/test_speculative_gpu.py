@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import LONG_FROM_ENV, require_gpu, synthetic, tensor_core_model
+from gpu_support import FOLD_ENV, LONG_FROM_ENV, require_gpu, synthetic, tensor_core_model
 import capi_testing as ct
 from onegraph import capi
 from onegraph.engine import Engine
@@ -94,14 +94,19 @@ def test_verify_logits_are_the_decode_bodys_bit_for_bit(preset, kv, weights, gra
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "nongraph"])
 @pytest.mark.parametrize("long_from", [len(PROMPT), len(PROMPT) + 4], ids=["long", "straddling"])
-def test_verify_across_the_attention_bands_is_the_decode_bodys_bit_for_bit(graph, long_from, monkeypatch):
-    # Four query heads a KV head over int8 rows of 128 dims: the long attention band folds on
-    # the tensor cores, the short one on the CUDA cores. Every verify row lies in the long band,
-    # or (straddling) the first four in the short band and the rest in the long one: each row's
-    # logits are a decode step's at its position, in that position's band.
+@pytest.mark.parametrize("group, fold", [(4, "auto"), (2, "tensor")], ids=["group-4", "group-2-tensor"])
+def test_verify_across_the_attention_bands_is_the_decode_bodys_bit_for_bit(graph, long_from, group, fold,
+                                                                           monkeypatch):
+    # Int8 rows of 128 dims, 4 query heads a KV head (or 2, with the long band asked onto the
+    # tensor cores): the long attention band folds on the tensor cores, the short one on the
+    # CUDA cores. Every verify row lies in the long band, or (straddling) the first four in the
+    # short band and the rest in the long one: each row's logits are a decode step's at its
+    # position, in that position's band.
     monkeypatch.setenv(LONG_FROM_ENV, str(long_from))
-    assert ct.attention_plan(8, 2, 128, 96, ct.OG_KV_INT8)["tensor_cores"]
-    config, tensors = tensor_core_model()
+    monkeypatch.setenv(FOLD_ENV, fold)
+    band = ct.BAND_LONG_TC if fold == "tensor" else ct.BAND_LONG
+    assert ct.attention_plan(2 * group, 2, 128, 96, ct.OG_KV_INT8, band=band)["tensor_cores"]
+    config, tensors = tensor_core_model(group=group)
     with Engine.from_tensors(config, tensors, kv="int8", max_seq_len=96, graph=graph, device="gpu",
                              weights="bf16", kv_page_size=8, kv_pool_blocks=64) as engine:
         check_verify_equals_decode(engine, graph)
