@@ -123,6 +123,7 @@ struct RowSource {
     int64_t block_stride;
     const int32_t *table;   // the sequence's block-table row
     int page, n_pool_blocks, kv_head, len;
+    int page_shift;         // log2(page) where page is a power of two (the engine's default), else -1
     int new_lo, new_hi;     // rows [new_lo, new_hi] are taken from shared memory (fused), or
                             // new_lo > new_hi: none
     int row_floats;         // a new row's stride in shared memory (AttnSmem::row_floats)
@@ -162,6 +163,13 @@ __device__ __forceinline__ bool is_new_row(int row, const RowSource &src) {
     return ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
 }
 
+// The page index of row `row` (>= 0): a shift where the page is a power of two, else a division
+// (a tile's location takes one; a division by a value known only at run time is about twenty
+// instructions).
+__device__ __forceinline__ int page_of(int row, const RowSource &src) {
+    return src.page_shift >= 0 ? row >> src.page_shift : row / src.page;
+}
+
 // ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
 template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
@@ -170,7 +178,7 @@ __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, cons
     int page_index = 0, in_page = 0;
     if (row0 >= 0) {  // one division per tile; the slots' rows step by kRowsPerLoad
         const int row = row0 + src.row_group;
-        page_index = row / src.page;
+        page_index = page_of(row, src);
         in_page = row - page_index * src.page;
     }
 #pragma unroll
@@ -558,7 +566,7 @@ __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSourc
     loc.row0 = row0;
     int page0 = 0, in0 = 0;
     if (row0 >= 0) {
-        page0 = row0 / src.page;
+        page0 = page_of(row0, src);
         in0 = row0 - page0 * src.page;
     }
     if (src.page % 16 == 0) {  // a tile (row0 a multiple of 16) lies in one page: one table read
@@ -797,12 +805,13 @@ __device__ __forceinline__ void warp_state_out(WarpState<HG, AttnLayout<KV, HD>:
 
 // The warp's next tile after item n (n advances): its first row, or -1 when the warp is done.
 // Item n = (k, i) with k = n / per_warp, i = n % per_warp: chunk b + k * B, tile warp + i * 8.
+// The engine's chunks give each warp one tile (per_warp 1): no division then.
 __device__ __forceinline__ int next_tile(int &n, int b, int n_blocks, int chunk_rows,
                                          int tile_rows, int per_warp, int warp, int n_chunks,
                                          int len) {
     for (;;) {
         ++n;
-        const int k = n / per_warp;
+        const int k = per_warp == 1 ? n : n / per_warp;
         const int chunk = b + k * n_blocks;
         if (chunk >= n_chunks) return -1;
         const int tile = warp + (n - k * per_warp) * kAttnWarps;
@@ -901,6 +910,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     src.block_stride = kv.block_stride;
     src.table = kv.block_tables + (size_t)step->seq_slot * kv.max_blocks_per_seq;
     src.page = kv.page_size;
+    src.page_shift = (kv.page_size & (kv.page_size - 1)) == 0 ? __ffs(kv.page_size) - 1 : -1;
     src.n_pool_blocks = kv.n_blocks;
     src.kv_head = kv_head;
     src.len = len;
