@@ -170,11 +170,32 @@ __device__ __forceinline__ int page_of(int row, const RowSource &src) {
     return src.page_shift >= 0 ? row >> src.page_shift : row / src.page;
 }
 
+// Block-table entry page_index of the sequence, or -1 outside the pool (layer 0 of this step may
+// be storing it: read past L1).
+__device__ __forceinline__ int table_block(const RowSource &src, int page_index) {
+    const int block = __ldcg(src.table + page_index);
+    return (unsigned)block < (unsigned)src.n_pool_blocks ? block : -1;
+}
+
 // ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
 template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
     using L = AttnLayout<KV, HD>;
     loc.row0 = row0;
+    if (src.page % L::kTileRows == 0) {  // the tile (row0 a multiple of its rows) in one page: one table read
+        const int page_index = row0 >= 0 ? page_of(row0, src) : 0;
+        const int in0 = row0 >= 0 ? row0 - page_index * src.page : 0;
+        const int block = row0 >= 0 ? table_block(src, page_index) : -1;
+#pragma unroll
+        for (int s = 0; s < L::kSlots; ++s) {
+            const int in_tile = s * L::kRowsPerLoad + src.row_group;
+            const int row = row0 + in_tile;
+            const bool fresh = ROWS ? row >= src.new_lo && row <= src.new_hi : row == src.new_hi;
+            loc.block[s] = row0 >= 0 && row < src.len && !fresh ? block : -1;
+            loc.in_page[s] = in0 + in_tile;
+        }
+        return;
+    }
     int page_index = 0, in_page = 0;
     if (row0 >= 0) {  // one division per tile; the slots' rows step by kRowsPerLoad
         const int row = row0 + src.row_group;
@@ -213,40 +234,78 @@ __device__ __forceinline__ uint4 load_row_chunk(const uint4 *p) {
     return r;
 }
 
+// One slot's row of a tile (the lane's vectors or elements of K and V, and the int8 rows' scales
+// at k_scale / v_scale); zeros (scale 0) where !ok.
+template <int KV, int HD>
+__device__ __forceinline__ void load_slot(Tile<KV, HD> &t, int s, bool ok, const char *k_row, const char *v_row,
+                                          const float *k_scale, const float *v_scale, const RowSource &src,
+                                          int hd) {
+    using L = AttnLayout<KV, HD>;
+#pragma unroll
+    for (int v = 0; v < L::kVecsPerLane; ++v) {
+        if constexpr (L::kVector) {
+            const int vec = src.lane_in_row + v * L::kLanesPerRow;
+            t.k[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(k_row) + vec)
+                           : make_uint4(0u, 0u, 0u, 0u);
+            t.v[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(v_row) + vec)
+                           : make_uint4(0u, 0u, 0u, 0u);
+        } else {
+            const int d = src.lane_in_row + v * kWarpSize;
+            const bool e_ok = ok && d < hd;
+            t.k[s][v] = e_ok ? load_element<KV>(k_row, d) : 0u;
+            t.v[s][v] = e_ok ? load_element<KV>(v_row, d) : 0u;
+        }
+    }
+    if constexpr (KV == OG_KV_INT8) {
+        t.k_scale[s] = ok ? __ldg(k_scale) : 0.f;
+        t.v_scale[s] = ok ? __ldg(v_scale) : 0.f;
+    } else {
+        t.k_scale[s] = 1.f;
+        t.v_scale[s] = 1.f;
+    }
+}
+
 // Issue the loads of a located tile; rows without a block read as zeros (scale 0).
 template <int KV, int HD>
 __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD> &loc,
                                           const RowSource &src, int hd) {
     using L = AttnLayout<KV, HD>;
+    const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
+    if (src.page % L::kTileRows == 0) {
+        // The tile in one page (locate_tile: every row's block that page's, or -1): one address
+        // a tile, slot s kRowsPerLoad rows past slot s - 1.
+        int block = loc.block[0];
+#pragma unroll
+        for (int s = 1; s < L::kSlots; ++s) block = max(block, loc.block[s]);
+        const int64_t base = (int64_t)max(block, 0) * src.block_stride;
+        const int64_t row = (int64_t)src.kv_head * src.page + loc.in_page[0];  // slot 0's
+        const char *k = src.k + base + row * row_bytes, *v = src.v + base + row * row_bytes;
+        const float *k_scales = nullptr, *v_scales = nullptr;
+        if constexpr (KV == OG_KV_INT8) {
+            k_scales = reinterpret_cast<const float *>(src.k_scales + base) + row;
+            v_scales = reinterpret_cast<const float *>(src.v_scales + base) + row;
+        }
+#pragma unroll
+        for (int s = 0; s < L::kSlots; ++s) {
+            const int step = s * L::kRowsPerLoad;
+            load_slot<KV, HD>(t, s, loc.block[s] >= 0, k + step * row_bytes, v + step * row_bytes,
+                              KV == OG_KV_INT8 ? k_scales + step : nullptr,
+                              KV == OG_KV_INT8 ? v_scales + step : nullptr, src, hd);
+        }
+        return;
+    }
 #pragma unroll
     for (int s = 0; s < L::kSlots; ++s) {
         const bool ok = loc.block[s] >= 0;
         const int64_t base = (int64_t)(ok ? loc.block[s] : 0) * src.block_stride;
-        const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[s];
-        const char *k_row = src.k + base + row_index * (hd * L::kElemBytes);
-        const char *v_row = src.v + base + row_index * (hd * L::kElemBytes);
-#pragma unroll
-        for (int v = 0; v < L::kVecsPerLane; ++v) {
-            if constexpr (L::kVector) {
-                const int vec = src.lane_in_row + v * L::kLanesPerRow;
-                t.k[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(k_row) + vec)
-                               : make_uint4(0u, 0u, 0u, 0u);
-                t.v[s][v] = ok ? load_row_chunk(reinterpret_cast<const uint4 *>(v_row) + vec)
-                               : make_uint4(0u, 0u, 0u, 0u);
-            } else {
-                const int d = src.lane_in_row + v * kWarpSize;
-                const bool e_ok = ok && d < hd;
-                t.k[s][v] = e_ok ? load_element<KV>(k_row, d) : 0u;
-                t.v[s][v] = e_ok ? load_element<KV>(v_row, d) : 0u;
-            }
-        }
+        const int64_t row = (int64_t)src.kv_head * src.page + loc.in_page[s];
+        const float *k_scales = nullptr, *v_scales = nullptr;
         if constexpr (KV == OG_KV_INT8) {
-            t.k_scale[s] = ok ? __ldg(reinterpret_cast<const float *>(src.k_scales + base) + row_index) : 0.f;
-            t.v_scale[s] = ok ? __ldg(reinterpret_cast<const float *>(src.v_scales + base) + row_index) : 0.f;
-        } else {
-            t.k_scale[s] = 1.f;
-            t.v_scale[s] = 1.f;
+            k_scales = reinterpret_cast<const float *>(src.k_scales + base) + row;
+            v_scales = reinterpret_cast<const float *>(src.v_scales + base) + row;
         }
+        load_slot<KV, HD>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes, k_scales,
+                          v_scales, src, hd);
     }
 }
 
@@ -554,12 +613,6 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint3
     hi = half2_as_u32(h);
     lo = half2_as_u32(__floats2half2_rn(a - __low2float(h), b - __high2float(h)));
 }
-// Block-table entry page_index of the sequence, or -1 outside the pool (layer 0 of this step may
-// be storing it: read past L1).
-__device__ __forceinline__ int table_block(const RowSource &src, int page_index) {
-    const int block = __ldcg(src.table + page_index);
-    return (unsigned)block < (unsigned)src.n_pool_blocks ? block : -1;
-}
 // Locate a lane's rows of the tile at row0 (-1: none), as locate_tile does for its layout.
 template <bool ROWS>
 __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSource &src, int lane) {
@@ -596,13 +649,43 @@ __device__ __forceinline__ void locate_mma(MmaLoc &loc, int row0, const RowSourc
 // Issue the loads of a located tile; rows without a block read as zeros (scale 0).
 __device__ __forceinline__ void load_mma(MmaTile &t, const MmaLoc &loc, const RowSource &src, int lane) {
     const int g = lane / 4, tq = lane % 4;
-    constexpr int kRowBytes = 128;
+    constexpr int kRowBytes = 128, kRowVecs = kRowBytes / 16;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    if (src.page % 16 == 0) {
+        // The tile lies in one page (locate_mma: in_page[i] = its first row's + mma_row(i, lane)
+        // and every row's block that page's, or -1): one address a lane for K, V and each scale
+        // page, the lane's rows at fixed offsets from it (K rows g, 8 + g; V rows 2t, 2t + 1,
+        // 8 + 2t, 9 + 2t).
+        int block = loc.block[0];
+#pragma unroll
+        for (int i = 1; i < kMmaLocRows; ++i) block = max(block, loc.block[i]);
+        const int64_t base = (int64_t)max(block, 0) * src.block_stride;
+        const int64_t first = (int64_t)src.kv_head * src.page + (loc.in_page[0] - g);
+        const uint4 *k = reinterpret_cast<const uint4 *>(src.k + base + first * kRowBytes) + g * kRowVecs + tq;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const bool ok = loc.block[i] >= 0;
+            t.k[i][0] = ok ? load_row_chunk(k + 8 * i * kRowVecs) : zero;
+            t.k[i][1] = ok ? load_row_chunk(k + 8 * i * kRowVecs + 4) : zero;
+        }
+        const uint4 *v = reinterpret_cast<const uint4 *>(src.v + base + first * kRowBytes) + 2 * tq * kRowVecs + g;
+        const float *k_scales = reinterpret_cast<const float *>(src.k_scales + base) + first + 2 * tq;
+        const float *v_scales = reinterpret_cast<const float *>(src.v_scales + base) + first + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // V row 8 (j / 2) + 2t + j % 2
+            const bool ok = loc.block[2 + j] >= 0;
+            const int r = 8 * (j / 2) + j % 2;
+            t.v[j] = ok ? load_row_chunk(v + r * kRowVecs) : zero;
+            t.k_scale[j] = ok ? __ldg(k_scales + r) : 0.f;
+            t.v_scale[j] = ok ? __ldg(v_scales + r) : 0.f;
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < kMmaLocRows; ++i) {
         const bool ok = loc.block[i] >= 0;
         const int64_t base = (int64_t)(ok ? loc.block[i] : 0) * src.block_stride;
         const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[i];
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
         if (i < 2) {
             const uint4 *k_row = reinterpret_cast<const uint4 *>(src.k + base + row_index * kRowBytes);
             t.k[i][0] = ok ? load_row_chunk(k_row + tq) : zero;

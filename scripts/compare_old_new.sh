@@ -27,8 +27,13 @@
 # CONTEXTS="128,4096,32768" (an old tree of this layout) also runs each benchmark's context sweep,
 # and the table compares each context's ms a token:
 #   CONTEXTS=128,4096,32768 bash scripts/compare_old_new.sh qwen3-8b:8
+# OLD_ENV and NEW_ENV (space-separated NAME=VALUE) set the library's environment of each side;
+# with OLD=. the two sides are one build in two settings, e.g. the long attention band's folds:
+#   OLD=. OLD_ENV="ONEGRAPH_ATTENTION_LONG_FROM=1" \
+#     NEW_ENV="ONEGRAPH_ATTENTION_LONG_FROM=1 ONEGRAPH_ATTENTION_FOLD=tensor" \
+#     CONTEXTS=2048,8192,32768 bash scripts/compare_old_new.sh qwen3-0.6b:8
 # Environment: OLD (the old tree), ENGINES (3), BUILD_JOBS (16), BENCH_TIMEOUT (seconds per
-# bench run, 150), PROFILE (0), UPPER_BOUND (none), CONTEXTS (none).
+# bench run, 150), PROFILE (0), UPPER_BOUND (none), CONTEXTS (none), OLD_ENV, NEW_ENV (none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
@@ -48,12 +53,15 @@ models=("$@")
 status=0
 
 # Both builds at once: the longest files of each overlap. The old build.py makes one library.
-(cd "$OLD" && python3 build.py --arch sm_90 -j "$JOBS") > "$OUT/build-old.log" 2>&1 &
-old_build=$!
+: > "$OUT/build-old.log"
+old_rc=0
+if [ "$OLD" != "$NEW" ]; then
+  (cd "$OLD" && python3 build.py --arch sm_90 -j "$JOBS") > "$OUT/build-old.log" 2>&1 &
+  old_build=$!
+fi
 python3 build.py --arch sm_90 -j "$JOBS" > "$OUT/build-new.log" 2>&1
 new_rc=$?
-wait "$old_build"
-old_rc=$?
+if [ "$OLD" != "$NEW" ]; then wait "$old_build"; old_rc=$?; fi
 cat "$OUT/build-old.log" "$OUT/build-new.log" >> "$LOG"
 rm -f "$OUT/build-old.log" "$OUT/build-new.log"
 echo "build: old rc=$old_rc, new rc=$new_rc"
@@ -62,15 +70,16 @@ if [ $old_rc -ne 0 ] || [ $new_rc -ne 0 ]; then tail -n 30 "$LOG"; exit 1; fi
 common=(--kv int8 --weights bf16 --engines "$ENGINES")
 [ -n "${CONTEXTS:-}" ] && common+=(--contexts "$CONTEXTS")
 if [ -f "$OLD/bench/__main__.py" ]; then OLD_LAYOUT=bench; else OLD_LAYOUT=runtime; fi
-# Run "$@" from tree $2 (its package first on the path; the old layout's `runtime` from its
-# folder), logged under label $1; a failure sets status.
+# Run "$@" from tree $2 with the settings $3 (NAME=VALUE ...; its package first on the path,
+# the old layout's `runtime` from its folder), logged under label $1; a failure sets status.
 in_tree() {
-  local label=$1 tree=$2; shift 2
-  echo "==== $label: $*" >> "$LOG"
+  local label=$1 tree=$2 settings=$3; shift 3
+  echo "==== $label: $settings $*" >> "$LOG"
   if [ "$tree" = "$OLD" ] && [ "$OLD_LAYOUT" = runtime ]; then
-    (cd "$tree" && env -u PYTHONPATH -u ONEGRAPH_LIB timeout "$LIMIT" "$@") >> "$LOG" 2>&1
+    (cd "$tree" && env -u PYTHONPATH -u ONEGRAPH_LIB $settings timeout "$LIMIT" "$@") >> "$LOG" 2>&1
   else
-    (cd "$tree" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh && timeout "$LIMIT" "$@") >> "$LOG" 2>&1
+    (cd "$tree" && unset ONEGRAPH_LIB && source scripts/source_tree_env.sh && env $settings timeout "$LIMIT" "$@") \
+      >> "$LOG" 2>&1
   fi
   local rc=$?
   echo "$label: rc=$rc"
@@ -79,18 +88,18 @@ in_tree() {
 old_bench() {  # model, json, extra flags
   local model=$1 json=$2; shift 2
   local package=bench; [ "$OLD_LAYOUT" = runtime ] && package=runtime.bench
-  in_tree "old $model $*" "$OLD" python3 -m $package --preset "$model" "${common[@]}" "$@" --json "$json"
+  in_tree "old $model $*" "$OLD" "${OLD_ENV:-}" python3 -m $package --preset "$model" "${common[@]}" "$@" --json "$json"
 }
 new_bench() {  # model, json, extra flags
   local model=$1 json=$2; shift 2
-  in_tree "new $model $*" "$NEW" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json"
+  in_tree "new $model $*" "$NEW" "${NEW_ENV:-}" python3 -m bench --preset "$model" "${common[@]}" "$@" --json "$json"
 }
 
 for preset in ${UPPER_BOUND:-}; do
   if [ "$OLD_LAYOUT" != bench ]; then echo "upper bound $preset: the old tree has no bench.speculative"; status=1; continue; fi
-  in_tree "old upper bound $preset" "$OLD" python3 -m bench.speculative --upper-bound --preset "$preset" \
+  in_tree "old upper bound $preset" "$OLD" "${OLD_ENV:-}" python3 -m bench.speculative --upper-bound --preset "$preset" \
     --json "$OUT/old-upper-$preset.json"
-  in_tree "new upper bound $preset" "$NEW" python3 -m bench.speculative --upper-bound --preset "$preset" \
+  in_tree "new upper bound $preset" "$NEW" "${NEW_ENV:-}" python3 -m bench.speculative --upper-bound --preset "$preset" \
     --json "$OUT/new-upper-$preset.json"
 done
 
@@ -105,10 +114,11 @@ done
 
 # Per-kernel times of a decode step (each kernel alone, non-graph path), old and new.
 profile() {  # side, tree, model: the summary on stdout
-  local side=$1 tree=$2 model=$3 csv=/tmp/compare-ncu-$1-$3.csv
+  local side=$1 tree=$2 model=$3 csv=/tmp/compare-ncu-$1-$3.csv settings=${NEW_ENV:-}
+  [ "$side" = old ] && settings=${OLD_ENV:-}
   (cd "$tree" && unset ONEGRAPH_LIB &&
      if [ "$side" = old ] && [ "$OLD_LAYOUT" = runtime ]; then unset PYTHONPATH; else source scripts/source_tree_env.sh; fi &&
-     timeout "$LIMIT" "$NCU" --clock-control none --profile-from-start off \
+     env $settings timeout "$LIMIT" "$NCU" --clock-control none --profile-from-start off \
        --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw --print-units base \
        python3 scripts/profile_kernels.py --preset "$model" --steps 4 > "$csv" 2>> "$LOG")
   echo "==== $side $model: kernels of a decode step (Nsight Compute, each alone)"
