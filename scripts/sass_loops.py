@@ -6,14 +6,16 @@ class and by source line, and how long one trip takes if issue alone bound it.
 BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
 for the source lines). The hot loop of a function is its innermost loop (a backward branch's
 natural loop: its target and every instruction that can reach the branch without passing the
-target) with at least half the arithmetic instructions (FFMA, HFMA2, HMMA, IMMA, IDP.4A, ...) of
-the function's loop with the most, and at least --min-math.
+target) with at least half the arithmetic work (multiply-adds a lane of FFMA, HFMA2, HMMA, IMMA,
+IDP.4A, ...) of the function's loop with the most, and at least --min-math math instructions.
 Issue-bound time of one trip = instructions x warps an SM / (4 schedulers x 1 instruction a
 cycle) / the clock: what the loop costs if nothing but issue slots held it, to set against a
 measured time (a loop much slower than that waits on latency). The warps an SM are those its
 registers allow in blocks of --block-threads (or --warps-per-sm). The counts are static: every
 instruction of the loop counts once, including branches a trip may skip (a task's final
-reduction in a loop over chunks, a rarely taken rescale).
+reduction in a loop over chunks, a rarely taken rescale, a general path beside a fast one).
+"A trip takes at least" is the fewest instructions on a path from the loop's start to its back
+edge: the common trip where the branches it skips are the rare ones.
 
 Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
 (triton/backends/nvidia/bin), in that order.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import heapq
 import json
 import os
 import re
@@ -32,6 +35,9 @@ import tempfile
 from pathlib import Path
 
 MATH = {"FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "HMMA", "IMMA", "IDP", "DFMA"}  # IDP: IDP.4A (dp4a)
+# A math instruction's multiply-adds a lane (an m16n8k16 mma: 2,048 a warp): which loop holds the
+# kernel's arithmetic.
+MATH_WORK = {"HFMA2": 2, "HMUL2": 2, "HADD2": 2, "HMMA": 64, "IMMA": 64, "IDP": 4}
 CLASSES = {
     "fp32 math": {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK"},
     "fp16 pairs": {"HFMA2", "HMUL2", "HADD2", "HMNMX2", "HSETP2"},
@@ -187,22 +193,47 @@ def natural_loop(succ: list[list[int]], header: int, latch: int) -> list[int]:
 
 
 def hot_loop(body, min_math: int):
-    """The innermost loop with at least half the arithmetic of the loop with the most (and at
-    least min_math): the indices of its instructions, or None. A loop is a backward branch's
-    natural loop (natural_loop); the compiler's rotated and duplicated paths make loops that
-    nest or overlap, and the hot one is the smallest of those that hold most of the math."""
+    """The innermost loop with at least half the arithmetic work (MATH_WORK) of the loop with the
+    most, and at least min_math math instructions: (its instructions' indices, the fewest
+    instructions a trip can take), or None. A loop is a backward branch's natural loop
+    (natural_loop); the compiler's rotated and duplicated paths make loops that nest or
+    overlap, and the hot one is the smallest of those that hold most of the work."""
     succ = successors(body)
     loops = []
     for i, nxt in enumerate(succ):
         for j in nxt:
             if j <= i and opcode(body[i][1]) == "BRA":
                 members = natural_loop(succ, j, i)
-                loops.append((members, sum(opcode(body[k][1]) in MATH for k in members)))
+                ops = [opcode(body[k][1]) for k in members]
+                work = sum(MATH_WORK.get(op, 1) for op in ops if op in MATH)
+                loops.append((members, sum(op in MATH for op in ops), work, j, i))
     if not loops:
         return None
-    need = max(min_math, max(n for _, n in loops) // 2)
-    hot = [(len(members), members[0], members) for members, n in loops if n >= need]
-    return min(hot)[2] if hot else None
+    need = max(w for _, _, w, _, _ in loops) // 2
+    hot = [(len(m), m[0], m, j, i) for m, n, w, j, i in loops if w >= need and n >= min_math]
+    if not hot:
+        return None
+    _, _, members, header, latch = min(hot)
+    return members, shortest_trip(succ, set(members), header, latch)
+
+
+def shortest_trip(succ, members: set[int], header: int, latch: int) -> int:
+    """The fewest instructions from the loop's header to its back edge: a trip that skips every
+    branch it can (a rescale when the running max grows, a general path beside a fast one). The
+    common trip where the skipped branches are the rare ones; a lower bound otherwise."""
+    best = {header: 1}
+    heap = [(1, header)]
+    while heap:
+        cost, i = heapq.heappop(heap)
+        if i == latch:
+            return cost
+        if cost > best.get(i, cost):
+            continue
+        for j in succ[i]:
+            if j in members and j != header and cost + 1 < best.get(j, 1 << 30):
+                best[j] = cost + 1
+                heapq.heappush(heap, (cost + 1, j))
+    return len(members)
 
 
 def demangle(names: list[str]) -> dict[str, str]:
@@ -240,8 +271,8 @@ def main() -> int:
         return 1
     for rec in sorted(records, key=lambda r: r["kernel"]):
         print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack; hot loop: "
-              f"{rec['instructions']} instructions a trip, issue-bound {rec['issue_bound_us']:.2f} us at "
-              f"{rec['warps_per_sm']} warps an SM")
+              f"{rec['instructions']} instructions (a trip takes at least {rec['fewest_a_trip']}), issue-bound "
+              f"{rec['issue_bound_us']:.2f} us at {rec['warps_per_sm']} warps an SM")
         print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
         for where, n in rec["lines"]:
             print(f"    {where:>24}  {n}")
@@ -262,9 +293,10 @@ def hot_loops(args) -> list[dict]:
                 name = names[mangled]
                 if not re.search(args.kernel, name):
                     continue
-                loop = hot_loop(body, args.min_math)
-                if loop is None:
+                found = hot_loop(body, args.min_math)
+                if found is None:
                     continue
+                loop, fewest = found
                 trip = [body[i] for i in loop]
                 ops = collections.Counter(opcode(x[1]) for x in trip)
                 classes = collections.Counter()
@@ -273,7 +305,8 @@ def hot_loops(args) -> list[dict]:
                 r = res.get(mangled, {})
                 warps = args.warps_per_sm or resident_warps(r.get("REG", 255), args.block_threads)
                 cycles = len(trip) * warps / 4
-                rec = {"kernel": name, "instructions": len(trip), "classes": dict(classes.most_common()),
+                rec = {"kernel": name, "instructions": len(trip), "fewest_a_trip": fewest,
+                       "classes": dict(classes.most_common()),
                        "registers": r.get("REG"), "stack_bytes": r.get("STACK"),
                        "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": warps,
                        "lines": [[f"{s[0]}:{s[1]}" if s else "?", n] for s, n in

@@ -31,9 +31,11 @@ def test_the_hot_loop_is_the_smallest_holding_half_the_math():
     rows += [(".L_x_2", "FFMA R8, R4, R5, R8", 8), (None, "FADD R8, R8, R9", 8), (None, "@P2 BRA `(.L_x_2)", 9)]
     rows += [(None, "EXIT", 10)]
     body = sass_loops.parse_disassembly(disassembly(rows))["k"]
-    trip = [body[i] for i in sass_loops.hot_loop(body, min_math=1)]
+    loop, fewest = sass_loops.hot_loop(body, min_math=1)
+    trip = [body[i] for i in loop]
     assert [sass_loops.opcode(x[1]) for x in trip] == ["FFMA"] * 6 + ["SHFL", "BRA"]
     assert trip[0][2] == ("k.cu", 3)
+    assert fewest == 8  # no branch to skip
     # Demanding more math than any loop holds: none.
     assert sass_loops.hot_loop(body, min_math=100) is None
 
@@ -53,9 +55,26 @@ def test_code_laid_out_inside_a_loop_that_leaves_it_is_not_counted():
     rows += [(".L_x_4", "IADD3 R0, R0, 0x1, RZ", 8), (None, "@P2 BRA `(.L_x_0)", 8)]
     rows += [(None, "EXIT", 9)]
     body = sass_loops.parse_disassembly(disassembly(rows))["k"]
-    trip = [body[i] for i in sass_loops.hot_loop(body, min_math=1)]
+    loop, fewest = sass_loops.hot_loop(body, min_math=1)
+    trip = [body[i] for i in loop]
     assert [sass_loops.opcode(x[1]) for x in trip] == [
         "HMMA", "FFMA", "BRA", "FADD", "BRA", "BRA", "FMUL", "BRA", "IADD3", "BRA"]
+    # The fewest a trip takes: past the rescale (FMUL, BRA), straight to the back edge.
+    assert fewest == 8
+
+
+def test_the_hot_loop_holds_the_most_multiply_adds_not_the_most_math_instructions():
+    # A loop of 40 FFMA (40 multiply-adds a lane) and a smaller one of 4 HMMA and 2 FFMA (4 x 64
+    # + 2): the second holds the kernel's arithmetic; the first is not within half of it.
+    rows = [(None, "MOV R1, c[0x0][0x28]", 1)]
+    rows += [(".L_x_0" if i == 0 else None, "FFMA R3, R4, R5, R3", 2) for i in range(40)]
+    rows += [(None, "@P0 BRA `(.L_x_0)", 3)]
+    rows += [(".L_x_1", "HMMA.16816.F32 R4, R8, R12, R4", 4)] + [(None, "HMMA.16816.F32 R4, R8, R12, R4", 4)] * 3
+    rows += [(None, "FFMA R3, R4, R5, R3", 5)] * 2 + [(None, "@P1 BRA `(.L_x_1)", 6), (None, "EXIT", 7)]
+    body = sass_loops.parse_disassembly(disassembly(rows))["k"]
+    loop, fewest = sass_loops.hot_loop(body, min_math=1)
+    assert [sass_loops.opcode(body[i][1]) for i in loop] == ["HMMA"] * 4 + ["FFMA"] * 2 + ["BRA"]
+    assert fewest == 7
 
 
 def test_predicates_and_modifiers_do_not_change_the_opcode():
