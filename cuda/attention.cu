@@ -36,14 +36,14 @@
 // of R rows and warp w takes tiles w, w + 8, ...; a warp reads a row with L = row bytes / 16
 // lanes (16-byte loads, or one element per lane for head dims other than 64/128/256), so one load
 // instruction covers 32 / L consecutive rows and a tile is 2-4 such loads of K and of V in flight
-// per lane. A warp works as a pipeline: while it folds in tile i, the K/V loads of tile i+1, an
-// L2 prefetch of tile i+2 and the block-table reads of tile i+3 are in flight (a row's address
-// depends on its table entry, so a tile is located two steps before it is loaded). Each warp
+// per lane. A warp works as a pipeline: while it folds in tile i, the K/V loads of tile i+1 and
+// the block-table reads of tile i+3 are in flight (a row's address depends on its table entry,
+// so a tile is located two steps before it is loaded; pulling tile i+2 into L2 as well made the
+// fold slower, scripts/attention_probe.cu's regs-d2 against regs-d0). Each warp
 // keeps an online softmax (running max m, sum l, accumulator o per head, rescaled when m grows);
 // the 8 warps combine through shared memory in warp order. Int8 rows of 128 dims whose KV head's
 // query heads form one group of 2, 4 or 8 may fold on the tensor cores instead (attend_mma: its
-// own layout of a tile's rows over the lanes; the same pipeline without the L2 prefetch, and the
-// same combine).
+// own layout of a tile's rows over the lanes; the same pipeline and the same combine).
 // A block that is alone for its head group (len <= C) writes out directly; otherwise it writes
 // (m, l, o) as a partial, and the last of the n_active blocks of the head group to finish (an
 // atomic counter, reset by that block) combines the partials in block order: the same
@@ -306,33 +306,6 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
         }
         load_slot<KV, HD>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes, k_scales,
                           v_scales, src, hd);
-    }
-}
-
-// Pull a located tile's K and V rows into L2 (a hint: no registers, nothing waits on it), one
-// prefetch per 128-byte line, by the lanes whose 16-byte vector starts a line.
-__device__ __forceinline__ void prefetch_line(const char *p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-template <int KV, int HD>
-__device__ __forceinline__ void prefetch_tile(const TileLoc<KV, HD> &loc, const RowSource &src) {
-    using L = AttnLayout<KV, HD>;
-    if constexpr (L::kVector) {
-#pragma unroll
-        for (int s = 0; s < L::kSlots; ++s) {
-            if (loc.block[s] < 0) continue;
-            const int64_t base = (int64_t)loc.block[s] * src.block_stride;
-            const int64_t row_index = (int64_t)src.kv_head * src.page + loc.in_page[s];
-            const int64_t row_off = base + row_index * (HD * L::kElemBytes);
-#pragma unroll
-            for (int v = 0; v < L::kVecsPerLane; ++v) {
-                const int byte = (src.lane_in_row + v * L::kLanesPerRow) * 16;
-                if (byte % 128 == 0) {
-                    prefetch_line(src.k + row_off + byte);
-                    prefetch_line(src.v + row_off + byte);
-                }
-            }
-        }
     }
 }
 
@@ -1139,12 +1112,10 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         }
     }
     while (row0 >= 0) {
-        // While tile i is folded in: the loads of tile i+1 (located two steps ago, pulled
-        // into L2 one step ago on the CUDA cores' layout), its L2 prefetch of tile i+2, and
-        // the block-table reads of tile i+3 are in flight.
+        // While tile i is folded in: the loads of tile i+1 (located two steps ago) and the
+        // block-table reads of tile i+3 are in flight.
         TileT nxt;
         load(nxt, loc1);
-        if constexpr (!TC) prefetch_tile<KV, HD>(loc2, src);
         const int row1 = loc1.row0;
         loc1 = loc2;
         locate(loc2, next_row(cursor));
