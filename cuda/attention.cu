@@ -182,7 +182,8 @@ template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
     using L = AttnLayout<KV, HD>;
     loc.row0 = row0;
-    if (src.page % L::kTileRows == 0) {  // the tile (row0 a multiple of its rows) in one page: one table read
+    // A tile (row0 a multiple of its rows) in one page: one table read.
+    if (src.page % L::kTileRows == 0) {
         const int page_index = row0 >= 0 ? page_of(row0, src) : 0;
         const int in0 = row0 >= 0 ? row0 - page_index * src.page : 0;
         const int block = row0 >= 0 ? table_block(src, page_index) : -1;
