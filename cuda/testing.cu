@@ -495,8 +495,8 @@ OG_API og_status og_test_attention_plan(int32_t n_heads, int32_t n_kv_heads, int
     if (err == cudaErrorInvalidValue) {
         (void)cudaGetLastError();
         return set_error(OG_E_INVALID_ARGUMENT, "og_test_attention_plan: heads=%d kv_heads=%d head_dim=%d "
-                         "max_seq_len=%d kv_dtype=%d split_len=%d", n_heads, n_kv_heads, head_dim,
-                         max_seq_len, kv_dtype, split_len);
+                         "max_seq_len=%d kv_dtype=%d split_len=%d band=%d", n_heads, n_kv_heads, head_dim,
+                         max_seq_len, kv_dtype, split_len, band);
     }
     OG_CUDA_TRY(err);
     *head_group = plan.head_group;
