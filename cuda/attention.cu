@@ -177,6 +177,17 @@ __device__ __forceinline__ int table_block(const RowSource &src, int page_index)
     return (unsigned)block < (unsigned)src.n_pool_blocks ? block : -1;
 }
 
+// The byte offset of the block that holds a tile lying in one page (block: its rows' block,
+// or -1 for a row not read; all that are read share the page's): the page's block, or block
+// 0's (a valid address) where no row is read.
+template <int N>
+__device__ __forceinline__ int64_t one_page_base(const int (&block)[N], const RowSource &src) {
+    int b = block[0];
+#pragma unroll
+    for (int i = 1; i < N; ++i) b = max(b, block[i]);
+    return (int64_t)max(b, 0) * src.block_stride;
+}
+
 // ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
 template <int KV, int HD, bool ROWS>
 __device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
@@ -275,10 +286,7 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
     if (src.page % L::kTileRows == 0) {
         // The tile in one page (locate_tile: every row's block that page's, or -1): one address
         // a tile, slot s kRowsPerLoad rows past slot s - 1.
-        int block = loc.block[0];
-#pragma unroll
-        for (int s = 1; s < L::kSlots; ++s) block = max(block, loc.block[s]);
-        const int64_t base = (int64_t)max(block, 0) * src.block_stride;
+        const int64_t base = one_page_base(loc.block, src);
         const int64_t row = (int64_t)src.kv_head * src.page + loc.in_page[0];  // slot 0's
         const char *k = src.k + base + row * row_bytes, *v = src.v + base + row * row_bytes;
         const float *k_scales = nullptr, *v_scales = nullptr;
@@ -630,10 +638,7 @@ __device__ __forceinline__ void load_mma(MmaTile &t, const MmaLoc &loc, const Ro
         // and every row's block that page's, or -1): one address a lane for K, V and each scale
         // page, the lane's rows at fixed offsets from it (K rows g, 8 + g; V rows 2t, 2t + 1,
         // 8 + 2t, 9 + 2t).
-        int block = loc.block[0];
-#pragma unroll
-        for (int i = 1; i < kMmaLocRows; ++i) block = max(block, loc.block[i]);
-        const int64_t base = (int64_t)max(block, 0) * src.block_stride;
+        const int64_t base = one_page_base(loc.block, src);
         const int64_t first = (int64_t)src.kv_head * src.page + (loc.in_page[0] - g);
         const uint4 *k = reinterpret_cast<const uint4 *>(src.k + base + first * kRowBytes) + g * kRowVecs + tq;
 #pragma unroll

@@ -135,6 +135,13 @@ def paged(rows, kv, page, n_blocks, table, n_kv, hd, max_seq):
 # that fold is compiled (int8 rows of 128 dims, a group of 2 query heads a KV head included).
 TC = ct.BAND_LONG_TC
 
+
+def case_id(case):
+    """h{heads}kv{kv heads}d{head dim}p{page}, with -tc for a case on the tensor cores' band."""
+    n_heads, n_kv, hd, page = case[:4]
+    return f"h{n_heads}kv{n_kv}d{hd}p{page}" + "-tc" * (case[5:] == (TC,))
+
+
 ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths[, band])
     (8, 4, 128, 16, (1, 16, 17, 100, 200)),
     (8, 4, 128, 16, (1, 16, 17, 100, 200), TC),  # int8: a group of 2 on the tensor cores
@@ -150,7 +157,7 @@ ATTN_CASES = [  # (n_heads, n_kv, hd, page, visible lengths[, band])
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}" + "-tc" * (c[5:] == (TC,)))
+@pytest.mark.parametrize("case", ATTN_CASES, ids=case_id)
 def test_paged_attention_is_bit_identical_to_contiguous(case, kv):
     n_heads, n_kv, hd, page, lengths, *rest = case
     band = rest[0] if rest else ct.BAND_LONG
@@ -233,7 +240,7 @@ FUSED_CASES = [  # (n_heads, n_kv, hd, page, positions[, band]): single block, s
 
 @pytest.mark.parametrize("split", [0, 32])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}p{c[3]}" + "-tc" * (c[5:] == (TC,)))
+@pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)
 def test_fused_attention_is_rope_then_attention(case, kv, split):
     # The body's kernel (QK-norm + RoPE + the new row's write + attention, the new row taken
     # from shared memory) gives bit for bit what the attention-only kernel gives over the q and
