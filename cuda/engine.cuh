@@ -159,8 +159,9 @@ struct og_engine {
     GemvPlan plan_qkv, plan_o, plan_gate_up, plan_down, plan_router, plan_lm_head;
     // Attention in two bands of the context: a step at a position below attention_long_from
     // takes plan_attention[0] (the short band), the others plan_attention[1] (the long band,
-    // planned as long_band: kBandLong unless ONEGRAPH_ATTENTION_FOLD asks for another fold). Which one a step takes is fixed when it is begun (og_step_bands), so that a
-    // captured graph holds one band's kernels and each band has graphs of its own.
+    // planned as long_band: kBandLong unless ONEGRAPH_ATTENTION_FOLD asks for another fold).
+    // Which one a step takes is fixed when it is begun (og_step_bands), so that a captured
+    // graph holds one band's kernels and each band has graphs of its own.
     // attention_long_from == max_seq_len: one band.
     AttentionPlan plan_attention[2];
     int32_t attention_long_from = 0;
