@@ -6,10 +6,9 @@
 #   bash scripts/bench_suite.sh                  # every part, then the merge ($OUT/suite.*)
 #   bash scripts/bench_suite.sh 0.6b 8b          # some parts: $OUT/suite-0.6b.json, ...
 #   bash scripts/bench_suite.sh merge A.json B.json ...   # merge part documents (any machine)
-# Timed on an H200 (2026-11-30): 0.6b 182 s (over 215 s once, torch.compile's first compile on
-# that machine), 8b 155 s, 30b and 30b-12l under 150 s together (before 30b-12l measured TTFT
-# too): more than one 10-minute GPU call is safest, so run them in two or three calls and merge
-# the returned part documents anywhere.
+# Each part runs for a few minutes (the first torch.compile on a machine adds more), so two or
+# three parts fill a 10-minute GPU call: run them in several calls and merge the returned part
+# documents anywhere.
 # Peers: both on 0.6b; eager on 8B; on the 30B-A3B shape eager runs on a 12-layer cut of the same
 # weights (our engine measured on the same 12 layers in that part, TTFT too), since the full shape
 # (61 GB) twice does not fit beside our engine and eager MoE decode is slow.
