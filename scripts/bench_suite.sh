@@ -37,7 +37,8 @@ if [ -n "${LLAMA_CPP_PEER:-}" ]; then
     [ -z "${CUDA_LIB:-}" ] && [ -e "$d/libcublas.so.13" ] && CUDA_LIB=$d
   done
   export PYTHONPATH=$LLAMA_CPP_PEER:$PYTHONPATH LD_PRELOAD=libcuda.so.1
-  export LD_LIBRARY_PATH=$LLAMA_CPP_PEER/llama_cpp/lib:${CUDA_LIB:-}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  LD_LIBRARY_PATH=$LLAMA_CPP_PEER/llama_cpp/lib:${CUDA_LIB:-}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LD_LIBRARY_PATH
 fi
 
 merge() {  # name, part documents -> $OUT/NAME.json, NAME.png, NAME.txt (the tables, summary last)
@@ -65,23 +66,26 @@ run_part() {
     30b) bench 30b --preset qwen3-30b-a3b --kv int8 --kv bf16 --contexts 128,4096,32768 --repeats 2 ;;
     30b-12l) bench 30b-12l --preset qwen3-30b-a3b:12 --kv int8 --peers hf-eager --ttft 128,2048 \
                --repeats 2 ;;
-    table-smollm2) bench table-smollm2 --preset smollm2-135m --kv int8 --weights bf16 --weights q4 \
-                     --quantize-lm-head --engines 3 --repeats 3 --peers hf-eager,hf-compile ;;
+    table-smollm2) bench table-smollm2 --preset smollm2-135m --kv int8 --weights bf16 \
+                     --weights q4 --quantize-lm-head --engines 3 --repeats 3 \
+                     --peers hf-eager,hf-compile ;;
     table-0.6b) bench table-0.6b --preset qwen3-0.6b --kv int8 --repeats 3 --engines 3 \
                   --contexts 128,4096,32768 ;;
-    table-8b) bench table-8b --preset qwen3-8b --kv int8 --repeats 3 --engines 3 --contexts 128,4096,32768 ;;
+    table-8b) bench table-8b --preset qwen3-8b --kv int8 --repeats 3 --engines 3 \
+                --contexts 128,4096,32768 ;;
     table-8b-q4) bench table-8b-q4 --preset qwen3-8b --kv int8 --weights q4 --quantize-lm-head \
                    --repeats 3 --engines 3 ;;
-    table-30b) bench table-30b --preset qwen3-30b-a3b --kv int8 --weights bf16 --repeats 3 --engines 3 \
-                 --contexts 128,4096,32768 ;;
-    table-30b-q4) bench table-30b-q4 --preset qwen3-30b-a3b --kv int8 --weights q4 --quantize experts \
-                    --repeats 3 --engines 3 --contexts 128,4096,32768 ;;
+    table-30b) bench table-30b --preset qwen3-30b-a3b --kv int8 --weights bf16 --repeats 3 \
+                 --engines 3 --contexts 128,4096,32768 ;;
+    table-30b-q4) bench table-30b-q4 --preset qwen3-30b-a3b --kv int8 --weights q4 \
+                    --quantize experts --repeats 3 --engines 3 --contexts 128,4096,32768 ;;
     # llama.cpp in a run of its own beside one onegraph engine: the two do not share the GPU.
-    table-smollm2-llamacpp) bench table-smollm2-llamacpp --preset smollm2-135m --kv int8 --engines 1 \
-                              --peers llama.cpp ;;
+    table-smollm2-llamacpp) bench table-smollm2-llamacpp --preset smollm2-135m --kv int8 \
+                              --engines 1 --peers llama.cpp ;;
     table-0.6b-llamacpp) bench table-0.6b-llamacpp --preset qwen3-0.6b --kv int8 --engines 1 \
                            --peers llama.cpp ;;
-    *) echo "bench_suite: unknown part '$1' (0.6b 8b 30b 30b-12l table table-* merge)" >&2; exit 2 ;;
+    *) echo "bench_suite: unknown part '$1' (0.6b 8b 30b 30b-12l table table-* merge)" >&2
+       exit 2 ;;
   esac
 }
 TABLE=(table-smollm2 table-0.6b table-8b table-8b-q4 table-30b table-30b-q4 table-smollm2-llamacpp

@@ -24,7 +24,9 @@ pip_get "nvidia-cublas>=13,<14"
 rm -rf "$WORK/cublas" && mkdir -p "$WORK/cublas"
 python3 -m zipfile -e "$(ls "$WORK"/dl/nvidia_cublas-*.whl | head -n 1)" "$WORK/cublas"
 CUBLAS=$(dirname "$(find "$WORK/cublas" -name cublas_v2.h | head -n 1)")/..
-for lib in cublas cublasLt; do ln -sfn "$(ls "$CUBLAS"/lib/lib$lib.so.* | head -n 1)" "$CUBLAS/lib/lib$lib.so"; done
+for lib in cublas cublasLt; do
+  ln -sfn "$(ls "$CUBLAS"/lib/lib$lib.so.* | head -n 1)" "$CUBLAS/lib/lib$lib.so"
+done
 echo 'void og_driver_stub(void) {}' > "$WORK/stub.c"
 cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$WORK/libcuda.so" "$WORK/stub.c"
 

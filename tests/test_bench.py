@@ -540,6 +540,22 @@ def test_suite_script_invocations_parse():
     assert {"qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"} <= models
 
 
+def test_suite_table_parts_are_the_readme_commands():
+    """scripts/bench_suite.sh's table-* parts run the very commands the README lists under its
+    results table, so `bench_suite.sh table` reproduces what the README says it does."""
+    import os
+    import re
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = open(os.path.join(root, "scripts", "bench_suite.sh"), encoding="utf-8").read()
+    parts = [shlex.split(m.group(1))[1:] for m in
+             re.finditer(r"\) bench (table-\S+ --[^;\n]*)", script.replace("\\\n", " "))]
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    listed = [shlex.split(m.group(1)) for m in
+              re.finditer(r"^    python -m bench (--preset [^\n]*)$", readme, re.M)]
+    assert len(parts) == 8 and sorted(parts) == sorted(listed)
+
+
 def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys):
     """--engines 3: three engines per weight format, built in rounds over the formats; each
     result is the engine with the median graph tok/s and lists all three; the context sweep
