@@ -4,7 +4,7 @@
 #   bash scripts/build_llamacpp_peer.sh [WORKDIR]      # default ./build/llamacpp-peer
 # Needs nvcc (CUDA 13), cmake, a C++ compiler and pip with PyPI; no GPU. cuBLAS comes from the
 # nvidia-cublas wheel and the driver library from an empty stub with the driver's soname, both
-# kept in WORKDIR (the toolkit is not touched). On 2 cores the build takes 20-35 minutes.
+# kept in WORKDIR (the toolkit is not touched). On 2 cores the build takes 20-40 minutes.
 # Output: WORKDIR/llamacpp-peer.tar.xz, the llama_cpp package (each shared library once) and the
 # diskcache package it imports. On the GPU machine:
 #   mkdir -p /tmp/llama && tar -xJf llamacpp-peer.tar.xz -C /tmp/llama
