@@ -25,10 +25,14 @@ PEER = "llama.cpp"
 def unavailable() -> str | None:
     """Why the llama.cpp peer cannot run here, or None when it can."""
     try:
+        import gguf  # noqa: F401  (writes a preset's weights as the GGUF llama.cpp loads)
+    except ImportError as e:
+        return f"the gguf package is not installed ({e})"
+    try:
         import llama_cpp
     except ImportError as e:
         return f"llama-cpp-python is not installed ({e})"
-    except OSError as e:  # the wheel's shared libraries did not load (no CUDA driver)
+    except (OSError, RuntimeError) as e:  # its shared libraries did not load (no CUDA driver)
         return f"llama-cpp-python did not load: {e}"
     if not llama_cpp.llama_supports_gpu_offload():
         return "llama-cpp-python was built without GPU offload"

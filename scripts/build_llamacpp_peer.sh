@@ -6,7 +6,8 @@
 # nvidia-cublas wheel and the driver library from an empty stub with the driver's soname, both
 # kept in WORKDIR (the toolkit is not touched). On 2 cores the build takes 20-40 minutes.
 # Output: WORKDIR/llamacpp-peer.tar.xz, the llama_cpp package (each shared library once) and the
-# diskcache package it imports. On the GPU machine:
+# pure-Python packages its runs import: diskcache (llama_cpp), gguf and PyYAML (the bench writes a
+# preset as a GGUF file with them; PyYAML runs without its C extension). On the GPU machine:
 #   mkdir -p /tmp/llama && tar -xJf llamacpp-peer.tar.xz -C /tmp/llama
 #   LLAMA_CPP_PEER=/tmp/llama bash scripts/bench_suite.sh table-smollm2-llamacpp
 # (bench_suite.sh puts the packages on the paths and preloads the driver library, which the
@@ -19,8 +20,10 @@ VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 pip_get() { python3 -m pip download -q --no-deps -d "$WORK/dl" "$@"; }
 
-# cuBLAS 13 (headers and libraries) from its wheel; the driver library as a stub.
-pip_get "nvidia-cublas>=13,<14"
+# cuBLAS of the toolkit's release (headers and libraries) from its wheel; the driver library as
+# a stub.
+release=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+pip_get "nvidia-cublas==$release.*"
 rm -rf "$WORK/cublas" && mkdir -p "$WORK/cublas"
 python3 -m zipfile -e "$(ls "$WORK"/dl/nvidia_cublas-*.whl | head -n 1)" "$WORK/cublas"
 CUBLAS=$(dirname "$(find "$WORK/cublas" -name cublas_v2.h | head -n 1)")/..
@@ -32,7 +35,7 @@ cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$WORK/libcuda.so" "$WORK/stub.c"
 
 # The sdist vendors llama.cpp; --no-binary for it alone keeps its build tools as wheels.
 pip_get --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
-pip_get diskcache
+pip_get diskcache "gguf>=0.10" pyyaml
 export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DGGML_NATIVE=OFF \
 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 -DCUDA_cublas_LIBRARY=$CUBLAS/lib/libcublas.so -DCUDA_cublasLt_LIBRARY=$CUBLAS/lib/libcublasLt.so \
@@ -50,6 +53,8 @@ python3 -m zipfile -e "$WORK"/wheel/llama_cpp_python-*.whl "$WORK/pack"
   rm -f libmtmd.*
   for f in *.so; do rm -f "$f".0.* "$f" && ln -s "$f.0" "$f"; done
 )
-python3 -m zipfile -e "$(ls "$WORK"/dl/diskcache-*.whl | head -n 1)" "$WORK/pack"
-tar -cJf "$WORK/llamacpp-peer.tar.xz" -C "$WORK/pack" llama_cpp diskcache
+for wheel in diskcache gguf pyyaml; do
+  python3 -m zipfile -e "$(ls "$WORK"/dl/$wheel-*.whl | head -n 1)" "$WORK/pack"
+done
+tar -cJf "$WORK/llamacpp-peer.tar.xz" -C "$WORK/pack" llama_cpp diskcache gguf yaml
 echo "$WORK/llamacpp-peer.tar.xz ($(du -m "$WORK/llamacpp-peer.tar.xz" | cut -f1) MB)"

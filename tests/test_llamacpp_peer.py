@@ -19,6 +19,14 @@ def test_skips_with_a_reason_without_llama_cpp(monkeypatch):
     assert peers.unavailable("llama.cpp", "cpu") == "the llama.cpp peer runs on the GPU only"
 
 
+def test_skips_with_a_reason_without_gguf(monkeypatch):
+    """A preset reaches llama.cpp as a GGUF file that the gguf package writes."""
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert llamacpp.unavailable().startswith("the gguf package is not installed")
+    r = peers.run_peer("llama.cpp", preset_config("tiny-dense"), None, prompt=[1, 2], n=2, repeats=1)
+    assert r["status"] == "skipped" and r["reason"].startswith("the gguf package is not installed")
+
+
 def test_a_gguf_model_is_decoded_from_its_own_file(tmp_path):
     assert llamacpp.gguf_for(None, None, "/models/m.gguf", str(tmp_path)) == "/models/m.gguf"
     assert not list(tmp_path.iterdir())
