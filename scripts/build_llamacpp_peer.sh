@@ -25,7 +25,7 @@ pip_get() { python3 -m pip download -q --no-deps -d "$WORK/dl" "$@"; }
 release=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
 pip_get "nvidia-cublas==$release.*"
 rm -rf "$WORK/cublas" && mkdir -p "$WORK/cublas"
-python3 -m zipfile -e "$(ls "$WORK"/dl/nvidia_cublas-*.whl | head -n 1)" "$WORK/cublas"
+python3 -m zipfile -e "$(ls "$WORK"/dl/nvidia_cublas-"$release".*.whl | head -n 1)" "$WORK/cublas"
 CUBLAS=$(dirname "$(find "$WORK/cublas" -name cublas_v2.h | head -n 1)")/..
 for lib in cublas cublasLt; do
   ln -sfn "$(ls "$CUBLAS"/lib/lib$lib.so.* | head -n 1)" "$CUBLAS/lib/lib$lib.so"
