@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from onegraph.engine import Engine as CpuEngine
 from onegraph.synth import iter_tensors, preset_config
 
 NORM = 4  # bytes per RMSNorm weight (fp32 on the device)
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 
 
 # ---- bytes per token: hand counts -------------------------------------------------------------
@@ -515,21 +517,22 @@ def test_merge_runs(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("qwen3-0.6b")
 
 
+def suite_parts() -> list[tuple[str, list[str]]]:
+    """scripts/bench_suite.sh's `NAME) bench NAME ARGS` lines: (NAME, ARGS), in script order."""
+    text = (ROOT / "scripts" / "bench_suite.sh").read_text(encoding="utf-8").replace("\\\n", " ")
+    calls = [shlex.split(m.group(1)) for m in re.finditer(r"\) bench (\S+ --[^;\n]*)", text)]
+    return [(name, argv) for name, *argv in calls]
+
+
 def test_suite_script_invocations_parse():
     """scripts/bench_suite.sh: every `bench PART ARGS` line is a valid `onegraph bench` command
     (presets, peers, contexts shorter than each model's positions), so a GPU call is not spent
     on a typo."""
-    import os
-    import re
-    import shlex
     from bench import peers as peer_module
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                          "bench_suite.sh")
-    text = open(script, encoding="utf-8").read().replace("\\\n", " ")
-    calls = [shlex.split(m.group(1)) for m in re.finditer(r"\) bench (\S+ --[^;\n]*)", text)]
+    calls = suite_parts()
     assert len(calls) >= 3
     models = set()
-    for name, *argv in calls:
+    for name, argv in calls:
         args = benchmark.parse_args(argv + ["--json", f"/tmp/{name}.json"])
         s = benchmark.settings_from(args)
         assert set(s.peers) <= set(peer_module.PEERS), f"{name}: unknown peer in {s.peers}"
@@ -543,14 +546,8 @@ def test_suite_script_invocations_parse():
 def test_suite_table_parts_are_the_readme_commands():
     """scripts/bench_suite.sh's table-* parts run the very commands the README lists under its
     results table, so `bench_suite.sh table` reproduces what the README says it does."""
-    import os
-    import re
-    import shlex
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = open(os.path.join(root, "scripts", "bench_suite.sh"), encoding="utf-8").read()
-    parts = [shlex.split(m.group(1))[1:] for m in
-             re.finditer(r"\) bench (table-\S+ --[^;\n]*)", script.replace("\\\n", " "))]
-    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    parts = [argv for name, argv in suite_parts() if name.startswith("table-")]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     listed = [shlex.split(m.group(1)) for m in
               re.finditer(r"^    python -m bench (--preset [^\n]*)$", readme, re.M)]
     assert len(parts) == 8 and sorted(parts) == sorted(listed)
@@ -727,7 +724,7 @@ def test_compare_old_new_pairs_the_modes_and_flags_token_mismatches(tmp_path):
     """Old pipelined graph ~ new graph-pipelined; the --pipeline off runs (graph stepped and
     non-graph in turn) of old and new ~ each other; a run whose graph and non-graph tokens differ,
     or old and new tokens that differ, fails the script (exit 1) and is named."""
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+    script = ROOT / "scripts" / "compare_old_new.py"
 
     def record(runtime, tps, tokens, same=None):
         r = {"runtime": runtime, "kv": "int8", "weights": "bf16", "status": "ok", "tokens_per_s": tps,
@@ -767,7 +764,7 @@ def test_compare_old_new_upper_bound_table(tmp_path):
     """old-upper-P.json / new-upper-P.json (bench.speculative --upper-bound): one row per k both
     hold, a verify step's cost in plain steps and the speedup on each side; no plain models
     needed; an output that differs from plain decoding fails the script and is named."""
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+    script = ROOT / "scripts" / "compare_old_new.py"
 
     def doc(costs, identical=True):
         return {"rows": [{"k": k, "verify_per_plain_step": c, "ratio": (k + 1) / c, "identical": identical}
@@ -793,7 +790,7 @@ def test_compare_old_new_with_an_old_tree_of_this_layout(tmp_path):
     """Without an old-stepped document the old one is read as the new one is (python -m bench on
     both sides): each mode pairs with the same runtime, and a non-graph record whose graph check
     is None (it has none) passes."""
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+    script = ROOT / "scripts" / "compare_old_new.py"
 
     def doc(graph, pipelined, nongraph, tokens):
         def record(runtime, tps, same):
@@ -816,7 +813,7 @@ def test_compare_old_new_context_table(tmp_path):
     """Documents with a context sweep (--contexts on both sides): a second table, one row per
     (mode, context) both hold, each engine's ms a token and the ratio of the means; a context
     only one side swept has no row."""
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_old_new.py"
+    script = ROOT / "scripts" / "compare_old_new.py"
 
     def doc(sweep):
         results = [{"runtime": rt, "kv": "int8", "weights": "bf16", "status": "ok", "tokens_per_s": 100.0,
