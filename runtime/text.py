@@ -319,7 +319,10 @@ def _from_folder(folder: str) -> Tokenizer:
 def _gguf_fields(path: str, reader) -> dict:
     """The tokenizer.* metadata of a GGUF file (parsed by `reader` when given) as plain Python values."""
     if reader is None:
-        import gguf  # only needed for .gguf files
+        try:
+            import gguf  # only needed for .gguf files
+        except ImportError:
+            raise TextError(f"{path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
         try:
             reader = gguf.GGUFReader(path)
         except Exception as e:  # GGUFReader raises ValueError / struct.error / OSError on a bad file

@@ -12,6 +12,7 @@ from onegraph.synth import iter_tensors, preset_config
 
 
 def test_skips_with_a_reason_without_llama_cpp(monkeypatch):
+    pytest.importorskip("gguf")  # without it the gguf reason comes first (the next test)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     assert llamacpp.unavailable().startswith("llama-cpp-python is not installed")
     r = peers.run_peer("llama.cpp", preset_config("tiny-dense"), None, prompt=[1, 2], n=2, repeats=1)

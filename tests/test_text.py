@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import random
+import sys
 
 import pytest
 
@@ -337,7 +338,7 @@ def test_bad_json_files(saved_folder):
 
 
 def write_gguf(path, **tokenizer):
-    import gguf
+    gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(path), arch="llama")
     if "model" in tokenizer:
         writer.add_tokenizer_model(tokenizer["model"])
@@ -360,8 +361,15 @@ def test_gguf_unsupported_tokenizer_model(tmp_path):
 
 
 def test_not_a_gguf(tmp_path):
+    pytest.importorskip("gguf")
     (tmp_path / "fake.gguf").write_bytes(b"GGUF-but-not-really")
     one_line_error(tmp_path / "fake.gguf", "not a readable GGUF file")
+
+
+def test_gguf_without_the_gguf_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    one_line_error(tmp_path / "model.gguf", "reading GGUF files needs the 'gguf' package")
 
 
 def test_broken_templates(saved_folder, hf):
