@@ -57,6 +57,10 @@
 //                        where those rows fit in one block's shared memory (a short context)
 //   o_attn_gated         o_attn with an attention kernel left between QKV and O that ends at once
 //                        (attention_gate_kernel): a graph that serves long contexts as well
+//   qkv_attn             4 kernels a layer (section (F)): the QKV kernel's last blocks, once the
+//                        QKV rows of their KV group are written (a counter a group), each compute
+//                        one attention item; then O, gate/up, down; run where the items are no
+//                        more than the QKV grid's blocks
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -67,11 +71,11 @@
 // What it prints: per shape and context, the D2D copy bandwidth (1 GiB cudaMemcpyAsync, bytes read
 // + written), the bytes a layer reads and writes (weights, norm weights, K/V rows read and the
 // row written), the floor a layer = bytes / bandwidth, and per variant: µs a token, µs a layer,
-// floor / layer time, baseline / variant. Then the checks: the first three variants' x and K/V
-// row C bit-identical (memcmp); every variant stable over the timed replays and within a relative
-// L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the clustered variants sum
-// the O and down projections in another order, and o_attn the attention, so they are held to the
-// reference only.
+// floor / layer time, baseline / variant. Then the checks: the first three variants' and
+// qkv_attn's x and K/V row C bit-identical (memcmp); every variant stable over the timed replays
+// and within a relative L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the
+// clustered variants sum the O and down projections in another order, and o_attn the attention,
+// so they are held to the reference only.
 // PASS/FAIL; exit code 1 on any failure. A clustered variant that cannot place one cluster is
 // not run (said so in the output).
 //
@@ -1442,6 +1446,63 @@ __global__ void __launch_bounds__(kThreads) attention_gate_kernel() {
     pdl_wait();
 }
 
+// ---- (F) the attention inside the QKV projection's kernel: four kernels a layer ---------------
+// The QKV kernel's grid (gemv_grid(QKV) blocks) does the QKV rows as the baseline does; then each
+// block counts the rows it wrote per KV group (groups[l][g], as the persistent kernel does), and
+// the last NH * splits blocks each take one attention item (head, split), waiting on the counter
+// of the item's KV group. An item's K/V rows and norm weights load before the PDL wait, with
+// the block's QKV weights. The waits are safe: every block of the grid has passed its PDL wait
+// (so the kernel before it is gone) before the O kernel can launch, the grid fits on the GPU at
+// once (host check: grid <= SMs, one block an SM at least), and a wait only targets rows of
+// blocks that never wait before writing them. Counters are per layer and reset by the next
+// layer's kernel (layer 0 resets layer L - 1's): by then every block that read them has ended,
+// since each kernel's PDL wait waits for the whole chain before it.
+template <class S>
+__global__ void __launch_bounds__(kThreads) qkv_attn_kernel(const Model m, const Acts a, Sync *sy,
+                                                            unsigned *groups, int l) {
+    using D = Dims<S>;
+    __shared__ Smem<S> sm;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int grid = gridDim.x, first = blockIdx.x * kWarps + warp, stride = grid * kWarps;
+    const int block_first = blockIdx.x * kWarps;
+    const int item = grid - 1 - (int)blockIdx.x;   // attention items go to the last blocks
+    const bool has_item = item < S::NH * m.splits;
+    const int h = has_item ? item / m.splits : 0, s = has_item ? item % m.splits : 0;
+    Prefetch<S, kQkv> pf;
+    prefetch(pf, m, l, first, stride, lane);
+    Gamma<S::H> gm;
+    load_gamma(gm, m.ln_in + (size_t)l * S::H);
+    AttnRegs<S> ar;
+    if (has_item) attn_prefetch(ar, m, l, h, s);
+    pdl_wait();
+    pdl_launch_dependents();
+    if (blockIdx.x == 0 && threadIdx.x < S::NKV) groups[((l + S::L - 1) % S::L) * S::NKV + threadIdx.x] = 0u;
+    trace(a, l, 0, 0);
+    if (block_first < D::QKV) {
+        stage_norm<S::H>(l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
+        gemv_tasks<S, kQkv>(pf, m, a, l, first, stride, lane, sm.xs);
+        __syncthreads();
+        if (threadIdx.x < S::NKV) {   // rows done per KV group
+            unsigned c = 0;
+            for (int w = 0; w < kWarps; ++w)
+                for (int r = block_first + w; r < D::QKV; r += stride) c += group_of_qkv_row<S>(r) == (int)threadIdx.x;
+            if (c > 0) {
+                fence_acq_rel();
+                red_add(groups + l * S::NKV + threadIdx.x, c);
+            }
+        }
+    }
+    trace(a, l, 0, 1);
+    if (!has_item) return;
+    block_wait(groups + l * S::NKV + h / D::GRP, (unsigned)D::GROUP_ROWS, &sy->abort);
+    trace(a, l, 1, 0);
+    attention_item(ar, m, a, sy->tickets, l, h, s, sm);
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 1, 1);
+    }
+}
+
 // ---- calibration: the cost of a kernel boundary alone --------------------------------------
 // kCalEmpty: a kernel that only waits (PDL) and lets the next one launch. kCalChain: each block
 // also reads the whole of the previous kernel's output (n floats, from L2), sums it over the block
@@ -1776,9 +1837,10 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 7;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0};
-constexpr int kOAttn = 5, kOAttnGated = 6;
+constexpr int kVariants = 8;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
+                               // qkv_attn
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0};
+constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7;
 
 struct VariantResult {
     std::string name;
@@ -1972,9 +2034,12 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaMalloc(&d_pml, (size_t)S::NH * splits * 2 * sizeof(float)));
     CK(cudaMemcpy(d_x_in, x_in.data(), H * sizeof(float), cudaMemcpyHostToDevice));
     const Acts a = {d_x_in, d_x, d_qkv, d_attn, d_act, d_po, d_pml, nullptr};
-    Sync *sync;   // [3]: baseline (tickets only), persistent, persistent_barrier
-    CK(cudaMalloc(&sync, 3 * sizeof(Sync)));
-    CK(cudaMemset(sync, 0, 3 * sizeof(Sync)));
+    Sync *sync;   // [4]: baseline (tickets only), persistent, persistent_barrier, qkv_attn
+    CK(cudaMalloc(&sync, 4 * sizeof(Sync)));
+    CK(cudaMemset(sync, 0, 4 * sizeof(Sync)));
+    unsigned *groups;   // qkv_attn: [L][NKV] QKV rows done per KV group
+    CK(cudaMalloc(&groups, (size_t)L * NKV * sizeof(unsigned)));
+    CK(cudaMemset(groups, 0, (size_t)L * NKV * sizeof(unsigned)));
 
     // the clustered variants: their own split partials (splits a multiple of the cluster size)
     auto fused_splits = [&](int cs) { return cs * ((splits + cs - 1) / cs); };
@@ -1995,7 +2060,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false, false, false};
+    bool ran[kVariants] = {true, true, true, false, false, false, false, false};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -2019,11 +2084,18 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     printf("%s: o_attn kernel %d registers a thread, %zu B static + %d B dynamic shared memory (at most %d)%s\n",
            S::kName, oa.numRegs, oa.sharedSizeBytes, oattn_smem, smem_optin, ran[kOAttn] ? "" : ": not run");
     CK(cudaDeviceSynchronize());
+    auto gemv_grid = [&](int tasks) { return std::min(sms, (tasks + kWarps - 1) / kWarps); };
+    // qkv_attn: its attention items on the QKV grid's last blocks, and the whole grid resident
+    int per_sm_qa = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_qa, qkv_attn_kernel<S>, kThreads, 0));
+    ran[kQkvAttn] = per_sm_qa >= 1 && S::NH * splits <= gemv_grid(D::QKV);
+    CK(cudaFuncGetAttributes(&oa, qkv_attn_kernel<S>));
+    printf("%s: qkv_attn kernel %d registers a thread, %d blocks a SM, grid %d for %d attention items%s\n", S::kName,
+           oa.numRegs, per_sm_qa, gemv_grid(D::QKV), S::NH * splits, ran[kQkvAttn] ? "" : ": not run");
 
     // graphs
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto gemv_grid = [&](int tasks) { return std::min(sms, (tasks + kWarps - 1) / kWarps); };
     auto build = [&](int v, const Acts &acts) {
         return capture_graph(stream, [&](cudaStream_t) {
             if (v == 0 || v == kOAttn || v == kOAttnGated) {   // a kernel a phase (o_attn: attention in O)
@@ -2036,6 +2108,13 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                         if (v == kOAttnGated) launch(attention_gate_kernel, S::NH * splits, stream, true, false);
                         launch_smem(o_attn_kernel<S>, gemv_grid(H), oattn_smem, stream, true, false, m, acts, l);
                     }
+                    launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
+                }
+            } else if (v == kQkvAttn) {
+                for (int l = 0; l < L; ++l) {
+                    launch(qkv_attn_kernel<S>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, sync + 3, groups, l);
+                    launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
                 }
@@ -2063,7 +2142,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     for (int v = 0; v < kVariants; ++v)
         if (ran[v]) exec[v] = build(v, a);
     const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
-                                    "o_attn", "o_attn_gated"};
+                                    "o_attn", "o_attn_gated", "qkv_attn"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -2074,8 +2153,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     };
     auto read_abort = [&](int v) {
         unsigned ab = 0;
-        if (v >= 3) return ab;   // the clustered variants and o_attn never wait on counters
-        CK(cudaMemcpy(&ab, &sync[v].abort, sizeof(unsigned), cudaMemcpyDeviceToHost));
+        if (v >= 3 && v != kQkvAttn) return ab;   // the clustered variants and o_attn never wait on counters
+        CK(cudaMemcpy(&ab, &sync[v == kQkvAttn ? 3 : v].abort, sizeof(unsigned), cudaMemcpyDeviceToHost));
         return ab;
     };
     std::vector<float> out[kVariants];
@@ -2097,10 +2176,16 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         no_abort[v] = read_abort(v) == 0;
         if (!no_abort[v]) printf("  %s: a wait timed out (abort flag set): results invalid\n", names[v]);
     }
-    res.bit_identical = memcmp(out[0].data(), out[1].data(), H * 4) == 0 && memcmp(out[0].data(), out[2].data(), H * 4) == 0;
-    res.kv_identical = krows[0] == krows[1] && krows[0] == krows[2] && vrows[0] == vrows[1] && vrows[0] == vrows[2];
+    // the variants that compute every element as the baseline does, in the same order
+    std::vector<int> same = {1, 2};
+    if (ran[kQkvAttn]) same.push_back(kQkvAttn);
+    res.bit_identical = res.kv_identical = true;
+    for (int v : same) {
+        res.bit_identical = res.bit_identical && memcmp(out[0].data(), out[v].data(), H * 4) == 0;
+        res.kv_identical = res.kv_identical && krows[0] == krows[v] && vrows[0] == vrows[v];
+    }
     if (!res.bit_identical) {
-        for (int v = 1; v < 3; ++v) {
+        for (int v : same) {
             int first_diff = -1, n_diff = 0;
             for (int i = 0; i < H; ++i)
                 if (memcmp(&out[0][i], &out[v][i], 4) != 0) { if (first_diff < 0) first_diff = i; ++n_diff; }
@@ -2168,7 +2253,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v : {0, 1, 2, kOAttn, kOAttnGated}) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn}) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
@@ -2222,6 +2307,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     for (int v = 3; v < kOAttn; ++v)
         if (!ran[v]) printf("  %s: not run (no cluster of %d fits)\n", names[v], kClusterOf[v]);
     if (!ran[kOAttn]) printf("  o_attn, o_attn_gated: not run (the K/V rows do not fit in a block's shared memory)\n");
+    if (!ran[kQkvAttn]) printf("  qkv_attn: not run (more attention items than QKV blocks, or no block fits)\n");
     printf("  checks: x bit-identical across variants %s; K/V row C identical %s; stable over replays %s; finite %s\n",
            res.bit_identical ? "yes" : "NO", res.kv_identical ? "yes" : "NO", all_stable ? "yes" : "NO",
            finite ? "yes" : "NO");
@@ -2245,7 +2331,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                     (void *)w_gu, (void *)w_down, (void *)k_cache, (void *)v_cache, (void *)d_cos, (void *)d_sin,
                     (void *)d_x_in, (void *)d_x, (void *)d_qkv, (void *)d_attn, (void *)d_act, (void *)d_po,
                     (void *)d_pml, (void *)sync, (void *)d_xres, (void *)d_qkvh, (void *)d_apart, (void *)d_fpart,
-                    (void *)d_fpo, (void *)d_fpml})
+                    (void *)d_fpo, (void *)d_fpml, (void *)groups})
         CK(cudaFree(p));
     return res;
 }
