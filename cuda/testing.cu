@@ -824,7 +824,10 @@ OG_API og_status og_test_sample(const float *logits, int32_t vocab, const int32_
     OG_TRY(alloc(d_z, (size_t)vocab * 4));
     OG_TRY(alloc(d_state, sizeof(SampleState)));
     OG_CUDA_TRY(cudaMemset(d_state.ptr, 0, sizeof(SampleState)));   // zero between steps
+    // Zeroed as the engine's arena is: the stage writes only the ids it keeps of `top`, and the
+    // whole result is copied back.
     OG_TRY(alloc(d_out, sizeof(SampledResult)));
+    OG_CUDA_TRY(cudaMemset(d_out.ptr, 0, sizeof(SampledResult)));
     OG_TRY(alloc(d_results, (size_t)n * sizeof(NextToken)));
     const SampleArgs args = {d_logits.as<float>(), vocab, d_step.as<og_step_record>(),
                              d_params.as<og_sampling_params>(), nullptr, d_counts.as<int32_t>(),
