@@ -848,6 +848,20 @@ __device__ __forceinline__ int group_of_qkv_row(int r) {
     if (r < D::ATT + S::NKV * S::HD) return (r - D::ATT) / S::HD;
     return (r - D::ATT - S::NKV * S::HD) / S::HD;
 }
+// After the block's QKV rows (and a block barrier): counters[g] += the rows of KV group g this
+// block wrote, ordered after them (thread g's release fence; the barrier made it cumulative).
+template <class S>
+__device__ __forceinline__ void signal_group_rows(unsigned *counters, int block_first, int stride) {
+    if (threadIdx.x >= S::NKV) return;
+    unsigned c = 0;
+    for (int w = 0; w < kWarps; ++w)
+        for (int r = block_first + w; r < Dims<S>::QKV; r += stride)
+            c += group_of_qkv_row<S>(r) == (int)threadIdx.x;
+    if (c > 0) {
+        fence_acq_rel();
+        red_add(counters + threadIdx.x, c);
+    }
+}
 
 // kBarrier = false: per-dependency counters (the finest correct), and a block with no work in a
 // phase neither waits nor signals there. kBarrier = true: one counter, a grid-wide barrier between
@@ -891,16 +905,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(const Model m, 
             gemv_tasks<S, kQkv>(pa, m, a, l, first, stride, lane, sm.xs);
             if (!kBarrier) {   // rows done per KV group
                 __syncthreads();
-                if (threadIdx.x < S::NKV) {
-                    unsigned c = 0;
-                    for (int w = 0; w < kWarps; ++w)
-                        for (int r = block_first + w; r < D::QKV; r += stride)
-                            c += group_of_qkv_row<S>(r) == (int)threadIdx.x;
-                    if (c > 0) {
-                        fence_acq_rel();
-                        red_add(&sy->group[threadIdx.x], c);
-                    }
-                }
+                signal_group_rows<S>(sy->group, block_first, stride);
             }
         }
         if (kBarrier) block_signal(&sy->bar, 1);
@@ -1483,15 +1488,7 @@ __global__ void __launch_bounds__(kThreads) qkv_attn_kernel(const Model m, const
         stage_norm<S::H>(l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
         gemv_tasks<S, kQkv>(pf, m, a, l, first, stride, lane, sm.xs);
         __syncthreads();
-        if (threadIdx.x < S::NKV) {   // rows done per KV group
-            unsigned c = 0;
-            for (int w = 0; w < kWarps; ++w)
-                for (int r = block_first + w; r < D::QKV; r += stride) c += group_of_qkv_row<S>(r) == (int)threadIdx.x;
-            if (c > 0) {
-                fence_acq_rel();
-                red_add(groups + l * S::NKV + threadIdx.x, c);
-            }
-        }
+        signal_group_rows<S>(groups + l * S::NKV, block_first, stride);   // rows done per KV group
     }
     trace(a, l, 0, 1);
     if (!has_item) return;
