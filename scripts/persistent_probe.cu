@@ -62,6 +62,12 @@
 //                        QKV rows of their KV group are written (a counter a group), each compute
 //                        one attention item; then O, gate/up, down; run where the items are no
 //                        more than the QKV grid's blocks
+//   ffn_red, ffn_red_l2  4 kernels a layer (section (G)): QKV, attention, O, and one FFN kernel
+//                        whose warps multiply each act[i] they compute by w_down's column i at
+//                        once; a block's partial sums go to a fixed-point residual by integer
+//                        atomic adds (deterministic in any order); _l2: the down weights wait in
+//                        L2, not registers, during the gate/up dot products; _x8: the residual in
+//                        8 copies that its readers add up, so that 8 times the L2 lines take the adds
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -75,8 +81,8 @@
 // floor / layer time, baseline / variant. Then the checks: the first three variants' and
 // qkv_attn's x and K/V row C bit-identical (memcmp); every variant stable over the timed replays
 // and within a relative L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the
-// clustered variants sum the O and down projections in another order, and o_attn the attention,
-// so they are held to the reference only.
+// clustered variants sum the O and down projections in another order, o_attn the attention, and
+// ffn_red the down projection, so they are held to the reference only.
 // PASS/FAIL; exit code 1 on any failure. A clustered variant that cannot place one cluster is
 // not run (said so in the output).
 //
@@ -201,6 +207,7 @@ struct Model {
     const float *rope_cos, *rope_sin;  // [HD / 2] at position ctx
     int ctx, max_ctx;                  // C rows cached, max_ctx = C + 1
     int splits, split_rows;            // attention splits a head, rows a split (<= Dims::RB)
+    const uint16_t *w_down_t;          // [L][I][H] w_down transposed (ffn_red: row i = column i)
 };
 struct Acts {
     const float *x_in;   // [H] the step's input, never written
@@ -216,6 +223,9 @@ struct Acts {
     float *qkvh;         // [NH][3 head_dim] each query head's q and its KV head's k, v
     float *attn_part;    // [NH][H] each head's share of the O projection
     float *ffn_part;     // [clusters][H] each FFN cluster's share of the down projection
+    // ffn_red only:
+    unsigned long long *xq;   // [kMaxCopies][H] the residual stream in fixed point (two's complement,
+                              // 2^-32 units): the sum of its first K copies
 };
 struct Sync {            // one per variant, zeroed once
     unsigned epoch, exit, heads, o, act, down, bar, abort;
@@ -302,6 +312,30 @@ __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gp
 __device__ __forceinline__ void red_add(unsigned *p, unsigned v) {
     asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// ffn_red's residual in fixed point: units of 2^-32, two's complement in 64 bits (|x| < 2^31).
+// Integer adds commute, so the blocks' partial sums land in any order with the same result.
+__device__ __forceinline__ unsigned long long to_fixed(float v) {
+    return (unsigned long long)__float2ll_rn(__fmul_rn(v, 4294967296.f));
+}
+__device__ __forceinline__ float from_fixed(unsigned long long q) {
+    return __fmul_rn(__ll2float_rn((long long)q), 2.3283064365386963e-10f);   // one rounding, then exact
+}
+__device__ __forceinline__ void red_add_u64(unsigned long long *p, unsigned long long v) {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_cg_u64(const unsigned long long *p) {
+    return __ldcg(p);
+}
+// The residual xq holds K copies, [K][H]: the FFN's blocks add to copy blockIdx % K, so that K
+// times as many L2 lines take the atomic adds. Element i is the integer sum of its copies.
+constexpr int kMaxCopies = 8;
+template <int K>
+__device__ __forceinline__ float xq_value(const unsigned long long *xq, int i, int h) {
+    unsigned long long q = 0;
+#pragma unroll
+    for (int c = 0; c < K; ++c) q += ld_cg_u64(xq + (size_t)c * h + i);
+    return from_fixed(q);
+}
 // Counters only grow (mod 2^32): "reached" compares wrap-safe.
 __device__ __forceinline__ bool reached(unsigned value, unsigned target) { return (int)(value - target) >= 0; }
 
@@ -335,7 +369,7 @@ __device__ __forceinline__ void block_signal(unsigned *counter, unsigned n) {
 }
 
 // ---- GEMV phases ------------------------------------------------------------------------------
-enum PhaseId { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+enum PhaseId { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kDownT = 4 };
 
 template <class S, int P> struct Gemv;
 template <class S> struct Gemv<S, kQkv> {
@@ -353,6 +387,10 @@ template <class S> struct Gemv<S, kGateUp> {
 template <class S> struct Gemv<S, kDown> {
     static constexpr int COLS = S::I, NR = 1, TASKS = S::H;
     static constexpr bool NORM = false;
+};
+// ffn_red: w_down's column i as a row of H, one a gate/up task (task i's act times that row)
+template <class S> struct Gemv<S, kDownT> {
+    static constexpr int COLS = S::H, NR = 1, TASKS = S::I;
 };
 
 // One task's rows, as each lane holds them: U 16-byte chunks a row.
@@ -376,7 +414,11 @@ template <class S, int P>
 __device__ __forceinline__ const uint16_t *weights(const Model &m, int l) {
     using G = Gemv<S, P>;
     const size_t per_layer = (size_t)G::TASKS * G::NR * G::COLS;
-    const uint16_t *base = P == kQkv ? m.w_qkv : P == kO ? m.w_o : P == kGateUp ? m.w_gu : m.w_down;
+    const uint16_t *base = P == kQkv     ? m.w_qkv
+                           : P == kO     ? m.w_o
+                           : P == kGateUp ? m.w_gu
+                           : P == kDown  ? m.w_down
+                                         : m.w_down_t;
     return base + (size_t)l * per_layer;
 }
 
@@ -439,11 +481,20 @@ __device__ __forceinline__ void dot_task(const Task<COLS, NR> &t, const float *x
 }
 
 // A task's result (lane 0): QKV row; O row + residual (layer 0's residual is x_in); SwiGLU of the
-// gate and up rows; down row + residual.
-template <class S, int P>
+// gate and up rows; down row + residual. XQ > 0 (ffn_red, XQ copies of xq): the O row's residual
+// is xq, and the sum goes to x (the FFN's norm input) and to xq's first copy, the others zeroed
+// (the FFN kernel adds the down projection to them).
+template <class S, int P, int XQ = 0>
 __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float (&acc)[Gemv<S, P>::NR]) {
     if constexpr (P == kQkv) {
         a.qkv[task] = acc[0];
+    } else if constexpr (P == kO && XQ > 0) {
+        const float res = l == 0 ? __ldg(a.x_in + task) : xq_value<XQ>(a.xq, task, S::H);
+        const float v = __fadd_rn(res, acc[0]);
+        a.x[task] = v;
+        a.xq[task] = to_fixed(v);
+#pragma unroll
+        for (int c = 1; c < XQ; ++c) a.xq[(size_t)c * S::H + task] = 0ull;
     } else if constexpr (P == kO) {
         const float *res = l == 0 ? a.x_in : a.x;
         a.x[task] = __fadd_rn(__ldcg(res + task), acc[0]);
@@ -457,7 +508,7 @@ __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float
 }
 
 // All of a warp's tasks of a phase: the prefetched ones, then any beyond the prefetch depth.
-template <class S, int P>
+template <class S, int P, int XQ = 0>
 __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model &m, const Acts &a, int l,
                                            int first, int stride, int lane, const float *xs) {
     using G = Gemv<S, P>;
@@ -467,7 +518,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         const int task = first + k * stride;
         if (task < G::TASKS) {
             dot_task(pf.t[k], xs, lane, acc);
-            if (lane == 0) emit<S, P>(a, l, task, acc);
+            if (lane == 0) emit<S, P, XQ>(a, l, task, acc);
         }
     }
     const uint16_t *w = weights<S, P>(m, l);
@@ -475,7 +526,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         TaskOf<S, P> t;
         load_task<S, P>(t, w, task, lane);
         dot_task(t, xs, lane, acc);
-        if (lane == 0) emit<S, P>(a, l, task, acc);
+        if (lane == 0) emit<S, P, XQ>(a, l, task, acc);
     }
 }
 
@@ -514,6 +565,14 @@ template <int N>
 __device__ __forceinline__ void stage_norm(const float *src, const Gamma<N> &g, float *raw, float *xs) {
 #pragma unroll 4
     for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = __ldcg(src + i);
+    __syncthreads();
+    norm_raw(g, raw, xs);
+}
+template <int N, int K>
+__device__ __forceinline__ void stage_norm_fixed(const unsigned long long *src, const Gamma<N> &g, float *raw,
+                                                 float *xs) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = xq_value<K>(src, i, N);
     __syncthreads();
     norm_raw(g, raw, xs);
 }
@@ -790,7 +849,9 @@ __device__ __forceinline__ bool attention_item(const AttnRegs<S> &r, const Model
 }
 
 // ---- (A) baseline: one kernel a phase, PDL ------------------------------------------------
-template <class S, int P>
+// XQ > 0 (ffn_red, XQ copies of xq): the QKV projection normalizes xq (layers after the first),
+// the O projection adds its rows to xq.
+template <class S, int P, int XQ = 0>
 __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Acts a, int l) {
     using G = Gemv<S, P>;
     __shared__ Smem<S> sm;
@@ -804,11 +865,12 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Ac
     pdl_launch_dependents();
     trace(a, l, P == kQkv ? 0 : P + 1, 0);
     if constexpr (G::NORM) {
-        stage_norm<S::H>(P == kQkv && l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
+        if (XQ > 0 && P == kQkv && l > 0) stage_norm_fixed<S::H, XQ>(a.xq, gm, sm.raw, sm.xs);
+        else stage_norm<S::H>(P == kQkv && l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
     } else {
         stage_plain<G::COLS>(P == kO ? a.attn : a.act, sm.xs);
     }
-    gemv_tasks<S, P>(pf, m, a, l, first, stride, lane, sm.xs);
+    gemv_tasks<S, P, XQ>(pf, m, a, l, first, stride, lane, sm.xs);
     if (a.trace != nullptr) {
         __syncthreads();
         trace(a, l, P == kQkv ? 0 : P + 1, 1);
@@ -1501,6 +1563,135 @@ __global__ void __launch_bounds__(kThreads) qkv_attn_kernel(const Model m, const
     }
 }
 
+// ---- (G) the down projection inside the gate/up kernel: four kernels a layer -------------------
+// Each warp's gate/up task i yields act[i]; the warp multiplies it at once by w_down's column i
+// (row i of w_down_t, [H]), so a block holds the down projection's partial sum over its tasks'
+// columns. The warps' partials are summed in warp order through shared memory, and each of the H
+// sums is added to the fixed-point residual xq with one red.add.u64: integer sums in any order
+// are the same, so the step stays deterministic and no kernel waits on the whole of act. The
+// O projection writes xq (and x, this kernel's norm input, which no block adds to); the next
+// layer's QKV projection and O residual read xq. The down sums are taken in another order than
+// the baseline's (per block, then across blocks exactly), so the variant is held to the reference.
+// kDownEarly: w_down_t's rows go into registers before the PDL wait with the gate/up rows (more
+// registers a thread); otherwise they are prefetched into L2 before the wait and loaded into the
+// registers the gate/up rows held once their dot products are done.
+template <class S>
+struct FfnRedSmem {
+    alignas(16) float raw[S::H];
+    alignas(16) float xs[S::H];
+    alignas(16) float part[kWarps][S::H];   // each warp's partial of the down projection
+};
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(p));
+}
+template <class S>
+__device__ __forceinline__ float swiglu_act(const float (&acc)[2]) {
+    const float g = acc[0];
+    const float silu = __fdiv_rn(g, __fadd_rn(1.f, expf(-g)));
+    return __fmul_rn(silu, acc[1]);
+}
+// p += act * the task's w_down_t row (each lane its chunks, 8 columns a chunk)
+template <class S>
+__device__ __forceinline__ void down_axpy(const TaskOf<S, kDownT> &d, float act, int lane,
+                                          float (&p)[TaskOf<S, kDownT>::U][8]) {
+    using T = TaskOf<S, kDownT>;
+#pragma unroll
+    for (int u = 0; u < T::U; ++u) {
+        if (lane + u * kWarpSize < T::kChunks) {
+            float f[8];
+            unpack8(d.w[0][u], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) p[u][e] = __fmaf_rn(act, f[e], p[u][e]);
+        }
+    }
+}
+template <class S, bool kDownEarly, int K>
+__global__ void __launch_bounds__(kThreads) ffn_red_kernel(const Model m, const Acts a, int l) {
+    using T = TaskOf<S, kDownT>;
+    constexpr int R = Prefetch<S, kGateUp>::R;
+    static_assert(Prefetch<S, kDownT>::R == R, "one w_down_t row a gate/up task");
+    __shared__ FfnRedSmem<S> sm;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
+    Prefetch<S, kGateUp> pf;
+    prefetch(pf, m, l, first, stride, lane);
+    Prefetch<S, kDownT> pd;
+    const uint16_t *wdt = weights<S, kDownT>(m, l);
+    if constexpr (kDownEarly) {
+        prefetch(pd, m, l, first, stride, lane);
+    } else {
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const int task = first + k * stride;
+            if (task < S::I)
+                for (int c = lane * 8; c < S::H; c += kWarpSize * 8) prefetch_l2(wdt + (size_t)task * S::H + c);
+        }
+    }
+    Gamma<S::H> gm;
+    load_gamma(gm, m.ln_post + (size_t)l * S::H);
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, 3, 0);
+    stage_norm<S::H>(a.x, gm, sm.raw, sm.xs);
+    float p[T::U][8];
+#pragma unroll
+    for (int u = 0; u < T::U; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) p[u][e] = 0.f;
+    float acts[R];
+    float acc[2];
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+        const int task = first + k * stride;
+        acts[k] = 0.f;
+        if (task < S::I) {
+            dot_task(pf.t[k], sm.xs, lane, acc);
+            acts[k] = swiglu_act<S>(acc);
+            if constexpr (kDownEarly) down_axpy<S>(pd.t[k], acts[k], lane, p);
+        }
+    }
+    if constexpr (!kDownEarly) {
+        prefetch(pd, m, l, first, stride, lane);
+#pragma unroll
+        for (int k = 0; k < R; ++k)
+            if (first + k * stride < S::I) down_axpy<S>(pd.t[k], acts[k], lane, p);
+    }
+    for (int task = first + R * stride; task < S::I; task += stride) {   // past the prefetch depth
+        TaskOf<S, kGateUp> t;
+        load_task<S, kGateUp>(t, weights<S, kGateUp>(m, l), task, lane);
+        T d;
+        load_task<S, kDownT>(d, wdt, task, lane);
+        dot_task(t, sm.xs, lane, acc);
+        down_axpy<S>(d, swiglu_act<S>(acc), lane, p);
+    }
+    trace(a, l, 3, 1);
+    trace(a, l, 4, 0);
+#pragma unroll
+    for (int u = 0; u < T::U; ++u) {
+        const int c = lane + u * kWarpSize;
+        if (c < T::kChunks)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sm.part[warp][c * 8 + e] = p[u][e];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < S::H; j += kThreads) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum = __fadd_rn(sum, sm.part[w][j]);
+        red_add_u64(a.xq + (size_t)(blockIdx.x % K) * S::H + j, to_fixed(sum));
+    }
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 4, 1);
+    }
+}
+// The step's output: x = xq after the last layer.
+template <int K>
+__global__ void __launch_bounds__(kThreads) fixed_final_kernel(const Acts a, int n) {
+    pdl_wait();
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads) a.x[i] = xq_value<K>(a.xq, i, n);
+}
+
 // ---- calibration: the cost of a kernel boundary alone --------------------------------------
 // kCalEmpty: a kernel that only waits (PDL) and lets the next one launch. kCalChain: each block
 // also reads the whole of the previous kernel's output (n floats, from L2), sums it over the block
@@ -1610,6 +1801,15 @@ __global__ void fill_bf16(uint16_t *p, size_t n, uint32_t seed, float offset, fl
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const float u = (float)(hash32(((uint64_t)seed << 40) ^ i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
         p[i] = to_bf(offset + scale * u);
+    }
+}
+// out[m][c][r] = in[m][r][c] for `mats` matrices of rows x cols
+__global__ void transpose_bf16(const uint16_t *in, uint16_t *out, int mats, int rows, int cols) {
+    const size_t n = (size_t)mats * rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t mat = i / ((size_t)rows * cols), rc = i % ((size_t)rows * cols);
+        const size_t r = rc / cols, c = rc % cols;
+        out[(mat * cols + c) * rows + r] = in[i];
     }
 }
 // rows [row0, rows) of each of the L layers of a [L][rows][width] bf16 array set to zero
@@ -1835,10 +2035,12 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 8;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
-                               // qkv_attn
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0};
-constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7;
+constexpr int kVariants = 12;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
+                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0};
+constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7, kFfnRed = 8, kFfnRedL2 = 9, kFfnRedX8 = 10,
+              kFfnRedL2X8 = 11;
+constexpr bool is_ffn_red(int v) { return v >= kFfnRed; }
 
 struct VariantResult {
     std::string name;
@@ -1983,6 +2185,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaMalloc(&w_o, n_o * 2));
     CK(cudaMalloc(&w_gu, n_gu * 2));
     CK(cudaMalloc(&w_down, n_down * 2));
+    uint16_t *w_down_t;
+    CK(cudaMalloc(&w_down_t, n_down * 2));
     CK(cudaMalloc(&k_cache, n_kv * 2));
     CK(cudaMalloc(&v_cache, n_kv * 2));
     auto fill = [](uint16_t *p, size_t n, uint32_t seed, float off, float scale) {
@@ -1997,6 +2201,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     fill(w_o, n_o, 6, 0.f, 0.05f);
     fill(w_gu, n_gu, 7, 0.f, 0.05f);
     fill(w_down, n_down, 8, 0.f, 0.05f);
+    transpose_bf16<<<1024, 256>>>(w_down, w_down_t, L, H, I);
+    CK(cudaGetLastError());
     fill(k_cache, n_kv, 9, 0.f, 1.f);
     fill(v_cache, n_kv, 10, 0.f, 1.f);
     zero_rows<<<256, 256>>>(k_cache, L, ctx + 1, ctx, NKV * HD);
@@ -2017,7 +2223,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaMemcpy(d_sin, rsin.data(), HD / 2 * sizeof(float), cudaMemcpyHostToDevice));
 
     Model m = {ln_in, ln_post, q_norm, k_norm, w_qkv, w_o, w_gu, w_down, k_cache, v_cache, d_cos, d_sin,
-               ctx, ctx + 1, splits, split_rows};
+               ctx, ctx + 1, splits, split_rows, w_down_t};
 
     // activations
     std::vector<float> x_in(H);
@@ -2031,7 +2237,10 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaMalloc(&d_po, (size_t)S::NH * splits * HD * sizeof(float)));
     CK(cudaMalloc(&d_pml, (size_t)S::NH * splits * 2 * sizeof(float)));
     CK(cudaMemcpy(d_x_in, x_in.data(), H * sizeof(float), cudaMemcpyHostToDevice));
-    const Acts a = {d_x_in, d_x, d_qkv, d_attn, d_act, d_po, d_pml, nullptr};
+    unsigned long long *d_xq;
+    CK(cudaMalloc(&d_xq, (size_t)kMaxCopies * H * sizeof(unsigned long long)));
+    Acts a = {d_x_in, d_x, d_qkv, d_attn, d_act, d_po, d_pml, nullptr};
+    a.xq = d_xq;
     Sync *sync;   // [4]: baseline (tickets only), persistent, persistent_barrier, qkv_attn
     CK(cudaMalloc(&sync, 4 * sizeof(Sync)));
     CK(cudaMemset(sync, 0, 4 * sizeof(Sync)));
@@ -2058,7 +2267,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false, false, false, false};
+    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -2090,6 +2299,11 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaFuncGetAttributes(&oa, qkv_attn_kernel<S>));
     printf("%s: qkv_attn kernel %d registers a thread, %d blocks a SM, grid %d for %d attention items%s\n", S::kName,
            oa.numRegs, per_sm_qa, gemv_grid(D::QKV), S::NH * splits, ran[kQkvAttn] ? "" : ": not run");
+    for (int early = 1; early >= 0; --early) {
+        CK(cudaFuncGetAttributes(&oa, early ? ffn_red_kernel<S, true, 1> : ffn_red_kernel<S, false, 1>));
+        printf("%s: %s kernel %d registers a thread, %zu B local, %zu B shared\n", S::kName,
+               early ? "ffn_red" : "ffn_red_l2", oa.numRegs, oa.localSizeBytes, oa.sharedSizeBytes);
+    }
 
     // graphs
     cudaStream_t stream;
@@ -2116,6 +2330,26 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                     launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
                 }
+            } else if (is_ffn_red(v)) {
+                auto ffn_red = [&](auto early_tag, auto copies_tag) {
+                    constexpr bool EARLY = decltype(early_tag)::value;
+                    constexpr int K = decltype(copies_tag)::value;
+                    for (int l = 0; l < L; ++l) {
+                        launch(phase_kernel<S, kQkv, K>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                        launch(attention_kernel<S>, S::NH * splits, stream, true, false, m, acts, sync[0].tickets, l);
+                        launch(phase_kernel<S, kO, K>, gemv_grid(H), stream, true, false, m, acts, l);
+                        launch(ffn_red_kernel<S, EARLY, K>, gemv_grid(I), stream, true, false, m, acts, l);
+                    }
+                    launch(fixed_final_kernel<K>, 1, stream, true, false, acts, H);
+                };
+                using T = std::true_type;
+                using F = std::false_type;
+                using C1 = std::integral_constant<int, 1>;
+                using C8 = std::integral_constant<int, 8>;
+                if (v == kFfnRed) ffn_red(T(), C1());
+                else if (v == kFfnRedL2) ffn_red(F(), C1());
+                else if (v == kFfnRedX8) ffn_red(T(), C8());
+                else ffn_red(F(), C8());
             } else if (v == 1) {
                 launch(persistent_kernel<S, false>, sms, stream, false, true, m, acts, sync + 1);
             } else if (v == 2) {
@@ -2140,7 +2374,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     for (int v = 0; v < kVariants; ++v)
         if (ran[v]) exec[v] = build(v, a);
     const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
-                                    "o_attn", "o_attn_gated", "qkv_attn"};
+                                    "o_attn", "o_attn_gated", "qkv_attn", "ffn_red", "ffn_red_l2", "ffn_red_x8",
+                                    "ffn_red_l2_x8"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -2251,7 +2486,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn}) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8}) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
@@ -2329,7 +2564,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                     (void *)w_gu, (void *)w_down, (void *)k_cache, (void *)v_cache, (void *)d_cos, (void *)d_sin,
                     (void *)d_x_in, (void *)d_x, (void *)d_qkv, (void *)d_attn, (void *)d_act, (void *)d_po,
                     (void *)d_pml, (void *)sync, (void *)d_xres, (void *)d_qkvh, (void *)d_apart, (void *)d_fpart,
-                    (void *)d_fpo, (void *)d_fpml, (void *)groups})
+                    (void *)d_fpo, (void *)d_fpml, (void *)groups, (void *)w_down_t, (void *)d_xq})
         CK(cudaFree(p));
     return res;
 }
