@@ -18,9 +18,11 @@
 #            refusals or cancels or quantized": the
 #            batched prefill's GEMM, chunked passes over 16-row KV pages, a second turn
 #            and a fork (copy-on-write) with decode after it, refusals, and int8 / q4 weights
-#            (dequantized per layer for the GEMM)
+#            (dequantized per layer for the GEMM); under racecheck the GEMMs' own tests and one
+#            chunked prefill
 #   sample   pytest tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow":
-#            the sampling stage (both launches, the last-block merge, the error path)
+#            the sampling stage (its three launches, the last-block merge, the error path);
+#            under racecheck the tests with a few draws each
 #   verify   pytest tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors": the verify
 #            body (multi-vector GEMV, attention per position, rollback), graph and non-graph
 #   guards   pytest tests/test_reliability_gpu.py -k "guards_intact or two_handles": decodes to a
@@ -104,8 +106,22 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
                    tests/test_engine_gpu.py tests/test_speculative_gpu.py \
                    -k "tensor_cores or attention_bands or (full_context and int8 and long-band) or ((h16kv4 or h32kv4 or -tc) and int8)"
                fi ;;
-    prefill) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized" ;;
-    sample)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow" ;;
+    prefill) # racecheck: the GEMMs' own tests (both tile sizes, split and grouped) and one chunked
+             # engine prefill (its attention); the engine selection ran past 240 s on an H100
+             if [ "$2" = racecheck ]; then
+               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py \
+                 -k "gemm_is_deterministic or large_and_small or grouped_gemm or (chunked and int8)"
+             else
+               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized"
+             fi ;;
+    sample)  # racecheck: the tests with a few draws each (every launch, every filter path, the
+             # error path); the 2,000-draw reference tests ran past 560 s on an H100 with 7 done.
+             if [ "$2" = racecheck ]; then
+               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py \
+                 -k "top_logprobs or filters or minus_inf or nonfinite or overflow"
+             else
+               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow"
+             fi ;;
     verify)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
