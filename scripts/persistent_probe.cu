@@ -3,8 +3,9 @@
 // as counters in global memory, each phase's weights loaded into registers before the block waits
 // on its counter), as TWO kernels a layer whose inner dependencies stay inside thread block
 // clusters, or as FOUR kernels a layer with the attention computed again inside every block of the
-// O projection or by the last blocks of the QKV projection, against the same phases as five
-// kernels a layer chained with PDL in a CUDA graph?
+// O projection or by the last blocks of the QKV projection, or with the down projection inside
+// the gate/up kernel, against the same phases as five kernels a layer chained with PDL in a CUDA
+// graph?
 // Standalone experiment, not part of the library.
 //
 //   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/persistent_probe scripts/persistent_probe.cu
