@@ -4,7 +4,7 @@
 // on its counter), as TWO kernels a layer whose inner dependencies stay inside thread block
 // clusters, or as FOUR kernels a layer with the attention computed again inside every block of the
 // O projection or by the last blocks of the QKV projection, or with the down projection inside
-// the gate/up kernel, against the same phases as five kernels a layer chained with PDL in a CUDA
+// the gate/up kernel or the O projection inside the attention kernel, against the same phases as five kernels a layer chained with PDL in a CUDA
 // graph?
 // Standalone experiment, not part of the library.
 //
@@ -69,6 +69,10 @@
 //                        atomic adds (deterministic in any order); _l2: the down weights wait in
 //                        L2, not registers, during the gate/up dot products; _x8: the residual in
 //                        8 copies that its readers add up, so that 8 times the L2 lines take the adds
+//   attn_o               4 kernels a layer (section (H)): QKV, then attention and O in one kernel
+//                        (each block one head's whole attention and a slice of the O rows for that
+//                        head's columns; the next kernels add the heads' shares where they read
+//                        the residual), gate/up, down; run where one split covers the context
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -82,8 +86,8 @@
 // floor / layer time, baseline / variant. Then the checks: the first three variants' and
 // qkv_attn's x and K/V row C bit-identical (memcmp); every variant stable over the timed replays
 // and within a relative L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the
-// clustered variants sum the O and down projections in another order, o_attn the attention, and
-// ffn_red the down projection, so they are held to the reference only.
+// clustered variants sum the O and down projections in another order, o_attn the attention,
+// ffn_red the down projection and attn_o the O projection, so they are held to the reference only.
 // PASS/FAIL; exit code 1 on any failure. A clustered variant that cannot place one cluster is
 // not run (said so in the output).
 //
@@ -485,9 +489,21 @@ __device__ __forceinline__ void dot_task(const Task<COLS, NR> &t, const float *x
 // gate and up rows; down row + residual. XQ > 0 (ffn_red, XQ copies of xq): the O row's residual
 // is xq, and the sum goes to x (the FFN's norm input) and to xq's first copy, the others zeroed
 // (the FFN kernel adds the down projection to them).
-template <class S, int P, int XQ = 0>
+// The attention block's output plus the O projection, as attn_o leaves it: the residual before
+// the O projection (layer 0: x_in) plus each head's share, in head order.
+template <class S>
+__device__ __forceinline__ float x_mid(const Acts &a, int l, int i) {
+    float v = __ldcg((l == 0 ? a.x_in : a.x) + i);
+#pragma unroll
+    for (int h = 0; h < S::NH; ++h) v = __fadd_rn(v, __ldcg(a.attn_part + (size_t)h * S::H + i));
+    return v;
+}
+// OPART (attn_o): the down row's residual is x_mid.
+template <class S, int P, int XQ = 0, bool OPART = false>
 __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float (&acc)[Gemv<S, P>::NR]) {
-    if constexpr (P == kQkv) {
+    if constexpr (P == kDown && OPART) {
+        a.x[task] = __fadd_rn(x_mid<S>(a, l, task), acc[0]);
+    } else if constexpr (P == kQkv) {
         a.qkv[task] = acc[0];
     } else if constexpr (P == kO && XQ > 0) {
         const float res = l == 0 ? __ldg(a.x_in + task) : xq_value<XQ>(a.xq, task, S::H);
@@ -509,7 +525,7 @@ __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float
 }
 
 // All of a warp's tasks of a phase: the prefetched ones, then any beyond the prefetch depth.
-template <class S, int P, int XQ = 0>
+template <class S, int P, int XQ = 0, bool OPART = false>
 __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model &m, const Acts &a, int l,
                                            int first, int stride, int lane, const float *xs) {
     using G = Gemv<S, P>;
@@ -519,7 +535,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         const int task = first + k * stride;
         if (task < G::TASKS) {
             dot_task(pf.t[k], xs, lane, acc);
-            if (lane == 0) emit<S, P, XQ>(a, l, task, acc);
+            if (lane == 0) emit<S, P, XQ, OPART>(a, l, task, acc);
         }
     }
     const uint16_t *w = weights<S, P>(m, l);
@@ -527,7 +543,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         TaskOf<S, P> t;
         load_task<S, P>(t, w, task, lane);
         dot_task(t, xs, lane, acc);
-        if (lane == 0) emit<S, P, XQ>(a, l, task, acc);
+        if (lane == 0) emit<S, P, XQ, OPART>(a, l, task, acc);
     }
 }
 
@@ -574,6 +590,13 @@ __device__ __forceinline__ void stage_norm_fixed(const unsigned long long *src, 
                                                  float *xs) {
 #pragma unroll 4
     for (int i = threadIdx.x; i < N; i += kThreads) raw[i] = xq_value<K>(src, i, N);
+    __syncthreads();
+    norm_raw(g, raw, xs);
+}
+template <class S>
+__device__ __forceinline__ void stage_norm_mid(const Acts &a, int l, const Gamma<S::H> &g, float *raw, float *xs) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < S::H; i += kThreads) raw[i] = x_mid<S>(a, l, i);
     __syncthreads();
     norm_raw(g, raw, xs);
 }
@@ -694,10 +717,12 @@ __device__ __forceinline__ float fold_splits_batched(const Acts &a, int h, int s
 // folds the partials of all splits in split order.
 // q_src, k_src, v_src: head h's q and its KV head's k and v, [head_dim] each. fold = false (the
 // clustered body): a split only writes its partial; the cluster folds them after its barrier.
+// out_smem (attn_o, one split): the head's output goes there instead of to attn; write_kv = false:
+// another block of the same head writes row C.
 template <class S, class Sm>
 __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts &a, unsigned *tickets, int l,
                                int h, int s, Sm &sm, const float *q_src, const float *k_src,
-                               const float *v_src, bool fold) {
+                               const float *v_src, bool fold, float *out_smem = nullptr, bool write_kv = true) {
     using D = Dims<S>;
     constexpr int HD = S::HD, half = HD / 2;
     const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
@@ -741,7 +766,7 @@ __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts 
         sm.k_new[t] = kb;
         sm.v_new[t] = vb;
         // the KV head's row C, written by one item: its first query head's last split
-        if (h % D::GRP == 0 && s == m.splits - 1) {
+        if (write_kv && h % D::GRP == 0 && s == m.splits - 1) {
             const size_t at = ((size_t)l * m.max_ctx + m.ctx) * S::NKV * HD + (size_t)g * HD + t;
             m.k_cache[at] = kb;
             m.v_cache[at] = vb;
@@ -818,7 +843,7 @@ __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts 
 
     // 6. one split: the output. Several: the split's partial; the last to finish folds them all.
     if (m.splits == 1) {
-        if (t < HD) a.attn[h * HD + t] = __fdiv_rn(acc, sum);
+        if (t < HD) (out_smem != nullptr ? out_smem[t] : a.attn[h * HD + t]) = __fdiv_rn(acc, sum);
         return true;
     }
     const int item = h * m.splits + s;
@@ -851,8 +876,9 @@ __device__ __forceinline__ bool attention_item(const AttnRegs<S> &r, const Model
 
 // ---- (A) baseline: one kernel a phase, PDL ------------------------------------------------
 // XQ > 0 (ffn_red, XQ copies of xq): the QKV projection normalizes xq (layers after the first),
-// the O projection adds its rows to xq.
-template <class S, int P, int XQ = 0>
+// the O projection adds its rows to xq. OPART (attn_o): gate/up normalizes x_mid, and down adds
+// its rows to it.
+template <class S, int P, int XQ = 0, bool OPART = false>
 __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Acts a, int l) {
     using G = Gemv<S, P>;
     __shared__ Smem<S> sm;
@@ -867,11 +893,12 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Ac
     trace(a, l, P == kQkv ? 0 : P + 1, 0);
     if constexpr (G::NORM) {
         if (XQ > 0 && P == kQkv && l > 0) stage_norm_fixed<S::H, XQ>(a.xq, gm, sm.raw, sm.xs);
+        else if (OPART && P == kGateUp) stage_norm_mid<S>(a, l, gm, sm.raw, sm.xs);
         else stage_norm<S::H>(P == kQkv && l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
     } else {
         stage_plain<G::COLS>(P == kO ? a.attn : a.act, sm.xs);
     }
-    gemv_tasks<S, P, XQ>(pf, m, a, l, first, stride, lane, sm.xs);
+    gemv_tasks<S, P, XQ, OPART>(pf, m, a, l, first, stride, lane, sm.xs);
     if (a.trace != nullptr) {
         __syncthreads();
         trace(a, l, P == kQkv ? 0 : P + 1, 1);
@@ -1693,6 +1720,63 @@ __global__ void __launch_bounds__(kThreads) fixed_final_kernel(const Acts a, int
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < n; i += gridDim.x * kThreads) a.x[i] = xq_value<K>(a.xq, i, n);
 }
 
+// ---- (H) the O projection inside the attention kernel: four kernels a layer ---------------------
+// NH x SLICES blocks: block (h, slice) computes head h's whole attention (one split: a short
+// context), as the baseline's item does, keeps the head's output in shared memory, and multiplies
+// it by its slice of OR rows of w_o's head-h columns: attn_part[h][rows] = w_o[rows, head h] *
+// out_h. No block waits for another: every block of head h repeats the head's attention (the K/V
+// rows come from L2 after the first), and the next kernels take the sum over heads (x_mid, head
+// order) where they read the residual. The slice's weights (OR x HD, 16-byte chunks, lanes of a
+// row adjacent) load before the PDL wait with the K/V rows. The O sums are taken in another order
+// than the baseline's (per head, then across heads), so the variant is held to the reference.
+template <class S>
+struct AttnO {
+    static constexpr int OR = S::H == 576 ? 48 : 128;   // rows a block: NH * H / OR blocks <= 132
+    static constexpr int SLICES = S::H / OR, CH = S::HD / 8, NCH = OR * CH;
+    static constexpr int K = (NCH + kThreads - 1) / kThreads;   // chunks a thread
+    static_assert(S::H % OR == 0 && kWarpSize % CH == 0, "slices");
+};
+template <class S>
+__global__ void __launch_bounds__(kThreads) attn_o_kernel(const Model m, const Acts a, int l) {
+    using D = Dims<S>;
+    using A = AttnO<S>;
+    __shared__ Smem<S> sm;
+    __shared__ alignas(16) float head_out[S::HD];
+    const int h = blockIdx.x / A::SLICES, slice = blockIdx.x % A::SLICES, g = h / D::GRP;
+    const int r0 = slice * A::OR;
+    AttnRegs<S> r;
+    attn_prefetch(r, m, l, h, 0);
+    const uint16_t *wo = m.w_o + (size_t)l * S::H * D::ATT + (size_t)h * S::HD;
+    uint4 w[A::K];
+#pragma unroll
+    for (int k = 0; k < A::K; ++k) {
+        const int ci = threadIdx.x + k * kThreads;
+        w[k] = ci < A::NCH ? __ldcs(reinterpret_cast<const uint4 *>(wo + (size_t)(r0 + ci / A::CH) * D::ATT) + ci % A::CH)
+                           : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, 1, 0);
+    attention_core(r, m, a, nullptr, l, h, 0, sm, a.qkv + h * S::HD, a.qkv + D::ATT + g * S::HD,
+                   a.qkv + D::ATT + S::NKV * S::HD + g * S::HD, true, head_out, slice == 0);
+    __syncthreads();
+    trace(a, l, 1, 1);
+    trace(a, l, 2, 0);
+    const float4 *ho = reinterpret_cast<const float4 *>(head_out);
+#pragma unroll
+    for (int k = 0; k < A::K; ++k) {
+        const int ci = threadIdx.x + k * kThreads, c = ci % A::CH;
+        float d = ci < A::NCH ? dot8(w[k], ho[2 * c], ho[2 * c + 1], 0.f) : 0.f;
+#pragma unroll
+        for (int o = A::CH / 2; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
+        if (ci < A::NCH && c == 0) a.attn_part[(size_t)h * S::H + r0 + ci / A::CH] = d;
+    }
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 2, 1);
+    }
+}
+
 // ---- calibration: the cost of a kernel boundary alone --------------------------------------
 // kCalEmpty: a kernel that only waits (PDL) and lets the next one launch. kCalChain: each block
 // also reads the whole of the previous kernel's output (n floats, from L2), sums it over the block
@@ -2036,12 +2120,12 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 12;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
-                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0};
+constexpr int kVariants = 13;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
+                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8, attn_o
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0};
 constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7, kFfnRed = 8, kFfnRedL2 = 9, kFfnRedX8 = 10,
-              kFfnRedL2X8 = 11;
-constexpr bool is_ffn_red(int v) { return v >= kFfnRed; }
+              kFfnRedL2X8 = 11, kAttnO = 12;
+constexpr bool is_ffn_red(int v) { return v >= kFfnRed && v <= kFfnRedL2X8; }
 
 struct VariantResult {
     std::string name;
@@ -2259,6 +2343,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     CK(cudaMalloc(&d_fpart, (size_t)(kFfnBlocks / 8) * H * sizeof(float)));
     CK(cudaMalloc(&d_fpo, (size_t)S::NH * fs_max * HD * sizeof(float)));
     CK(cudaMalloc(&d_fpml, (size_t)S::NH * fs_max * 2 * sizeof(float)));
+    a.attn_part = d_apart;   // attn_o's heads' shares of the O projection
     Acts af = a;
     af.part_o = d_fpo, af.part_ml = d_fpml, af.x_res = d_xres, af.qkvh = d_qkvh, af.attn_part = d_apart,
     af.ffn_part = d_fpart;
@@ -2268,7 +2353,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true};
+    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true, false};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -2306,6 +2391,15 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                early ? "ffn_red" : "ffn_red_l2", oa.numRegs, oa.localSizeBytes, oa.sharedSizeBytes);
     }
 
+    // attn_o: one split a head (the context fits one block's batch of K/V rows)
+    Model mo = m;
+    mo.splits = 1, mo.split_rows = ctx + 1;
+    ran[kAttnO] = ctx + 1 <= D::RB;
+    CK(cudaFuncGetAttributes(&oa, attn_o_kernel<S>));
+    printf("%s: attn_o kernel %d registers a thread, %zu B local, grid %d (%d rows a block)%s\n", S::kName, oa.numRegs,
+           oa.localSizeBytes, S::NH * AttnO<S>::SLICES, AttnO<S>::OR,
+           ran[kAttnO] ? "" : ": not run (the context needs more than one split)");
+
     // graphs
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -2330,6 +2424,13 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
                     launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
+                }
+            } else if (v == kAttnO) {
+                for (int l = 0; l < L; ++l) {
+                    launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                    launch(attn_o_kernel<S>, S::NH * AttnO<S>::SLICES, stream, true, false, mo, acts, l);
+                    launch(phase_kernel<S, kGateUp, 0, true>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown, 0, true>, gemv_grid(H), stream, true, false, m, acts, l);
                 }
             } else if (is_ffn_red(v)) {
                 auto ffn_red = [&](auto early_tag, auto copies_tag) {
@@ -2376,7 +2477,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         if (ran[v]) exec[v] = build(v, a);
     const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
                                     "o_attn", "o_attn_gated", "qkv_attn", "ffn_red", "ffn_red_l2", "ffn_red_x8",
-                                    "ffn_red_l2_x8"};
+                                    "ffn_red_l2_x8", "attn_o"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -2487,7 +2588,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8}) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8, kAttnO}) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
