@@ -72,7 +72,8 @@
 //   attn_o               4 kernels a layer (section (H)): QKV, then attention and O in one kernel
 //                        (each block one head's whole attention and a slice of the O rows for that
 //                        head's columns; the next kernels add the heads' shares where they read
-//                        the residual), gate/up, down; run where one split covers the context
+//                        the residual), gate/up, down; run where one split covers the context;
+//                        _red: the O rows added to a fixed-point residual by integer atomics instead
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -498,11 +499,15 @@ __device__ __forceinline__ float x_mid(const Acts &a, int l, int i) {
     for (int h = 0; h < S::NH; ++h) v = __fadd_rn(v, __ldcg(a.attn_part + (size_t)h * S::H + i));
     return v;
 }
-// OPART (attn_o): the down row's residual is x_mid.
-template <class S, int P, int XQ = 0, bool OPART = false>
+// OP (attn_o): kOpParts, the down row's residual is x_mid; kOpFixed, it is xq, and the sum goes
+// back to xq.
+enum OpMode { kOpNone = 0, kOpParts = 1, kOpFixed = 2 };
+template <class S, int P, int XQ = 0, int OP = kOpNone>
 __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float (&acc)[Gemv<S, P>::NR]) {
-    if constexpr (P == kDown && OPART) {
+    if constexpr (P == kDown && OP == kOpParts) {
         a.x[task] = __fadd_rn(x_mid<S>(a, l, task), acc[0]);
+    } else if constexpr (P == kDown && OP == kOpFixed) {
+        a.xq[task] = to_fixed(__fadd_rn(from_fixed(ld_cg_u64(a.xq + task)), acc[0]));
     } else if constexpr (P == kQkv) {
         a.qkv[task] = acc[0];
     } else if constexpr (P == kO && XQ > 0) {
@@ -525,7 +530,7 @@ __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float
 }
 
 // All of a warp's tasks of a phase: the prefetched ones, then any beyond the prefetch depth.
-template <class S, int P, int XQ = 0, bool OPART = false>
+template <class S, int P, int XQ = 0, int OP = kOpNone>
 __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model &m, const Acts &a, int l,
                                            int first, int stride, int lane, const float *xs) {
     using G = Gemv<S, P>;
@@ -535,7 +540,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         const int task = first + k * stride;
         if (task < G::TASKS) {
             dot_task(pf.t[k], xs, lane, acc);
-            if (lane == 0) emit<S, P, XQ, OPART>(a, l, task, acc);
+            if (lane == 0) emit<S, P, XQ, OP>(a, l, task, acc);
         }
     }
     const uint16_t *w = weights<S, P>(m, l);
@@ -543,7 +548,7 @@ __device__ __forceinline__ void gemv_tasks(const Prefetch<S, P> &pf, const Model
         TaskOf<S, P> t;
         load_task<S, P>(t, w, task, lane);
         dot_task(t, xs, lane, acc);
-        if (lane == 0) emit<S, P, XQ, OPART>(a, l, task, acc);
+        if (lane == 0) emit<S, P, XQ, OP>(a, l, task, acc);
     }
 }
 
@@ -876,9 +881,10 @@ __device__ __forceinline__ bool attention_item(const AttnRegs<S> &r, const Model
 
 // ---- (A) baseline: one kernel a phase, PDL ------------------------------------------------
 // XQ > 0 (ffn_red, XQ copies of xq): the QKV projection normalizes xq (layers after the first),
-// the O projection adds its rows to xq. OPART (attn_o): gate/up normalizes x_mid, and down adds
-// its rows to it.
-template <class S, int P, int XQ = 0, bool OPART = false>
+// the O projection adds its rows to xq. OP (attn_o): kOpParts, gate/up normalizes x_mid, and down
+// adds its rows to it; kOpFixed, the residual is xq (layer 0's QKV projection sets it to x_in),
+// which gate/up normalizes and down adds its rows to.
+template <class S, int P, int XQ = 0, int OP = kOpNone>
 __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Acts a, int l) {
     using G = Gemv<S, P>;
     __shared__ Smem<S> sm;
@@ -893,12 +899,16 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(const Model m, const Ac
     trace(a, l, P == kQkv ? 0 : P + 1, 0);
     if constexpr (G::NORM) {
         if (XQ > 0 && P == kQkv && l > 0) stage_norm_fixed<S::H, XQ>(a.xq, gm, sm.raw, sm.xs);
-        else if (OPART && P == kGateUp) stage_norm_mid<S>(a, l, gm, sm.raw, sm.xs);
+        else if (OP == kOpParts && P == kGateUp) stage_norm_mid<S>(a, l, gm, sm.raw, sm.xs);
+        else if (OP == kOpFixed && P == kGateUp) stage_norm_fixed<S::H, 1>(a.xq, gm, sm.raw, sm.xs);
         else stage_norm<S::H>(P == kQkv && l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);
     } else {
         stage_plain<G::COLS>(P == kO ? a.attn : a.act, sm.xs);
     }
-    gemv_tasks<S, P, XQ, OPART>(pf, m, a, l, first, stride, lane, sm.xs);
+    if constexpr (OP == kOpFixed && P == kQkv)
+        if (l == 0 && blockIdx.x == 0)
+            for (int i = threadIdx.x; i < S::H; i += kThreads) a.xq[i] = to_fixed(__ldg(a.x_in + i));
+    gemv_tasks<S, P, XQ, OP>(pf, m, a, l, first, stride, lane, sm.xs);
     if (a.trace != nullptr) {
         __syncthreads();
         trace(a, l, P == kQkv ? 0 : P + 1, 1);
@@ -1736,7 +1746,8 @@ struct AttnO {
     static constexpr int K = (NCH + kThreads - 1) / kThreads;   // chunks a thread
     static_assert(S::H % OR == 0 && kWarpSize % CH == 0, "slices");
 };
-template <class S>
+// kRed (attn_o_red): the rows go to the fixed-point residual xq by integer atomic adds instead.
+template <class S, bool kRed>
 __global__ void __launch_bounds__(kThreads) attn_o_kernel(const Model m, const Acts a, int l) {
     using D = Dims<S>;
     using A = AttnO<S>;
@@ -1769,7 +1780,10 @@ __global__ void __launch_bounds__(kThreads) attn_o_kernel(const Model m, const A
         float d = ci < A::NCH ? dot8(w[k], ho[2 * c], ho[2 * c + 1], 0.f) : 0.f;
 #pragma unroll
         for (int o = A::CH / 2; o > 0; o >>= 1) d = __fadd_rn(d, __shfl_xor_sync(0xffffffffu, d, o));
-        if (ci < A::NCH && c == 0) a.attn_part[(size_t)h * S::H + r0 + ci / A::CH] = d;
+        if (ci < A::NCH && c == 0) {
+            if constexpr (kRed) red_add_u64(a.xq + r0 + ci / A::CH, to_fixed(d));
+            else a.attn_part[(size_t)h * S::H + r0 + ci / A::CH] = d;
+        }
     }
     if (a.trace != nullptr) {
         __syncthreads();
@@ -2120,11 +2134,11 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 13;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
-                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8, attn_o
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr int kVariants = 14;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
+                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8, attn_o, attn_o_red
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7, kFfnRed = 8, kFfnRedL2 = 9, kFfnRedX8 = 10,
-              kFfnRedL2X8 = 11, kAttnO = 12;
+              kFfnRedL2X8 = 11, kAttnO = 12, kAttnORed = 13;
 constexpr bool is_ffn_red(int v) { return v >= kFfnRed && v <= kFfnRedL2X8; }
 
 struct VariantResult {
@@ -2353,7 +2367,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true, false};
+    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true, false, false};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -2394,8 +2408,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     // attn_o: one split a head (the context fits one block's batch of K/V rows)
     Model mo = m;
     mo.splits = 1, mo.split_rows = ctx + 1;
-    ran[kAttnO] = ctx + 1 <= D::RB;
-    CK(cudaFuncGetAttributes(&oa, attn_o_kernel<S>));
+    ran[kAttnO] = ran[kAttnORed] = ctx + 1 <= D::RB;
+    CK(cudaFuncGetAttributes(&oa, attn_o_kernel<S, false>));
     printf("%s: attn_o kernel %d registers a thread, %zu B local, grid %d (%d rows a block)%s\n", S::kName, oa.numRegs,
            oa.localSizeBytes, S::NH * AttnO<S>::SLICES, AttnO<S>::OR,
            ran[kAttnO] ? "" : ": not run (the context needs more than one split)");
@@ -2428,10 +2442,18 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             } else if (v == kAttnO) {
                 for (int l = 0; l < L; ++l) {
                     launch(phase_kernel<S, kQkv>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
-                    launch(attn_o_kernel<S>, S::NH * AttnO<S>::SLICES, stream, true, false, mo, acts, l);
-                    launch(phase_kernel<S, kGateUp, 0, true>, gemv_grid(I), stream, true, false, m, acts, l);
-                    launch(phase_kernel<S, kDown, 0, true>, gemv_grid(H), stream, true, false, m, acts, l);
+                    launch(attn_o_kernel<S, false>, S::NH * AttnO<S>::SLICES, stream, true, false, mo, acts, l);
+                    launch(phase_kernel<S, kGateUp, 0, kOpParts>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown, 0, kOpParts>, gemv_grid(H), stream, true, false, m, acts, l);
                 }
+            } else if (v == kAttnORed) {
+                for (int l = 0; l < L; ++l) {
+                    launch(phase_kernel<S, kQkv, 1, kOpFixed>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, l);
+                    launch(attn_o_kernel<S, true>, S::NH * AttnO<S>::SLICES, stream, true, false, mo, acts, l);
+                    launch(phase_kernel<S, kGateUp, 0, kOpFixed>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown, 0, kOpFixed>, gemv_grid(H), stream, true, false, m, acts, l);
+                }
+                launch(fixed_final_kernel<1>, 1, stream, true, false, acts, H);
             } else if (is_ffn_red(v)) {
                 auto ffn_red = [&](auto early_tag, auto copies_tag) {
                     constexpr bool EARLY = decltype(early_tag)::value;
@@ -2477,7 +2499,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         if (ran[v]) exec[v] = build(v, a);
     const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
                                     "o_attn", "o_attn_gated", "qkv_attn", "ffn_red", "ffn_red_l2", "ffn_red_x8",
-                                    "ffn_red_l2_x8", "attn_o"};
+                                    "ffn_red_l2_x8", "attn_o", "attn_o_red"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -2588,7 +2610,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8, kAttnO}) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8, kAttnO, kAttnORed}) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
