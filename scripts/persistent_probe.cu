@@ -4,8 +4,8 @@
 // on its counter), as TWO kernels a layer whose inner dependencies stay inside thread block
 // clusters, or as FOUR kernels a layer with the attention computed again inside every block of the
 // O projection or by the last blocks of the QKV projection, or with the down projection inside
-// the gate/up kernel or the O projection inside the attention kernel, against the same phases as five kernels a layer chained with PDL in a CUDA
-// graph?
+// the gate/up kernel or the O projection inside the attention kernel, against the same phases as
+// five kernels a layer chained with PDL in a CUDA graph?
 // Standalone experiment, not part of the library.
 //
 //   build: nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/persistent_probe scripts/persistent_probe.cu
@@ -329,9 +329,6 @@ __device__ __forceinline__ float from_fixed(unsigned long long q) {
 __device__ __forceinline__ void red_add_u64(unsigned long long *p, unsigned long long v) {
     asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ unsigned long long ld_cg_u64(const unsigned long long *p) {
-    return __ldcg(p);
-}
 // The residual xq holds K copies, [K][H]: the FFN's blocks add to copy blockIdx % K, so that K
 // times as many L2 lines take the atomic adds. Element i is the integer sum of its copies.
 constexpr int kMaxCopies = 8;
@@ -339,7 +336,7 @@ template <int K>
 __device__ __forceinline__ float xq_value(const unsigned long long *xq, int i, int h) {
     unsigned long long q = 0;
 #pragma unroll
-    for (int c = 0; c < K; ++c) q += ld_cg_u64(xq + (size_t)c * h + i);
+    for (int c = 0; c < K; ++c) q += __ldcg(xq + (size_t)c * h + i);
     return from_fixed(q);
 }
 // Counters only grow (mod 2^32): "reached" compares wrap-safe.
@@ -507,7 +504,7 @@ __device__ __forceinline__ void emit(const Acts &a, int l, int task, const float
     if constexpr (P == kDown && OP == kOpParts) {
         a.x[task] = __fadd_rn(x_mid<S>(a, l, task), acc[0]);
     } else if constexpr (P == kDown && OP == kOpFixed) {
-        a.xq[task] = to_fixed(__fadd_rn(from_fixed(ld_cg_u64(a.xq + task)), acc[0]));
+        a.xq[task] = to_fixed(__fadd_rn(from_fixed(__ldcg(a.xq + task)), acc[0]));
     } else if constexpr (P == kQkv) {
         a.qkv[task] = acc[0];
     } else if constexpr (P == kO && XQ > 0) {

@@ -91,11 +91,9 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
     quant)   # racecheck: the quantized kernels' own tests (every fused GEMV variant, MoE gate/up and
              # down, int8 and q4): shared-memory hazards are per kernel, and racecheck over the
              # engine decodes ran past 260 s on an H200 with 6 of its 7 tests done.
-             if [ "$2" = racecheck ]; then
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "gemv or moe_down or moe_gate_up"
-             else
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "greedy_matches_reference and not fp32"
-             fi ;;
+             sel="greedy_matches_reference and not fp32"
+             [ "$2" = racecheck ] && sel="gemv or moe_down or moe_gate_up"
+             printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "$sel" ;;
     attention)  # racecheck: the kernel's own tests (shared-memory hazards are per kernel; the
                 # engine tests under racecheck ran past 60 s on an H200)
                if [ "$2" = racecheck ]; then
@@ -108,20 +106,14 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
                fi ;;
     prefill) # racecheck: the GEMMs' own tests (both tile sizes, split and grouped) and one chunked
              # engine prefill (its attention); the engine selection ran past 240 s on an H100
-             if [ "$2" = racecheck ]; then
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py \
-                 -k "gemm_is_deterministic or large_and_small or grouped_gemm or (chunked and int8)"
-             else
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized"
-             fi ;;
+             sel="gemm_is_deterministic or chunked or second_turn or refusals or cancels or quantized"
+             [ "$2" = racecheck ] && sel="gemm_is_deterministic or large_and_small or grouped_gemm or (chunked and int8)"
+             printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_prefill_gpu.py -k "$sel" ;;
     sample)  # racecheck: the tests with a few draws each (every launch, every filter path, the
              # error path); the 2,000-draw reference tests ran past 560 s on an H100 with 7 done.
-             if [ "$2" = racecheck ]; then
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py \
-                 -k "top_logprobs or filters or minus_inf or nonfinite or overflow"
-             else
-               printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "reference or filters or nonfinite or overflow"
-             fi ;;
+             sel="reference or filters or nonfinite or overflow"
+             [ "$2" = racecheck ] && sel="top_logprobs or filters or minus_inf or nonfinite or overflow"
+             printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "$sel" ;;
     verify)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors" ;;
     guards)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "guards_intact or two_handles" ;;
     *) return 1 ;;
