@@ -68,8 +68,14 @@ constexpr int kAttnThreads = kAttnWarps * kWarpSize;
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
-// How a warp reads K/V rows, per element type and head dim (HD = 0: any even head dim <= 256).
-template <int KV, int HD>
+// A lane's rows a tile where a row is one vector a lane (SL of AttnLayout): the long band's
+// tiles, and the short band's (int8 rows of 64 dims), half as many rows a warp, so that a short
+// context spreads over more of a block's warps (each warp folds its tiles one after another).
+constexpr int kLongSlots = 4, kShortSlots = 2;
+
+// How a warp reads K/V rows, per element type and head dim (HD = 0: any even head dim <= 256),
+// with SL rows a lane a tile (kLongSlots or kShortSlots; fewer where a row takes several vectors).
+template <int KV, int HD, int SL>
 struct AttnLayout {
     static constexpr int kElemBytes = KV == OG_KV_F32 ? 4 : KV == OG_KV_BF16 ? 2 : 1;
     static constexpr bool kVector = HD > 0;
@@ -77,7 +83,7 @@ struct AttnLayout {
     static constexpr int kLanesPerRow = kVector ? cmin(HD / kVec, kWarpSize) : kWarpSize;
     static constexpr int kVecsPerLane = kVector ? HD / kVec / kLanesPerRow : kMaxHeadDim / kWarpSize;
     static constexpr int kRowsPerLoad = kWarpSize / kLanesPerRow;
-    static constexpr int kSlots = kVector ? 4 / kVecsPerLane : 2;           // rows per lane per tile
+    static constexpr int kSlots = kVector ? (SL / kVecsPerLane > 0 ? SL / kVecsPerLane : 1) : 2;  // rows a lane a tile
     static constexpr int kTileRows = kRowsPerLoad * kSlots;
     static constexpr int kLaneElems = kVecsPerLane * kVec;                  // dims a lane owns
     static constexpr int kMaxHeadGroup = cmin(8, 64 / kLaneElems);          // o registers <= 64
@@ -130,9 +136,9 @@ struct RowSource {
     int row_group, lane_in_row;
 };
 
-template <int KV, int HD>
+template <int KV, int HD, int SL>
 struct Tile {
-    using L = AttnLayout<KV, HD>;
+    using L = AttnLayout<KV, HD, SL>;
     typename L::Raw k[L::kSlots][L::kVecsPerLane];
     typename L::Raw v[L::kSlots][L::kVecsPerLane];
     float k_scale[L::kSlots], v_scale[L::kSlots];
@@ -149,11 +155,11 @@ __device__ __forceinline__ uint32_t load_element(const char *row, int d) {
 // no tile, or a table entry outside the pool) and the row within the block's page. Locating
 // reads the block table; loading then depends on it, so the kernel locates a tile one step
 // before it loads it.
-template <int KV, int HD>
+template <int KV, int HD, int SL>
 struct TileLoc {
     int row0;                                   // the tile's first row, -1: none
-    int block[AttnLayout<KV, HD>::kSlots];
-    int in_page[AttnLayout<KV, HD>::kSlots];
+    int block[AttnLayout<KV, HD, SL>::kSlots];
+    int in_page[AttnLayout<KV, HD, SL>::kSlots];
 };
 
 // A row the kernel takes from shared memory (the tensor-core fold's test; locate_tile and
@@ -189,9 +195,9 @@ __device__ __forceinline__ int64_t one_page_base(const int (&block)[N], const Ro
 }
 
 // ROWS (attention_kernel's): the new rows are a range; else at most the one row new_hi.
-template <int KV, int HD, bool ROWS>
-__device__ __forceinline__ void locate_tile(TileLoc<KV, HD> &loc, int row0, const RowSource &src) {
-    using L = AttnLayout<KV, HD>;
+template <int KV, int HD, int SL, bool ROWS>
+__device__ __forceinline__ void locate_tile(TileLoc<KV, HD, SL> &loc, int row0, const RowSource &src) {
+    using L = AttnLayout<KV, HD, SL>;
     loc.row0 = row0;
     // A tile (row0 a multiple of its rows) in one page: one table read.
     if (src.page % L::kTileRows == 0) {
@@ -248,11 +254,11 @@ __device__ __forceinline__ uint4 load_row_chunk(const uint4 *p) {
 
 // One slot's row of a tile (the lane's vectors or elements of K and V, and the int8 rows' scales
 // at k_scale / v_scale); zeros (scale 0) where !ok.
-template <int KV, int HD>
-__device__ __forceinline__ void load_slot(Tile<KV, HD> &t, int s, bool ok, const char *k_row, const char *v_row,
+template <int KV, int HD, int SL>
+__device__ __forceinline__ void load_slot(Tile<KV, HD, SL> &t, int s, bool ok, const char *k_row, const char *v_row,
                                           const float *k_scale, const float *v_scale, const RowSource &src,
                                           int hd) {
-    using L = AttnLayout<KV, HD>;
+    using L = AttnLayout<KV, HD, SL>;
 #pragma unroll
     for (int v = 0; v < L::kVecsPerLane; ++v) {
         if constexpr (L::kVector) {
@@ -278,10 +284,10 @@ __device__ __forceinline__ void load_slot(Tile<KV, HD> &t, int s, bool ok, const
 }
 
 // Issue the loads of a located tile; rows without a block read as zeros (scale 0).
-template <int KV, int HD>
-__device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD> &loc,
+template <int KV, int HD, int SL>
+__device__ __forceinline__ void load_tile(Tile<KV, HD, SL> &t, const TileLoc<KV, HD, SL> &loc,
                                           const RowSource &src, int hd) {
-    using L = AttnLayout<KV, HD>;
+    using L = AttnLayout<KV, HD, SL>;
     const int64_t row_bytes = (int64_t)hd * L::kElemBytes;
     if (src.page % L::kTileRows == 0) {
         // The tile in one page (locate_tile: every row's block that page's, or -1): one address
@@ -297,7 +303,7 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
 #pragma unroll
         for (int s = 0; s < L::kSlots; ++s) {
             const int step = s * L::kRowsPerLoad;
-            load_slot<KV, HD>(t, s, loc.block[s] >= 0, k + step * row_bytes, v + step * row_bytes,
+            load_slot<KV, HD, SL>(t, s, loc.block[s] >= 0, k + step * row_bytes, v + step * row_bytes,
                               KV == OG_KV_INT8 ? k_scales + step : nullptr,
                               KV == OG_KV_INT8 ? v_scales + step : nullptr, src, hd);
         }
@@ -313,7 +319,7 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD> &t, const TileLoc<KV, HD>
             k_scales = reinterpret_cast<const float *>(src.k_scales + base) + row;
             v_scales = reinterpret_cast<const float *>(src.v_scales + base) + row;
         }
-        load_slot<KV, HD>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes, k_scales,
+        load_slot<KV, HD, SL>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes, k_scales,
                           v_scales, src, hd);
     }
 }
@@ -350,13 +356,13 @@ struct WarpState {
 };
 
 // Fold one tile into the warp's state for the head group whose queries start at q_s.
-template <int KV, int HD, int HG, bool ROWS>
-__device__ __forceinline__ void attend_tile(Tile<KV, HD> &t, int row0, const RowSource &src,
+template <int KV, int HD, int SL, int HG, bool ROWS>
+__device__ __forceinline__ void attend_tile(Tile<KV, HD, SL> &t, int row0, const RowSource &src,
                                             const float *q_s, const void *new_k_s,
                                             const void *new_v_s, const float *new_scales,
                                             int hd, float inv_sqrt_hd, int lane,
-                                            WarpState<HG, AttnLayout<KV, HD>::kLaneElems> &st) {
-    using L = AttnLayout<KV, HD>;
+                                            WarpState<HG, AttnLayout<KV, HD, SL>::kLaneElems> &st) {
+    using L = AttnLayout<KV, HD, SL>;
     constexpr int S = L::kSlots, V = L::kVecsPerLane, LPR = L::kLanesPerRow;
     int rows[S];
 #pragma unroll
@@ -821,11 +827,11 @@ __device__ __forceinline__ void attend_mma(MmaTile &t, int row0, const RowSource
 
 // The CUDA-core fold's warp state into shared memory: its row groups summed, then o [warps,
 // HG, hd], m and l [warps, HG] of this warp.
-template <int KV, int HD, int HG>
-__device__ __forceinline__ void warp_state_out(WarpState<HG, AttnLayout<KV, HD>::kLaneElems> &st,
+template <int KV, int HD, int SL, int HG>
+__device__ __forceinline__ void warp_state_out(WarpState<HG, AttnLayout<KV, HD, SL>::kLaneElems> &st,
                                                float *o_s, float *m_s, float *l_s, int hd,
                                                int warp, int lane) {
-    using L = AttnLayout<KV, HD>;
+    using L = AttnLayout<KV, HD, SL>;
     constexpr int LPR = L::kLanesPerRow, E = L::kLaneElems;
 #pragma unroll
     for (int j = 0; j < HG; ++j) {
@@ -910,11 +916,12 @@ __device__ unsigned g_attn_trace_count;
 
 // ROWS: the verify body's launch of several rows (grid z); the decode body's one-row instance
 // is a function of its own, with the one-row shared-memory limit and none of the row loops.
-// TC: the tensor-core fold (kMmaFold shapes only).
-template <int KV, int HD, int HG, bool ROWS, bool TC = false>
+// TC: the tensor-core fold (kMmaFold shapes only; SL kLongSlots). SL: AttnLayout's rows a lane a
+// tile.
+template <int KV, int HD, int SL, int HG, bool ROWS, bool TC = false>
 __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnParams p) {
     static_assert(!TC || kMmaFold<KV, HD, HG>, "the tensor-core fold: int8 rows of 128 dims, 2, 4 or 8 heads");
-    using L = AttnLayout<KV, HD>;
+    using L = AttnLayout<KV, HD, SL>;
     constexpr int E = L::kLaneElems;
     extern __shared__ float4 smem4[];
     float *smem = reinterpret_cast<float *>(smem4);
@@ -987,15 +994,15 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
         return next_tile(cursor, b, B, C, L::kTileRows, tiles_per_warp, warp, n_chunks, len);
     };
     // The tensor-core fold (kMmaFold) has a layout of its own: which rows and bytes a lane holds.
-    using Loc = std::conditional_t<TC, MmaLoc, TileLoc<KV, HD>>;
-    using TileT = std::conditional_t<TC, MmaTile, Tile<KV, HD>>;
+    using Loc = std::conditional_t<TC, MmaLoc, TileLoc<KV, HD, SL>>;
+    using TileT = std::conditional_t<TC, MmaTile, Tile<KV, HD, SL>>;
     auto locate = [&](Loc &loc, int r) {
         if constexpr (TC) locate_mma<ROWS>(loc, r, src, lane);
-        else locate_tile<KV, HD, ROWS>(loc, r, src);
+        else locate_tile<KV, HD, SL, ROWS>(loc, r, src);
     };
     auto load = [&](TileT &t, const Loc &loc) {
         if constexpr (TC) load_mma(t, loc, src, lane);
-        else load_tile<KV, HD>(t, loc, src, hd);
+        else load_tile<KV, HD, SL>(t, loc, src, hd);
     };
     int cursor = -1;
     int row0 = next_row(cursor);
@@ -1129,7 +1136,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             attend_mma<HG, ROWS>(cur, row0, src, qa, q_inv, new_k_s, new_v_s, new_scales,
                                  p.inv_sqrt_hd, lane, st);
         else
-            attend_tile<KV, HD, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
+            attend_tile<KV, HD, SL, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
                                           hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
@@ -1155,7 +1162,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
             }
         }
     } else {
-        warp_state_out<KV, HD, HG>(st, o_s, m_s, l_s, hd, warp, lane);
+        warp_state_out<KV, HD, SL, HG>(st, o_s, m_s, l_s, hd, warp, lane);
     }
     __syncthreads();
     // Each output element combines the warps itself (m, the factors and l recomputed per
@@ -1238,73 +1245,92 @@ using AttnKernel = void (*)(AttnParams);
 
 // Head-group sizes compiled: 1, 2, 4 and 8 (up to what the registers allow) for head_dim 64 and
 // 128 (where the real models are), the largest the registers allow for the other head dims.
-template <int KV, int HD, bool ROWS>
-AttnKernel kernel_for_group(int head_group, bool tensor_cores) {
-    constexpr int kMax = AttnLayout<KV, HD>::kMaxHeadGroup;
-    if constexpr (kMmaFold<KV, HD, 4>) {
-        if (tensor_cores)
-            return head_group == 2   ? attention_kernel<KV, HD, 2, ROWS, true>
-                   : head_group == 4 ? attention_kernel<KV, HD, 4, ROWS, true>
-                   : head_group == 8 ? attention_kernel<KV, HD, 8, ROWS, true>
-                                     : nullptr;
-    }
-    if (tensor_cores) return nullptr;
+template <int KV, int HD, int SL, bool ROWS>
+AttnKernel cuda_core_kernel(int head_group) {
+    constexpr int kMax = AttnLayout<KV, HD, SL>::kMaxHeadGroup;
     if constexpr (HD == 64 || HD == 128) {
-        if (head_group == 1) return attention_kernel<KV, HD, 1, ROWS>;
-        if (head_group == 2) return attention_kernel<KV, HD, 2, ROWS>;
-        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, (kMax >= 4 ? 4 : 2), ROWS>;
-        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, (kMax >= 8 ? 8 : 2), ROWS>;
+        if (head_group == 1) return attention_kernel<KV, HD, SL, 1, ROWS>;
+        if (head_group == 2) return attention_kernel<KV, HD, SL, 2, ROWS>;
+        if (head_group == 4 && kMax >= 4) return attention_kernel<KV, HD, SL, (kMax >= 4 ? 4 : 2), ROWS>;
+        if (head_group == 8 && kMax >= 8) return attention_kernel<KV, HD, SL, (kMax >= 8 ? 8 : 2), ROWS>;
         return nullptr;
     } else {
-        return head_group == kMax ? attention_kernel<KV, HD, kMax, ROWS> : nullptr;
+        return head_group == kMax ? attention_kernel<KV, HD, SL, kMax, ROWS> : nullptr;
     }
 }
 
+// short_tiles: the short band's tiles (kShortSlots), compiled for int8 rows of 64 dims only,
+// where they were measured faster at every short-band context; bf16 rows, and int8 rows of 128
+// dims, were slower or no faster with them (docs/performance.md).
+template <int KV, int HD, bool ROWS>
+AttnKernel kernel_for_group(int head_group, bool tensor_cores, bool short_tiles) {
+    if constexpr (kMmaFold<KV, HD, 4>) {
+        if (tensor_cores)
+            return head_group == 2   ? attention_kernel<KV, HD, kLongSlots, 2, ROWS, true>
+                   : head_group == 4 ? attention_kernel<KV, HD, kLongSlots, 4, ROWS, true>
+                   : head_group == 8 ? attention_kernel<KV, HD, kLongSlots, 8, ROWS, true>
+                                     : nullptr;
+    }
+    if (tensor_cores) return nullptr;
+    if constexpr (KV == OG_KV_INT8 && HD == 64) {
+        if (short_tiles) return cuda_core_kernel<KV, HD, kShortSlots, ROWS>(head_group);
+    } else {
+        if (short_tiles) return nullptr;
+    }
+    return cuda_core_kernel<KV, HD, kLongSlots, ROWS>(head_group);
+}
+
 template <int KV, bool ROWS>
-AttnKernel kernel_for(int head_dim, int head_group, bool tc) {
+AttnKernel kernel_for(int head_dim, int head_group, bool tc, bool short_tiles) {
     switch (head_dim) {
-        case 64: return kernel_for_group<KV, 64, ROWS>(head_group, tc);
-        case 128: return kernel_for_group<KV, 128, ROWS>(head_group, tc);
-        case 256: return kernel_for_group<KV, 256, ROWS>(head_group, tc);
-        default: return kernel_for_group<KV, 0, ROWS>(head_group, tc);
+        case 64: return kernel_for_group<KV, 64, ROWS>(head_group, tc, short_tiles);
+        case 128: return kernel_for_group<KV, 128, ROWS>(head_group, tc, short_tiles);
+        case 256: return kernel_for_group<KV, 256, ROWS>(head_group, tc, short_tiles);
+        default: return kernel_for_group<KV, 0, ROWS>(head_group, tc, short_tiles);
     }
 }
 
 // The kernel of a launch of one row (the decode body) or of several (the verify body); tc: the
-// tensor-core fold (nullptr where it is not compiled).
-AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group, bool rows, bool tc = false) {
+// tensor-core fold, short_tiles: the short band's tiles (nullptr where it is not compiled).
+AttnKernel kernel_for(int kv_dtype, int head_dim, int head_group, bool rows, bool tc = false,
+                      bool short_tiles = false) {
     switch (kv_dtype) {
-        case OG_KV_F32: return rows ? kernel_for<OG_KV_F32, true>(head_dim, head_group, tc)
-                                    : kernel_for<OG_KV_F32, false>(head_dim, head_group, tc);
-        case OG_KV_BF16: return rows ? kernel_for<OG_KV_BF16, true>(head_dim, head_group, tc)
-                                     : kernel_for<OG_KV_BF16, false>(head_dim, head_group, tc);
-        case OG_KV_INT8: return rows ? kernel_for<OG_KV_INT8, true>(head_dim, head_group, tc)
-                                     : kernel_for<OG_KV_INT8, false>(head_dim, head_group, tc);
+        case OG_KV_F32: return rows ? kernel_for<OG_KV_F32, true>(head_dim, head_group, tc, short_tiles)
+                                    : kernel_for<OG_KV_F32, false>(head_dim, head_group, tc, short_tiles);
+        case OG_KV_BF16: return rows ? kernel_for<OG_KV_BF16, true>(head_dim, head_group, tc, short_tiles)
+                                     : kernel_for<OG_KV_BF16, false>(head_dim, head_group, tc, short_tiles);
+        case OG_KV_INT8: return rows ? kernel_for<OG_KV_INT8, true>(head_dim, head_group, tc, short_tiles)
+                                     : kernel_for<OG_KV_INT8, false>(head_dim, head_group, tc, short_tiles);
     }
     return nullptr;
 }
 
-template <int KV, int HD>
+template <int KV, int HD, int SL>
 void layout_facts(int *tile_rows, int *max_group) {
-    *tile_rows = AttnLayout<KV, HD>::kTileRows;
-    *max_group = AttnLayout<KV, HD>::kMaxHeadGroup;
+    *tile_rows = AttnLayout<KV, HD, SL>::kTileRows;
+    *max_group = AttnLayout<KV, HD, SL>::kMaxHeadGroup;
 }
-template <int KV>
+template <int KV, int SL>
 void layout_facts(int head_dim, int *tile_rows, int *max_group) {
     switch (head_dim) {
-        case 64: return layout_facts<KV, 64>(tile_rows, max_group);
-        case 128: return layout_facts<KV, 128>(tile_rows, max_group);
-        case 256: return layout_facts<KV, 256>(tile_rows, max_group);
-        default: return layout_facts<KV, 0>(tile_rows, max_group);
+        case 64: return layout_facts<KV, 64, SL>(tile_rows, max_group);
+        case 128: return layout_facts<KV, 128, SL>(tile_rows, max_group);
+        case 256: return layout_facts<KV, 256, SL>(tile_rows, max_group);
+        default: return layout_facts<KV, 0, SL>(tile_rows, max_group);
     }
 }
+template <int SL>
 bool layout_facts(int kv_dtype, int head_dim, int *tile_rows, int *max_group) {
     switch (kv_dtype) {
-        case OG_KV_F32: layout_facts<OG_KV_F32>(head_dim, tile_rows, max_group); return true;
-        case OG_KV_BF16: layout_facts<OG_KV_BF16>(head_dim, tile_rows, max_group); return true;
-        case OG_KV_INT8: layout_facts<OG_KV_INT8>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_F32: layout_facts<OG_KV_F32, SL>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_BF16: layout_facts<OG_KV_BF16, SL>(head_dim, tile_rows, max_group); return true;
+        case OG_KV_INT8: layout_facts<OG_KV_INT8, SL>(head_dim, tile_rows, max_group); return true;
     }
     return false;
+}
+bool layout_facts(int kv_dtype, int head_dim, bool short_tiles, int *tile_rows, int *max_group) {
+    return short_tiles ? layout_facts<kShortSlots>(kv_dtype, head_dim, tile_rows, max_group)
+                       : layout_facts<kLongSlots>(kv_dtype, head_dim, tile_rows, max_group);
 }
 
 int elem_bytes(int kv_dtype) { return kv_dtype == OG_KV_F32 ? 4 : kv_dtype == OG_KV_BF16 ? 2 : 1; }
@@ -1317,8 +1343,10 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
         head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 2 != 0 || max_seq_len <= 0 ||
         split_len < 0 || band < kBandShort || band > kBandLongCudaCores)
         return cudaErrorInvalidValue;
+    // The short band folds with its own tiles where they are compiled (int8 rows of 64 dims).
+    const bool short_tiles = band == kBandShort && kernel_for(kv_dtype, head_dim, 1, false, false, true) != nullptr;
     int tile_rows = 0, max_group = 0;
-    if (!layout_facts(kv_dtype, head_dim, &tile_rows, &max_group)) return cudaErrorInvalidValue;
+    if (!layout_facts(kv_dtype, head_dim, short_tiles, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
     // The long band's tensor-core fold where a KV head's query heads are one of its groups: by
     // default for groups of 4 and 8; a group of 2 keeps the tensor cores' work of a group of 4
@@ -1345,8 +1373,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     // Blocks per (KV head, head group) for head group hg: one wave of blocks over all of them
     // (before the cap at one per chunk: *wave).
     auto blocks_for = [&](int hg, int *wave) -> cudaError_t {
-        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg, false, tensor_cores);
-        const AttnKernel rows_kernel = kernel_for(kv_dtype, head_dim, hg, true, tensor_cores);
+        const AttnKernel kernel = kernel_for(kv_dtype, head_dim, hg, false, tensor_cores, short_tiles);
+        const AttnKernel rows_kernel = kernel_for(kv_dtype, head_dim, hg, true, tensor_cores, short_tiles);
         if (kernel == nullptr || rows_kernel == nullptr) return cudaErrorInvalidValue;
         const size_t smem = (size_t)attn_smem(hg, head_dim, n_splits, eb, 1).total * 4;
         if (smem > (size_t)smem_optin - 64) return cudaErrorInvalidValue;  // is_last_block
@@ -1387,6 +1415,7 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
     plan->head_group = head_group;
     plan->head_groups = ceil_div(group, head_group);
     plan->tensor_cores = tensor_cores;
+    plan->short_tiles = short_tiles;
     plan->smem_bytes = (int)attn_smem(head_group, head_dim, plan->n_blocks, eb, 1).total * 4;
     return cudaSuccess;
 }
@@ -1408,7 +1437,7 @@ cudaError_t launch_attention(const AttentionArgs &args, const AttentionPlan &pla
     if (args.n_rows < 1 || args.n_rows > kAttnMaxRows || (args.n_rows > 1 && args.qkv == nullptr))
         return cudaErrorInvalidValue;
     const AttnKernel kernel = kernel_for(args.kv_dtype, args.head_dim, plan.head_group, args.n_rows > 1,
-                                         plan.tensor_cores);
+                                         plan.tensor_cores, plan.short_tiles);
     if (kernel == nullptr) return cudaErrorInvalidValue;
     AttnParams p;
     p.a = args;

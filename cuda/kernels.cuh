@@ -195,12 +195,15 @@ struct AttentionPlan {
     int head_group = 0;           // query heads accumulated together in registers (HG)
     int head_groups = 0;          // ceil(n_heads / n_kv_heads / HG): blocks side by side per chunk
     bool tensor_cores = false;    // the fold on the tensor cores (attention.cu kMmaFold)
+    bool short_tiles = false;     // the short band's tiles: half the rows a warp (int8, 64 dims)
     int smem_bytes = 0;
 };
 // Which plan attention_plan makes (the engine's two attention bands, engine.cuh; the testing
 // ABI's band argument takes the same values):
-//   kBandShort: the CUDA cores, and with the default chunk the narrowest head group that still
-//     gives every chunk of max_seq_len rows a block of its own;
+//   kBandShort: the CUDA cores, with tiles of half the long band's rows a warp for int8 rows of
+//     64 dims (a short context spreads over more of a block's warps), and with the default chunk
+//     the narrowest head group that still gives every chunk of max_seq_len rows a block of its
+//     own;
 //   kBandLong: a KV head's query heads in one group, folded on the tensor cores where a group of
 //     4 or 8 int8 rows of 128 dims makes them win (docs/performance.md), else the widest group
 //     on the CUDA cores;

@@ -496,6 +496,17 @@ def test_attention_short_cache_head_group_one(n_heads, n_kv, hd, kv_dtype):
         assert same_bits(again, out), f"len={visible_len}: not bit-identical run to run"
 
 
+@pytest.mark.parametrize("kv_dtype,hd,ratio", [(ct.OG_KV_INT8, 64, 2), (ct.OG_KV_INT8, 128, 1), (ct.OG_KV_BF16, 64, 1)],
+                         ids=["int8-64", "int8-128", "bf16-64"])
+def test_short_band_tiles(kv_dtype, hd, ratio):
+    # The default chunk is a tile a warp. The short band folds int8 rows of 64 dims in tiles of
+    # half the long band's rows, so its chunk is half as long; other formats and head dims keep
+    # the long band's tiles (test_attention_short_cache_head_group_one checks the results).
+    short = ct.attention_plan(9, 3, hd, 4096, kv_dtype, band=ct.BAND_SHORT)["split_len"]
+    long = ct.attention_plan(9, 3, hd, 4096, kv_dtype, band=ct.BAND_LONG_CUDA)["split_len"]
+    assert long == ratio * short, (short, long)
+
+
 def test_attention_rejects_bad_arguments():
     q = np.ones(8, np.float32)
     k = np.ones((1, 4, 8), np.float32)
