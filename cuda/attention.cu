@@ -67,6 +67,7 @@ constexpr int kAttnWarps = 8;
 constexpr int kAttnThreads = kAttnWarps * kWarpSize;
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 // A lane's rows a tile where a row is one vector a lane (SL of AttnLayout): the long band's
 // tiles, and the short band's (int8 rows of 64 dims), half as many rows a warp, so that a short
@@ -83,7 +84,7 @@ struct AttnLayout {
     static constexpr int kLanesPerRow = kVector ? cmin(HD / kVec, kWarpSize) : kWarpSize;
     static constexpr int kVecsPerLane = kVector ? HD / kVec / kLanesPerRow : kMaxHeadDim / kWarpSize;
     static constexpr int kRowsPerLoad = kWarpSize / kLanesPerRow;
-    static constexpr int kSlots = kVector ? (SL / kVecsPerLane > 0 ? SL / kVecsPerLane : 1) : 2;  // rows a lane a tile
+    static constexpr int kSlots = kVector ? cmax(1, SL / kVecsPerLane) : 2;  // rows a lane a tile
     static constexpr int kTileRows = kRowsPerLoad * kSlots;
     static constexpr int kLaneElems = kVecsPerLane * kVec;                  // dims a lane owns
     static constexpr int kMaxHeadGroup = cmin(8, 64 / kLaneElems);          // o registers <= 64
@@ -304,8 +305,8 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD, SL> &t, const TileLoc<KV,
         for (int s = 0; s < L::kSlots; ++s) {
             const int step = s * L::kRowsPerLoad;
             load_slot<KV, HD, SL>(t, s, loc.block[s] >= 0, k + step * row_bytes, v + step * row_bytes,
-                              KV == OG_KV_INT8 ? k_scales + step : nullptr,
-                              KV == OG_KV_INT8 ? v_scales + step : nullptr, src, hd);
+                                  KV == OG_KV_INT8 ? k_scales + step : nullptr,
+                                  KV == OG_KV_INT8 ? v_scales + step : nullptr, src, hd);
         }
         return;
     }
@@ -319,8 +320,8 @@ __device__ __forceinline__ void load_tile(Tile<KV, HD, SL> &t, const TileLoc<KV,
             k_scales = reinterpret_cast<const float *>(src.k_scales + base) + row;
             v_scales = reinterpret_cast<const float *>(src.v_scales + base) + row;
         }
-        load_slot<KV, HD, SL>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes, k_scales,
-                          v_scales, src, hd);
+        load_slot<KV, HD, SL>(t, s, ok, src.k + base + row * row_bytes, src.v + base + row * row_bytes,
+                              k_scales, v_scales, src, hd);
     }
 }
 
@@ -1137,7 +1138,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
                                  p.inv_sqrt_hd, lane, st);
         else
             attend_tile<KV, HD, SL, HG, ROWS>(cur, row0, src, q_s, new_k_s, new_v_s, new_scales,
-                                          hd, p.inv_sqrt_hd, lane, st);
+                                              hd, p.inv_sqrt_hd, lane, st);
         cur = nxt;
         row0 = row1;
     }
@@ -1344,7 +1345,8 @@ cudaError_t attention_plan(int n_heads, int n_kv_heads, int head_dim, int max_se
         split_len < 0 || band < kBandShort || band > kBandLongCudaCores)
         return cudaErrorInvalidValue;
     // The short band folds with its own tiles where they are compiled (int8 rows of 64 dims).
-    const bool short_tiles = band == kBandShort && kernel_for(kv_dtype, head_dim, 1, false, false, true) != nullptr;
+    const bool short_tiles =
+        band == kBandShort && kernel_for(kv_dtype, head_dim, 1, false, false, true) != nullptr;
     int tile_rows = 0, max_group = 0;
     if (!layout_facts(kv_dtype, head_dim, short_tiles, &tile_rows, &max_group)) return cudaErrorInvalidValue;
     const int group = n_heads / n_kv_heads;
