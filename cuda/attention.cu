@@ -893,25 +893,40 @@ __device__ __forceinline__ int next_tile(int &n, int b, int n_blocks, int chunk_
 // ---- OG_Q4_TRACE: per-block timestamps (build.py --trace; scripts/q4_trace.py) -------------
 // The diagnostic build also has every working block of the attention kernel record
 // %globaltimer when it starts, when the PDL wait returns, when its query heads are ready, when
-// its rows are folded in and when it is done. The normal build has none of it.
+// thread 0's first tile (loaded before the wait) had arrived (the CUDA-core fold; the
+// tensor-core fold records its query heads' time there), when its rows are folded in and when
+// it is done. The normal build has none of it.
 #ifdef OG_Q4_TRACE
 struct AttnTraceRecord {
-    unsigned long long layer, t_start, t_wait, t_prologue, t_rows, t_end;  // layer: its K pages
+    unsigned long long layer, t_start, t_wait, t_prologue, t_kv, t_rows, t_end;  // layer: its K pages
+    long long c_wait, c_prologue, c_kv, c_rows, c_end;  // thread 0's SM clock at the same points
     int block_x, block_y, sm, n_active;
 };
 constexpr unsigned kAttnTraceRecords = 1u << 14;
 __device__ AttnTraceRecord g_attn_trace[kAttnTraceRecords];
 __device__ unsigned g_attn_trace_count;
-#define ATTN_TRACE(var) const unsigned long long var = trace_now()
+#define ATTN_TRACE(var) const unsigned long long var = trace_now(); const long long c_##var = clock64()
+__device__ __forceinline__ unsigned trace_word(const uint4 &v) { return v.x; }
+__device__ __forceinline__ unsigned trace_word(uint32_t v) { return v; }
+template <bool TC, class TileT>
+__device__ __forceinline__ unsigned long long trace_tile_arrived(const TileT &t) {
+    if constexpr (TC) return trace_now();
+    else return trace_now_after(trace_word(t.k[0][0]));
+}
+#define ATTN_TRACE_TILE(var, tc, tile) \
+    const unsigned long long var = trace_tile_arrived<tc>(tile); const long long c_##var = clock64()
 #define ATTN_TRACE_END()                                                                              \
     if (tid == 0) {                                                                                   \
         const unsigned slot = atomicAdd(&g_attn_trace_count, 1u) % kAttnTraceRecords;                \
         g_attn_trace[slot] = AttnTraceRecord{(unsigned long long)a.kv.k, trace_start, trace_wait,     \
-                                             trace_prologue, trace_rows, trace_now(),                 \
-                                             (int)blockIdx.x, (int)blockIdx.y, trace_sm(), n_active}; \
+                                             trace_prologue, trace_kv, trace_rows, trace_now(),       \
+                                             c_trace_wait, c_trace_prologue, c_trace_kv, c_trace_rows, \
+                                             clock64(), (int)blockIdx.x, (int)blockIdx.y, trace_sm(), \
+                                             n_active};                                               \
     }
 #else
 #define ATTN_TRACE(var) (void)0
+#define ATTN_TRACE_TILE(var, tc, tile) (void)0
 #define ATTN_TRACE_END() (void)0
 #endif
 
@@ -1101,6 +1116,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attention_kernel(const AttnPa
     }
     __syncthreads();
     ATTN_TRACE(trace_prologue);
+    ATTN_TRACE_TILE(trace_kv, TC, cur);
 
     float *o_s = smem + lay.o;       // [warps, HG, hd]
     float *m_s = smem + lay.m;       // [warps, HG]

@@ -270,6 +270,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     __syncthreads();
     GEMV_TRACE_QUANTIZED();
     GEMV_TRACE_STAGED(g_bf16_trace);
+    GEMV_TRACE_WEIGHTS(g_bf16_trace, v0[0].x);
 
     // Bank-conflict-free reads of x: a quarter-warp's 8 lanes read 8 chunks of 32 bytes
     // in two 16-byte halves; lanes 4..7 of each quarter take their halves in the other

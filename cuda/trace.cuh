@@ -15,6 +15,17 @@ __device__ __forceinline__ unsigned long long trace_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+// %globaltimer read only once the 32-bit word `word` (a register a load fills) has arrived: the
+// read is predicated on a test of the word, so it cannot be issued before the load completes.
+__device__ __forceinline__ unsigned long long trace_now_after(unsigned word) {
+    unsigned long long t;
+    asm volatile(
+        "{ .reg .pred p; setp.ne.u32 p, %1, 0x9e3779b9; @p mov.u64 %0, %%globaltimer;"
+        " @!p mov.u64 %0, 1; }"
+        : "=l"(t)
+        : "r"(word));
+    return t;
+}
 __device__ __forceinline__ int trace_sm() {
     int s;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
@@ -23,9 +34,13 @@ __device__ __forceinline__ int trace_sm() {
 
 // A GEMV block's record (the q4 and bf16 kernels): the launch's weight pointer identifies the
 // launch; the block's start, the PDL wait's return, the q4 input's quantization (the bf16
-// kernel: its staging), the staged input and its last warp's end, in %globaltimer ns.
+// kernel: its staging), the staged input, its last warp's end and (the bf16 kernel; 0 elsewhere)
+// when thread 0's first weights, loaded before the wait, had arrived, in %globaltimer ns; then
+// thread 0's SM clock (clock64: cycles, finer than %globaltimer's steps) at its wait's return,
+// past the staging and at its warp's end.
 struct GemvTraceRecord {
-    unsigned long long weight, t_start, t_wait, t_quant, t_staged, t_end;
+    unsigned long long weight, t_start, t_wait, t_quant, t_staged, t_end, t_weights;
+    long long c_wait, c_staged, c_end;
     int mode, rows, cols, block, sm, warps;
 };
 constexpr unsigned kGemvTraceRecords = 1u << 16;
@@ -60,19 +75,26 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
     const unsigned long long trace_start = trace_now();                                  \
     __shared__ unsigned trace_slot;                                                      \
     if (threadIdx.x == 0) trace_slot = atomicAdd(&count, 1u) % kGemvTraceRecords
-#define GEMV_TRACE_WAITED() const unsigned long long trace_wait = trace_now()
+#define GEMV_TRACE_WAITED()                              \
+    const unsigned long long trace_wait = trace_now(); \
+    const long long trace_c_wait = clock64()
 #define GEMV_TRACE_QUANTIZED() const unsigned long long trace_quant = trace_now()
 #define GEMV_TRACE_STAGED(ring) TRACE_STAGED_AS(ring, p.weight, MODE, p.rows, p.cols, WARPS)
 // The same record for a kernel with other names for its launch's identity and shape (moe.cu).
 #define TRACE_STAGED_AS(ring, weight, mode, rows, cols, warps)                                         \
     if (threadIdx.x == 0) {                                                                            \
         ring[trace_slot] = GemvTraceRecord{(unsigned long long)(weight), trace_start, trace_wait,      \
-                                           trace_quant, trace_now(), 0ull, (mode), (rows), (cols),     \
+                                           trace_quant, trace_now(), 0ull, 0ull, trace_c_wait,         \
+                                           clock64(), 0ll, (mode), (rows), (cols),                     \
                                            (int)blockIdx.x, trace_sm(), (warps)};                      \
     }                                                                                                  \
     __syncthreads()
-#define GEMV_TRACE_END(ring) \
-    if (lane == 0) atomicMax(&ring[trace_slot].t_end, trace_now())
+// Thread 0's first weights (`word`: a register its pre-wait loads fill) arrived, after the staging.
+#define GEMV_TRACE_WEIGHTS(ring, word) \
+    if (threadIdx.x == 0) ring[trace_slot].t_weights = trace_now_after(word)
+#define GEMV_TRACE_END(ring)                                                 \
+    if (lane == 0) atomicMax(&ring[trace_slot].t_end, trace_now());          \
+    if (threadIdx.x == 0) ring[trace_slot].c_end = clock64()
 
 // The trace build's two readers of a ring, og_<name>_trace_read and og_<name>_trace_reset (no
 // header: scripts/q4_trace.py calls them through ctypes); at file scope, after the ring.
@@ -88,6 +110,7 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 #define GEMV_TRACE_WAITED() (void)0
 #define GEMV_TRACE_QUANTIZED() (void)0
 #define GEMV_TRACE_STAGED(ring) (void)0
+#define GEMV_TRACE_WEIGHTS(ring, word) (void)0
 #define TRACE_STAGED_AS(ring, weight, mode, rows, cols, warps) (void)0
 #define GEMV_TRACE_END(ring) (void)0
 #endif

@@ -34,14 +34,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_quant", "u8"), ("t_staged", "u8"),
-                   ("t_end", "u8"), ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"),
-                   ("sm", "i4"), ("warps", "i4")])
+                   ("t_end", "u8"), ("t_weights", "u8"), ("c_wait", "i8"), ("c_staged", "i8"), ("c_end", "i8"),
+                   ("mode", "i4"), ("rows", "i4"), ("cols", "i4"), ("block", "i4"), ("sm", "i4"), ("warps", "i4")])
 # GEMV modes 0-4 (gemv.cuh, gemv_q4.cu's kQ4MoeGateUp), then moe.cu's kernels (kTraceTopk, ...)
 MODES = {0: "plain", 1: "norm", 2: "residual", 3: "swiglu", 4: "moe_gate_up", 5: "topk", 6: "moe_gate_up",
          7: "moe_down"}
 TOPK = 5
 ATTN_RECORD = np.dtype([("layer", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_prologue", "u8"),
-                        ("t_rows", "u8"), ("t_end", "u8"), ("block_x", "i4"), ("block_y", "i4"),
+                        ("t_kv", "u8"), ("t_rows", "u8"), ("t_end", "u8"), ("c_wait", "i8"), ("c_prologue", "i8"),
+                        ("c_kv", "i8"), ("c_rows", "i8"), ("c_end", "i8"), ("block_x", "i4"), ("block_y", "i4"),
                         ("sm", "i4"), ("n_active", "i4")])
 
 
@@ -117,7 +118,15 @@ def launches(records: np.ndarray) -> list[dict]:
                     "blocks": len(r), "warps": int(r["warps"][0]),
                     "start": us(r["t_start"].min()), "wait": us(r["t_wait"].min()),
                     "staged": us(np.median(r["t_staged"])), "end_med": us(np.median(r["t_end"])),
-                    "end": us(r["t_end"].max())})
+                    "end": us(r["t_end"].max()),
+                    # bf16 blocks: how long after its staging thread 0's first weights arrived
+                    "late": float(np.median(np.maximum(r["t_weights"].astype(np.int64)
+                                                       - r["t_staged"].astype(np.int64), 0))) / 1e3
+                    if r["t_weights"].min() > 1 else float("nan"),
+                    # thread 0's SM cycles: wait to staged, staged to its warp's end
+                    "cyc stage": float(np.median(r["c_staged"] - r["c_wait"])),
+                    "cyc stream": float(np.median(r["c_end"] - r["c_staged"])) if r["c_end"].min() > 0
+                    else float("nan")})
     return sorted(out, key=lambda d: d["wait"])
 
 
@@ -146,7 +155,12 @@ def main(argv=None) -> int:
         k = kind(d, config)
         handover = d["wait"] - prev_end if prev_end is not None else float("nan")
         prev_end = d["end"]
-        s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": []})
+        s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": [],
+                                    "weights late": [], "cyc stage": [], "cyc stream": []})
+        for m in ("weights late", "cyc stage", "cyc stream"):
+            v = d["late" if m == "weights late" else m]
+            if v == v:
+                s[m].append(v)
         if handover == handover:
             s["hand-over"].append(handover)
         s["stage"].append(d["staged"] - d["wait"])
@@ -158,7 +172,12 @@ def main(argv=None) -> int:
                   f"{d['staged']:8.1f} {d['end_med']:8.1f} {d['end']:8.1f} {handover:9.2f}")
     print("median per kind, µs:")
     for k, s in per_kind.items():
-        print(f"  {k:8} " + "  ".join(f"{m} {statistics.median(v):.2f}" for m, v in s.items() if v))
+        print(f"  {k:8} " + "  ".join(f"{m} {statistics.median(v):.{0 if m.startswith('cyc') else 2}f}"
+                                     for m, v in s.items() if v))
+    lm = records[records["rows"] == config.vocab_size]
+    if len(lm) and lm["c_end"].min() > 0:  # the SM clock: thread 0's cycles over its ns in the lm_head
+        ghz = np.median((lm["c_end"] - lm["c_wait"]) / (lm["t_end"].astype(np.int64) - lm["t_wait"].astype(np.int64)))
+        print(f"SM clock about {ghz:.2f} GHz (lm_head blocks: cycles / ns from the wait to the end)")
     if len(attn):
         attention_summary(attn, rows, config, int(records["t_start"].min()))
     return 0
@@ -169,14 +188,16 @@ def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> 
     start = median block's start - the QKV's last block (negative: it landed before the QKV
     ended); landed = wait - start (median block: how long its first K/V tile loads, issued
     before the wait, had); in = its first wait's return - the QKV's last block; prologue =
-    query heads ready - wait (median block); rows = rows folded in - prologue; combine = done -
-    rows; out = the O projection's wait - the attention's last block."""
+    query heads ready - wait (median block); rows = rows folded in - prologue, of which kv late =
+    thread 0's first tile arrived - prologue (the CUDA-core fold); combine = done - rows; out =
+    the O projection's wait - the attention's last block."""
     us = lambda t: (float(t) - base) / 1e3
     kinds = [kind(d, config) for d in rows]
     qkv = [d for d, k in zip(rows, kinds) if k == "qkv"]
     o_proj = [d for d, k in zip(rows, kinds) if k == "o_proj"]
     layers = sorted(np.unique(attn["layer"]), key=lambda l: attn["t_wait"][attn["layer"] == l].min())
-    parts = {"start": [], "landed": [], "in": [], "prologue": [], "rows": [], "combine": [], "out": [],
+    parts = {"start": [], "landed": [], "in": [], "prologue": [], "rows": [], "kv late": [], "combine": [], "out": [],
+             "cyc prologue": [], "cyc rows": [], "cyc combine": [],
              "blocks": []}
     for i, layer in enumerate(layers[:min(len(qkv), len(o_proj))]):
         r = attn[attn["layer"] == layer]
@@ -185,11 +206,16 @@ def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> 
         parts["in"].append(us(r["t_wait"].min()) - qkv[i]["end"])
         parts["prologue"].append(float(np.median(r["t_prologue"] - r["t_wait"])) / 1e3)
         parts["rows"].append(float(np.median(r["t_rows"] - r["t_prologue"])) / 1e3)
+        parts["kv late"].append(float(np.median(r["t_kv"] - r["t_prologue"])) / 1e3)
+        parts["cyc prologue"].append(float(np.median(r["c_prologue"] - r["c_wait"])))
+        parts["cyc rows"].append(float(np.median(r["c_rows"] - r["c_prologue"])))
+        parts["cyc combine"].append(float(np.median(r["c_end"] - r["c_rows"])))
         parts["combine"].append(float(np.median(r["t_end"] - r["t_rows"])) / 1e3)
         parts["out"].append(o_proj[i]["wait"] - us(r["t_end"].max()))
         parts["blocks"].append(len(r))
     print("attention, median over layers, µs: " +
-          "  ".join(f"{m} {statistics.median(v):.2f}" for m, v in parts.items() if v))
+          "  ".join(f"{m} {statistics.median(v):.{0 if m.startswith('cyc') else 2}f}"
+                    for m, v in parts.items() if v))
 
 
 if __name__ == "__main__":
