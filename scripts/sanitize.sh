@@ -95,14 +95,15 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
              [ "$2" = racecheck ] && sel="gemv or moe_down or moe_gate_up"
              printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_quant_gpu.py -k "$sel" ;;
     attention)  # racecheck: the kernel's own tests (shared-memory hazards are per kernel; the
-                # engine tests under racecheck ran past 60 s on an H200)
+                # engine tests under racecheck ran past 60 s on an H200); short_cache: the short
+                # band's tiles of int8 rows of 64 dims
                if [ "$2" = racecheck ]; then
                  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
-                   -k "tensor_cores_across_scales"
+                   -k "tensor_cores_across_scales or short_cache"
                else
                  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_paged_gpu.py \
                    tests/test_engine_gpu.py tests/test_speculative_gpu.py \
-                   -k "tensor_cores or attention_bands or (full_context and int8 and long-band) or ((h16kv4 or h32kv4 or -tc) and int8)"
+                   -k "tensor_cores or attention_bands or short_cache or (full_context and int8 and long-band) or ((h16kv4 or h32kv4 or -tc) and int8)"
                fi ;;
     prefill) # racecheck: the GEMMs' own tests (both tile sizes, split and grouped) and one chunked
              # engine prefill (its attention); the engine selection ran past 240 s on an H100

@@ -1,5 +1,6 @@
 """The hot loop of each kernel in a CUDA binary, as the compiler wrote it: its instructions by
-class and by source line, and how long one trip takes if issue alone bound it.
+class and by source line, and how long one trip takes if issue alone bound it; and the kernel's
+size (an SM's instruction cache holds about 32 KB: scripts/icache_probe.cu).
 
     python3 scripts/sass_loops.py BINARY [--kernel REGEX] [--warps-per-sm N] [--lines K] [--json PATH]
 
@@ -270,7 +271,8 @@ def main() -> int:
         print(f"sass_loops: no kernel matching '{args.kernel}' has a loop with {args.min_math}+ math instructions")
         return 1
     for rec in sorted(records, key=lambda r: r["kernel"]):
-        print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack; hot loop: "
+        print(f"{rec['kernel']}\n  {rec['registers']} registers, {rec['stack_bytes']} bytes of stack, "
+              f"{rec['code_bytes'] / 1024:.1f} KB of code; hot loop: "
               f"{rec['instructions']} instructions (a trip takes at least {rec['fewest_a_trip']}), issue-bound "
               f"{rec['issue_bound_us']:.2f} us at {rec['warps_per_sm']} warps an SM")
         print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
@@ -306,6 +308,7 @@ def hot_loops(args) -> list[dict]:
                 warps = args.warps_per_sm or resident_warps(r.get("REG", 255), args.block_threads)
                 cycles = len(trip) * warps / 4
                 rec = {"kernel": name, "instructions": len(trip), "fewest_a_trip": fewest,
+                       "code_bytes": 16 * len(body),  # sm_90: 16 bytes an instruction
                        "classes": dict(classes.most_common()),
                        "registers": r.get("REG"), "stack_bytes": r.get("STACK"),
                        "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": warps,
