@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                                      for m, v in s.items() if v))
     lm = records[records["rows"] == config.vocab_size]
     if len(lm) and lm["c_end"].min() > 0:  # the SM clock: thread 0's cycles over its ns in the lm_head
-        ghz = np.median((lm["c_end"] - lm["c_wait"]) / (lm["t_end"].astype(np.int64) - lm["t_wait"].astype(np.int64)))
+        ns = lm["t_end"].astype(np.int64) - lm["t_wait"].astype(np.int64)
+        ghz = np.median((lm["c_end"] - lm["c_wait"]) / ns)
         print(f"SM clock about {ghz:.2f} GHz (lm_head blocks: cycles / ns from the wait to the end)")
     if len(attn):
         attention_summary(attn, rows, config, int(records["t_start"].min()))
@@ -196,9 +197,8 @@ def attention_summary(attn: np.ndarray, rows: list[dict], config, base: int) -> 
     qkv = [d for d, k in zip(rows, kinds) if k == "qkv"]
     o_proj = [d for d, k in zip(rows, kinds) if k == "o_proj"]
     layers = sorted(np.unique(attn["layer"]), key=lambda l: attn["t_wait"][attn["layer"] == l].min())
-    parts = {"start": [], "landed": [], "in": [], "prologue": [], "rows": [], "kv late": [], "combine": [], "out": [],
-             "cyc prologue": [], "cyc rows": [], "cyc combine": [],
-             "blocks": []}
+    parts = {"start": [], "landed": [], "in": [], "prologue": [], "rows": [], "kv late": [], "combine": [],
+             "out": [], "cyc prologue": [], "cyc rows": [], "cyc combine": [], "blocks": []}
     for i, layer in enumerate(layers[:min(len(qkv), len(o_proj))]):
         r = attn[attn["layer"] == layer]
         parts["start"].append(us(np.median(r["t_start"])) - qkv[i]["end"])

@@ -255,6 +255,8 @@ def main() -> int:
     ap.add_argument("--warps-per-sm", type=int, default=0, help="resident warps an SM, instead of the above")
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--lines", type=int, default=0, help="also the K source lines with the most instructions")
+    ap.add_argument("--code-lines", type=int, default=0,
+                    help="also the K source lines with the most code in the whole kernel (bytes)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not args.binary.is_file():
@@ -277,6 +279,10 @@ def main() -> int:
               f"{rec['issue_bound_us']:.2f} us at {rec['warps_per_sm']} warps an SM")
         print("  " + ", ".join(f"{c} {n}" for c, n in rec["classes"].items()))
         for where, n in rec["lines"]:
+            print(f"    {where:>24}  {n}")
+        if rec["code_lines"]:
+            print("  code by source line (bytes):")
+        for where, n in rec["code_lines"]:
             print(f"    {where:>24}  {n}")
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
@@ -313,7 +319,9 @@ def hot_loops(args) -> list[dict]:
                        "registers": r.get("REG"), "stack_bytes": r.get("STACK"),
                        "issue_bound_us": cycles / (args.clock_ghz * 1e3), "warps_per_sm": warps,
                        "lines": [[f"{s[0]}:{s[1]}" if s else "?", n] for s, n in
-                                 collections.Counter(x[2] for x in trip).most_common(args.lines)]}
+                                 collections.Counter(x[2] for x in trip).most_common(args.lines)],
+                       "code_lines": [[f"{s[0]}:{s[1]}" if s else "?", 16 * n] for s, n in
+                                      collections.Counter(x[2] for x in body).most_common(args.code_lines)]}
                 records.append(rec)
     return records
 
