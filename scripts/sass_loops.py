@@ -2,7 +2,7 @@
 class and by source line, and how long one trip takes if issue alone bound it; and the kernel's
 size (an SM's instruction cache holds about 32 KB: scripts/icache_probe.cu).
 
-    python3 scripts/sass_loops.py BINARY [--kernel REGEX] [--warps-per-sm N] [--lines K] [--json PATH]
+    python3 scripts/sass_loops.py BINARY [--kernel REGEX] [--warps-per-sm N] [--lines K] [--code-lines K] [--json PATH]
 
 BINARY is a cubin, or an executable / shared library with sm_90 code in it (build with -lineinfo
 for the source lines). The hot loop of a function is its innermost loop (a backward branch's
