@@ -4,6 +4,8 @@
     ONEGRAPH_LIB=$PWD/build/trace/libonegraph_testing.so python3 scripts/q4_trace.py --preset qwen3-8b
     ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset qwen3-0.6b --weights bf16
     ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset qwen3-30b-a3b:4 --weights bf16
+    ONEGRAPH_LIB=... python3 scripts/q4_trace.py --preset smollm2-135m --weights bf16 \
+        --omit attention,o_proj,ffn_in,ffn_out   # the QKV kernels alone, back to back
 
 The trace build (a testing library with -DOG_Q4_TRACE) has every block of the q4 GEMV (--weights
 q4, the default: every matrix and the lm_head in q4) or of the bf16 GEMV (--weights bf16), and of
@@ -32,6 +34,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/capi_testing.py: the og_test_* hooks of the testing library (--omit)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 RECORD = np.dtype([("weight", "u8"), ("t_start", "u8"), ("t_wait", "u8"), ("t_quant", "u8"), ("t_staged", "u8"),
                    ("t_end", "u8"), ("t_weights", "u8"), ("c_wait", "i8"), ("c_staged", "i8"), ("c_end", "i8"),
@@ -81,6 +85,11 @@ def trace(args) -> tuple[np.ndarray, object]:
         gpu.lib.og_attn_trace_read.restype = ctypes.c_int
         gpu.lib.og_attn_trace_reset.restype = ctypes.c_int
         engine.prefill(targets.make_prompt(target.config, args.context - 1, 0))
+        if args.omit:  # a graph without these kinds (the logits meaningless; timing only)
+            import capi_testing
+            capi_testing.reliability()
+            capi_testing.set_omit(gpu.handle, args.omit)
+            gpu.drop_graph()
         with timing.pinned_position(engine, args.context - 1):
             for _ in range(5):
                 gpu.begin(0)
@@ -139,7 +148,15 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=64, help="KV rows each step attends over")
     p.add_argument("--show-layers", default="10,12", help="first,last layer whose launches are listed")
     p.add_argument("--dump", help="also save the raw records (gemv: the GEMV and MoE rings; attn) to this .npz")
+    p.add_argument("--omit", default="",
+                   help="kernel kinds left out of the graph, comma-separated (qkv, attention, o_proj, ffn_in, "
+                        "ffn_out, lm_head; graph_ablation.py's): e.g. every kind but qkv, to see a kind's "
+                        "kernels run back to back with their code cached")
     args = p.parse_args(argv)
+    args.omit = tuple(k for k in args.omit.split(",") if k)
+    kinds = ("qkv", "attention", "o_proj", "ffn_in", "ffn_out", "lm_head")
+    if any(k not in kinds for k in args.omit):
+        p.error(f"--omit {','.join(args.omit)}: each kind one of {', '.join(kinds)}")
     records, attn, config = trace(args)
     if args.dump:
         np.savez(args.dump, gemv=records, attn=attn)
