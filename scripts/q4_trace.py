@@ -129,8 +129,8 @@ def launches(records: np.ndarray) -> list[dict]:
                     "staged": us(np.median(r["t_staged"])), "end_med": us(np.median(r["t_end"])),
                     "end": us(r["t_end"].max()),
                     # bf16 blocks: how long after its staging thread 0's first weights arrived
-                    "late": float(np.median(np.maximum(r["t_weights"].astype(np.int64)
-                                                       - r["t_staged"].astype(np.int64), 0))) / 1e3
+                    "weights late": float(np.median(np.maximum(r["t_weights"].astype(np.int64)
+                                                               - r["t_staged"].astype(np.int64), 0))) / 1e3
                     if r["t_weights"].min() > 1 else float("nan"),
                     # thread 0's SM cycles: wait to staged, staged to its warp's end
                     "cyc stage": float(np.median(r["c_staged"] - r["c_wait"])),
@@ -175,9 +175,8 @@ def main(argv=None) -> int:
         s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": [],
                                     "weights late": [], "cyc stage": [], "cyc stream": []})
         for m in ("weights late", "cyc stage", "cyc stream"):
-            v = d["late" if m == "weights late" else m]
-            if v == v:
-                s[m].append(v)
+            if d[m] == d[m]:  # nan where the kernel has no such point
+                s[m].append(d[m])
         if handover == handover:
             s["hand-over"].append(handover)
         s["stage"].append(d["staged"] - d["wait"])
