@@ -4,11 +4,12 @@
 //
 //   nvcc -O3 -arch=sm_90 -o /tmp/icache_probe scripts/icache_probe.cu && /tmp/icache_probe
 //
-// One warp per SM sub-partition (132 blocks of 128 threads) runs a body of N FFMAs (8 independent
+// One warp per SM sub-partition (a block of 128 threads per SM) runs a body of N FFMAs (8 independent
 // chains: about one a cycle once fetched) twice in a row, clock64 around each pass; cycles a
 // FFMA, averaged over the warps. K kernels of N FFMAs each (different code) launched in turn show
 // whether one kernel's code survives the others' (the K = 2 and 4 rows).
 #include <cstdio>
+#include <vector>
 #include <cuda_runtime.h>
 
 template <int N, int K = 0>
@@ -42,13 +43,13 @@ __global__ void __launch_bounds__(128) body(float *out, long long *cycles, float
 // kernel 0 in each round after its other K - 1 ran.
 template <int N, int K>
 void run(float *out, long long *d_cycles, int blocks) {
-    long long h[2 * 132 * 4];
+    std::vector<long long> h(2 * blocks * 4);
     for (int rep = 0; rep < 3; ++rep) {
         if (K > 1) body<N, 1><<<blocks, 128>>>(out, d_cycles, 1.f);
         if (K > 2) body<N, 2><<<blocks, 128>>>(out, d_cycles, 1.f);
         if (K > 3) body<N, 3><<<blocks, 128>>>(out, d_cycles, 1.f);
         body<N, 0><<<blocks, 128>>>(out, d_cycles, 1.f);
-        cudaMemcpy(h, d_cycles, sizeof(long long) * 2 * blocks * 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(h.data(), d_cycles, sizeof(long long) * h.size(), cudaMemcpyDeviceToHost);
         double c0 = 0, c1 = 0;
         for (int w = 0; w < blocks * 4; ++w) c0 += h[2 * w], c1 += h[2 * w + 1];
         c0 /= blocks * 4; c1 /= blocks * 4;
@@ -59,17 +60,19 @@ void run(float *out, long long *d_cycles, int blocks) {
 
 int main() {
     float *out; long long *cyc;
-    cudaMalloc(&out, 132 * 128 * 4); cudaMalloc(&cyc, 2 * 132 * 4 * 8);
-    run<512, 1>(out, cyc, 132);
-    run<2048, 1>(out, cyc, 132);
-    run<3072, 1>(out, cyc, 132);
-    run<4096, 1>(out, cyc, 132);
-    run<6144, 1>(out, cyc, 132);
-    run<1024, 2>(out, cyc, 132);
-    run<1024, 4>(out, cyc, 132);
-    run<2048, 2>(out, cyc, 132);
-    run<2048, 4>(out, cyc, 132);
-    run<4096, 2>(out, cyc, 132);
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    cudaMalloc(&out, sms * 128 * 4); cudaMalloc(&cyc, 2 * sms * 4 * 8);
+    run<512, 1>(out, cyc, sms);
+    run<2048, 1>(out, cyc, sms);
+    run<3072, 1>(out, cyc, sms);
+    run<4096, 1>(out, cyc, sms);
+    run<6144, 1>(out, cyc, sms);
+    run<1024, 2>(out, cyc, sms);
+    run<1024, 4>(out, cyc, sms);
+    run<2048, 2>(out, cyc, sms);
+    run<2048, 4>(out, cyc, sms);
+    run<4096, 2>(out, cyc, sms);
     cudaError_t e = cudaDeviceSynchronize();
     printf("%s\n", cudaGetErrorString(e));
 }
