@@ -92,7 +92,7 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 // Thread 0's first weights (`word`: a register its pre-wait loads fill) arrived, after the staging.
 #define GEMV_TRACE_WEIGHTS(ring, word) \
     if (threadIdx.x == 0) ring[trace_slot].t_weights = trace_now_after(word)
-// Thread 0 reads its clock before its atomic: an atomicMax costs it 170-200 cycles to issue.
+// Thread 0 reads its clock before its atomic, so that c_end does not count the atomic's issue.
 #define GEMV_TRACE_END(ring)                                                 \
     if (threadIdx.x == 0) ring[trace_slot].c_end = clock64();                \
     if (lane == 0) atomicMax(&ring[trace_slot].t_end, trace_now())
