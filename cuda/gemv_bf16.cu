@@ -225,7 +225,7 @@ __device__ __forceinline__ void stage_x_multi(const GemvParams &p, int nv, float
 template <int MODE, int WARPS, int U, int NV>
 __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const GemvParams p) {
     constexpr int kThreads = WARPS * kWarpSize;
-    GEMV_TRACE_START(g_bf16_trace_count);
+    GEMV_TRACE_START();
     const int nv = NV == 1 ? 1 : p.nv;
     extern __shared__ float4 x_smem4[];              // [nv][ld / 4], then norm modes: w [ld / 4]
     float *x_smem = reinterpret_cast<float *>(x_smem4);
@@ -259,6 +259,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_bf16_kernel(const Gemv
     if (mode_has_norm(MODE)) {
         for (int i = threadIdx.x; i < p.cols; i += kThreads) w_smem[i] = __ldg(p.norm_weight + i);
     }
+    GEMV_TRACE_SLOT(g_bf16_trace_count);
     pdl_wait_then_launch<MODE == kGemvNorm>();
     GEMV_TRACE_WAITED();
 

@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     uint4 *codes = q4_smem;
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
-    GEMV_TRACE_START(g_q4_trace_count);
+    GEMV_TRACE_START();
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int task_stride = gridDim.x * WARPS;
@@ -414,6 +414,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_kernel(const Q4Para
     // own wait has returned. Only the expert ids need the wait.
     if (MODE == kQ4MoeGateUp)
         stager.stage(p.x, norm_weight, p.eps, p.cols, reinterpret_cast<uint2 *>(codes), gq, normed_out, scratch);
+    GEMV_TRACE_SLOT(g_q4_trace_count);
     pdl_wait_then_launch<MODE == kGemvNorm>();
     GEMV_TRACE_WAITED();
     if (MODE == kQ4MoeGateUp) {
@@ -515,7 +516,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     Q8Group *gq = reinterpret_cast<Q8Group *>(codes + 2 * p.groups);
     __shared__ float scratch[WARPS];
     __shared__ uint64_t slot_full[WARPS][NS];
-    GEMV_TRACE_START(g_q4_trace_count);
+    GEMV_TRACE_START();
 
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     char *ring = reinterpret_cast<char *>(q4_smem) + q4_ring_offset(p.groups) + (size_t)warp * NS * kQ4SlotBytes;
@@ -555,6 +556,7 @@ __global__ void __launch_bounds__(WARPS * kWarpSize) gemv_q4_bulk_kernel(const Q
     float *normed_out = kNorm && blockIdx.x == 0 ? p.normed_out : nullptr;
     Q4Stager<MODE, WARPS> stager;
     stager.prepare(p.x, norm_weight, normed_out, p.cols);
+    GEMV_TRACE_SLOT(g_q4_trace_count);
     pdl_wait_then_launch<MODE == kGemvNorm>();
     GEMV_TRACE_WAITED();
     stager.load_x(p.x, p.cols);

@@ -132,7 +132,8 @@ moe_topk_kernel(const float *__restrict__ logits, int num_experts, int top_k, in
     logits += (size_t)blockIdx.x * num_experts;  // block b: row b of a batch (prefill)
     selected += (size_t)blockIdx.x * top_k;
     weights += (size_t)blockIdx.x * top_k;
-    GEMV_TRACE_START(g_moe_trace_count);
+    GEMV_TRACE_START();
+    GEMV_TRACE_SLOT(g_moe_trace_count);
     og::pdl_wait();  // the router GEMV's logits
     GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
@@ -226,7 +227,7 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
     const int pairs = top_k * inter;
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
-    GEMV_TRACE_START(g_moe_trace_count);
+    GEMV_TRACE_START();
 
     uint4 wg[U], wu[U];
     const uint4 *g_row = base;
@@ -266,6 +267,7 @@ moe_gate_up_swiglu_kernel(const __nv_bfloat16 *__restrict__ weights,
         x_lo[c] = make_float4(v[0], v[1], v[2], v[3]);
         x_hi[c] = make_float4(v[4], v[5], v[6], v[7]);
     }
+    GEMV_TRACE_SLOT(g_moe_trace_count);
     og::pdl_wait();  // selected comes from the top-k kernel
     GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();
@@ -331,7 +333,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     const int stride = gridDim.x * kWarps;
     const uint4 *base = reinterpret_cast<const uint4 *>(weights);
     const size_t expert_chunks = (size_t)hidden * nch;
-    GEMV_TRACE_START(g_moe_trace_count);
+    GEMV_TRACE_START();
     // Before the wait: selected and sel_weights (the top-k kernel's) and x (the O
     // projection's) are settled. Their writers are two or more launches back, and the gate/up
     // kernel between lets this one launch only after its own wait has returned. Only act,
@@ -371,6 +373,7 @@ moe_down_kernel(const __nv_bfloat16 *__restrict__ weights, const float *__restri
     };
     int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
     begin_row(r);
+    GEMV_TRACE_SLOT(g_moe_trace_count);
     og::pdl_wait();  // act comes from the gate/up kernel
     GEMV_TRACE_WAITED();
     og::pdl_launch_dependents();

@@ -67,13 +67,16 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
 
 // A GEMV kernel's trace points (the q4 and bf16 kernels), recording into `ring` (a
 // GemvTraceRecord ring of kGemvTraceRecords, its counter `count`). The kernel names its
-// parameters p, its mode MODE, its warps per block WARPS and its lane `lane`. The record slot is
-// taken at the start, while the block waits anyway: an atomic after the staging would put its
-// round trip into the staging's figure. GEMV_TRACE_QUANTIZED marks the end of the q4 input's
-// quantization; a kernel without one marks it at its staging.
-#define GEMV_TRACE_START(count)                                                          \
-    const unsigned long long trace_start = trace_now();                                  \
-    __shared__ unsigned trace_slot;                                                      \
+// parameters p, its mode MODE, its warps per block WARPS and its lane `lane`. The record slot
+// is taken by GEMV_TRACE_SLOT just before the PDL wait, while the block waits anyway (after the
+// staging its round trip would count in the staging's figure) and after the weight loads are
+// issued: thread 0 waits for the atomic's result (every block's goes to one counter), and at the
+// start its warp would issue its loads only after that. GEMV_TRACE_QUANTIZED marks the end of
+// the q4 input's quantization; a kernel without one marks it at its staging.
+#define GEMV_TRACE_START()                                     \
+    const unsigned long long trace_start = trace_now();        \
+    __shared__ unsigned trace_slot
+#define GEMV_TRACE_SLOT(count) \
     if (threadIdx.x == 0) trace_slot = atomicAdd(&count, 1u) % kGemvTraceRecords
 #define GEMV_TRACE_WAITED()                              \
     const unsigned long long trace_wait = trace_now(); \
@@ -107,7 +110,8 @@ inline int trace_ring_reset(const unsigned &count_symbol) {
         return og::trace_ring_reset(count);                                                                    \
     }
 #else
-#define GEMV_TRACE_START(count) (void)0
+#define GEMV_TRACE_START() (void)0
+#define GEMV_TRACE_SLOT(count) (void)0
 #define GEMV_TRACE_WAITED() (void)0
 #define GEMV_TRACE_QUANTIZED() (void)0
 #define GEMV_TRACE_STAGED(ring) (void)0
