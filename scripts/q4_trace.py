@@ -21,7 +21,9 @@ block:
   hand-over = wait - the previous GEMV's end (QKV -> O: the attention kernel lies between)
 
 and the medians over the layers per kind: stage = staged - wait, stream = end_med - staged,
-tail = end - end_med, landed = wait - start (how long blocks sat loaded before the wait).
+tail = end - end_med, landed = wait - start (how long blocks sat loaded before the wait); per
+block, medians over the blocks: block landed = its wait - its start, weights in = thread 0's first
+weights - its start (bf16), weights late = thread 0's first weights - its staging (bf16).
 The attention kernel between each QKV and O projection records its working blocks too
 (cuda/attention.cu): its phases are summed up last (attention_summary).
 """
@@ -132,6 +134,11 @@ def launches(records: np.ndarray) -> list[dict]:
                     "weights late": float(np.median(np.maximum(r["t_weights"].astype(np.int64)
                                                                - r["t_staged"].astype(np.int64), 0))) / 1e3
                     if r["t_weights"].min() > 1 else float("nan"),
+                    # the median block: from its start to its wait's return, and to thread 0's first
+                    # weights (bf16)
+                    "block landed": float(np.median(r["t_wait"].astype(np.int64) - r["t_start"].astype(np.int64))) / 1e3,
+                    "weights in": float(np.median(r["t_weights"].astype(np.int64) - r["t_start"].astype(np.int64))) / 1e3
+                    if r["t_weights"].min() > 1 else float("nan"),
                     # thread 0's SM cycles: wait to staged, staged to its warp's end
                     "cyc stage": float(np.median(r["c_staged"] - r["c_wait"])),
                     "cyc stream": float(np.median(r["c_end"] - r["c_staged"])) if r["c_end"].min() > 0
@@ -174,8 +181,9 @@ def main(argv=None) -> int:
         handover = d["wait"] - prev_end if prev_end is not None else float("nan")
         prev_end = d["end"]
         s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": [],
-                                    "weights late": [], "cyc stage": [], "cyc stream": []})
-        for m in ("weights late", "cyc stage", "cyc stream"):
+                                    "block landed": [], "weights in": [], "weights late": [], "cyc stage": [],
+                                    "cyc stream": []})
+        for m in ("block landed", "weights in", "weights late", "cyc stage", "cyc stream"):
             if d[m] == d[m]:  # nan where the kernel has no such point
                 s[m].append(d[m])
         if handover == handover:
