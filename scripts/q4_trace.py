@@ -116,9 +116,19 @@ def trace(args) -> tuple[np.ndarray, object]:
         return np.concatenate(parts), attn[:n_attn], target.config
 
 
+# The per-block medians a launch carries beside its timeline (nan where its kernel has no such point).
+BLOCK_METRICS = ("block landed", "weights in", "weights late", "cyc stage", "cyc stream")
+
+
 def launches(records: np.ndarray) -> list[dict]:
     base = int(records["t_start"].min())
     us = lambda t: (float(t) - base) / 1e3
+
+    def median_gap_us(later, earlier, at_least=None):
+        """The median over blocks of later - earlier (ns timestamps), in µs."""
+        gap = later.astype(np.int64) - earlier.astype(np.int64)
+        return float(np.median(gap if at_least is None else np.maximum(gap, at_least))) / 1e3
+
     out = []
     # A launch is the blocks that share a weight pointer, except the top-k kernel's: one block a
     # launch, reading the same logits buffer in every layer.
@@ -131,13 +141,12 @@ def launches(records: np.ndarray) -> list[dict]:
                     "staged": us(np.median(r["t_staged"])), "end_med": us(np.median(r["t_end"])),
                     "end": us(r["t_end"].max()),
                     # bf16 blocks: how long after its staging thread 0's first weights arrived
-                    "weights late": float(np.median(np.maximum(r["t_weights"].astype(np.int64)
-                                                               - r["t_staged"].astype(np.int64), 0))) / 1e3
+                    "weights late": median_gap_us(r["t_weights"], r["t_staged"], at_least=0)
                     if r["t_weights"].min() > 1 else float("nan"),
                     # the median block: from its start to its wait's return, and to thread 0's first
                     # weights (bf16)
-                    "block landed": float(np.median(r["t_wait"].astype(np.int64) - r["t_start"].astype(np.int64))) / 1e3,
-                    "weights in": float(np.median(r["t_weights"].astype(np.int64) - r["t_start"].astype(np.int64))) / 1e3
+                    "block landed": median_gap_us(r["t_wait"], r["t_start"]),
+                    "weights in": median_gap_us(r["t_weights"], r["t_start"])
                     if r["t_weights"].min() > 1 else float("nan"),
                     # thread 0's SM cycles: wait to staged, staged to its warp's end
                     "cyc stage": float(np.median(r["c_staged"] - r["c_wait"])),
@@ -180,10 +189,9 @@ def main(argv=None) -> int:
         k = kind(d, config)
         handover = d["wait"] - prev_end if prev_end is not None else float("nan")
         prev_end = d["end"]
-        s = per_kind.setdefault(k, {"hand-over": [], "stage": [], "stream": [], "tail": [], "landed": [],
-                                    "block landed": [], "weights in": [], "weights late": [], "cyc stage": [],
-                                    "cyc stream": []})
-        for m in ("block landed", "weights in", "weights late", "cyc stage", "cyc stream"):
+        s = per_kind.setdefault(k, {m: [] for m in ("hand-over", "stage", "stream", "tail", "landed")
+                                    + BLOCK_METRICS})
+        for m in BLOCK_METRICS:
             if d[m] == d[m]:  # nan where the kernel has no such point
                 s[m].append(d[m])
         if handover == handover:
