@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     for v in args.variants:
         row = "  ".join(f"ctx {c}: {statistics.median(result['ms'][(c, v)]):.4f}" for c in args.contexts)
         print(f"{label}[{v or 'as built'}] {row}  (logits max |diff| {result['diffs'][v]:.3g})")
+        for c in args.contexts:
+            rounds = " ".join(f"{m:.4f}" for m in result["ms"][(c, v)])
+            print(f"{label}  ctx {c} rounds: {rounds}")
     return 0
 
 
