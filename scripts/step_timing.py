@@ -10,9 +10,10 @@ on the session directly, at a pinned position (timing.pinned_position: the KV ro
 below it are allocated, their content unspecified), so a long context costs no prefill. Per
 context, each variant's graph is captured anew (settings an experimental build reads from the
 environment at launch take effect there) and timed over --steps replays (median), the variants
-in turn --repeats times; the table gives the median over the rounds. The first variant's
-logits at the first context are the reference the others are compared with (max |diff|);
---save-logits writes them, so that runs with different libraries can be compared.
+in turn --repeats times; the table gives the median over the rounds, and each round's time
+below it. The first variant's logits at the first context are the reference the others are
+compared with (max |diff|); --save-logits writes them, so that runs with different libraries
+can be compared.
 
 The whole step moves by a few percent from one engine to the next (placement of the weights),
 more than many of the effects worth measuring: compare variants inside one engine where a
