@@ -37,7 +37,9 @@ load by runtime/quant.py; --quantize and --quantize-lm-head say which matrices):
   and run. Each result is then the record of the engine with the median graph tok/s (the
   lower middle for an even E) and lists every engine's tok/s in build order; the context sweep
   runs on every engine, and each (mode, context) record is the engine's with the median
-  ms/token, listing every engine's.
+  ms/token, listing every engine's. A quantized format's tensors are quantized once, as its
+  first engine loads them, and kept for its other engines (the same bytes: quantization is
+  deterministic); their load_s leaves the quantizing out.
 - The floor: the bytes one step must read (weights by format, lm_head, the KV cache at the
   mean visible length of the decode) divided by the device-to-device copy bandwidth measured
   at the start of the same run (bytes read + written per second). fraction_of_floor =

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from onegraph.config import ModelConfig
+from onegraph.quant import WeightScheme, quantize_stream
 
 from bench.floor import bytes_per_token, floor_fields, mean_decode_context, weights_label
 from bench.report import GREEDY_OF_SAMPLED, RESULT_FIELDS
@@ -34,11 +35,31 @@ def empty_result(target: Target, runtime: str, kv: str, s: Settings, weights: st
     return result
 
 
+def engine_source(target: Target, s: Settings, fmt: str, kept: dict):
+    """The tensor source of the target's engines of weight format `fmt`. Where the run builds
+    more than one engine of a quantized format, the first quantizes the tensors as it loads them
+    and keeps them in `kept` for the others: quantization is deterministic, so every engine
+    uploads the same bytes, and the later engines' load_s leaves the quantizing out."""
+    scheme = WeightScheme.make(fmt, s.quantize, s.quantize_lm_head)
+    if scheme.is_bf16 or s.engines * len(s.kv) * len(s.kv_pages) == 1:
+        return target.source
+    if fmt in kept:
+        return lambda: iter(kept[fmt])
+
+    def first_engine():
+        tensors = []
+        for item in quantize_stream(target.config, target.source(), scheme):
+            tensors.append(item)
+            yield item
+        kept[fmt] = tensors
+    return first_engine
+
+
 def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None,
-                   fmt: str = "bf16", kv_page: int = 0) -> tuple[list, list]:
+                   fmt: str = "bf16", kv_page: int = 0, source=None) -> tuple[list, list]:
     """Result records (one per mode) and context-sweep records for one engine of a model, KV
     format, weight format and KV page size (0 the library's default, CONTIGUOUS one block per
-    sequence)."""
+    sequence); `source` the tensors' source if not the target's (engine_source)."""
     from onegraph.engine import Engine
     config, prompt = target.config, make_prompt(target.config, s.prompt, s.seed)
     contexts = usable_contexts(config, s.contexts)
@@ -47,7 +68,7 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     quant = {} if label == "bf16" else {"weights": fmt, "quantize": s.quantize,
                                         "quantize_lm_head": s.quantize_lm_head}
     t0 = time.perf_counter()
-    engine = Engine(config, target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device,
+    engine = Engine(config, source or target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device,
                     kv_page_size=max_seq if kv_page == CONTIGUOUS else kv_page, **quant)
     load_s = time.perf_counter() - t0
     page_size = getattr(engine, "kv_page_size", None)
@@ -309,6 +330,7 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
     """(results, context sweep, notes) for every target."""
     results, sweep, notes = [], [], []
     for target in targets:
+        kept = {}  # weight format -> the target's tensors as quantized by its first engine
         too_long = sorted(c for c in s.contexts if c > target.config.max_position_embeddings)
         if too_long:
             notes.append(f"{target.label}: contexts {too_long} skipped, beyond max_position_embeddings "
@@ -321,7 +343,8 @@ def run(targets: list[Target], s: Settings, bandwidth: float | None) -> tuple[li
                     for fmt in s.weights:
                         for page in s.kv_pages:
                             t0 = time.perf_counter()
-                            r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page)
+                            r, sw = bench_onegraph(target, kv, s, bandwidth, fmt, page,
+                                                   engine_source(target, s, fmt, kept))
                             per_engine.setdefault((fmt, page), []).append(r)
                             per_engine_sweep.setdefault((fmt, page), []).append(sw)
                             progress(f"{target.label} {kv} KV, {fmt} weights, engine {e + 1} of {s.engines}",

@@ -330,32 +330,42 @@ class WeightScheme:
         return base + ("+lm" if self.lm_head != "bf16" else "")
 
 
-def quantize_stream(config, tensors: Iterable[tuple[str, np.ndarray]], scheme: WeightScheme,
-                    workers: int | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedMatrix]]:
+def quantize_stream(config, tensors: Iterable[tuple[str, np.ndarray | QuantizedMatrix]],
+                    scheme: WeightScheme, workers: int | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedMatrix]]:
     """(name, array) pairs -> the same pairs with the scheme's matrices as QuantizedMatrix, in order.
 
-    With a tied embedding and a quantized lm_head, ("lm_head.weight", quantized copy of the
-    embedding table) follows the embedding. Tensors are quantized on a thread pool (numpy
-    releases the GIL) with a bounded look-ahead, so memory stays a few tensors deep."""
+    A matrix that arrives quantized already (a stream this function made, kept to build another
+    engine from) passes through when its format is the one the scheme names for it; any other
+    format is a ValueError naming the tensor. With a tied embedding and a quantized lm_head,
+    ("lm_head.weight", quantized copy of the embedding) ends the stream unless the stream
+    carried an lm_head of its own. Tensors are quantized on a thread pool (numpy releases the
+    GIL) with a bounded look-ahead, so memory stays a few tensors deep."""
     if scheme.is_bf16:
         yield from tensors
         return
-    tied_copy = scheme.lm_head != "bf16" and config.tie_word_embeddings
 
     def work(item):
         name, array = item
         fmt = scheme.format_of(name)
-        out = [(name, array if fmt == "bf16" else quantize(array, fmt, name))]
-        if tied_copy and name == "model.embed_tokens.weight":
-            out.append(("lm_head.weight", quantize(array, scheme.lm_head, "lm_head.weight")))
-        return out
+        if isinstance(array, QuantizedMatrix):
+            if array.format != fmt:
+                raise ValueError(f"tensor '{name}' arrives quantized as {array.format}, but the "
+                                 f"weights {scheme.label()} make it {fmt}")
+            return name, array
+        return name, array if fmt == "bf16" else quantize(array, fmt, name)
 
+    embedding, has_lm_head = None, False
     workers = workers or min(16, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque = deque()
         for item in tensors:
+            if item[0] == "model.embed_tokens.weight":
+                embedding = item[1]
+            has_lm_head |= item[0] == "lm_head.weight"
             pending.append(pool.submit(work, item))
             if len(pending) > 2 * workers:
-                yield from pending.popleft().result()
+                yield pending.popleft().result()
         while pending:
-            yield from pending.popleft().result()
+            yield pending.popleft().result()
+    if scheme.lm_head != "bf16" and config.tie_word_embeddings and embedding is not None and not has_lm_head:
+        yield "lm_head.weight", quantize(embedding, scheme.lm_head, "lm_head.weight")

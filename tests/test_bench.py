@@ -562,7 +562,7 @@ def test_engines_in_rounds_take_the_median_engine(monkeypatch, tmp_path, capsys)
     sweep_ms = {8: [2.0, 3.0, 1.0], 64: [5.0, 4.0, 6.0]}  # graph ms/token of engines 0, 1, 2
     built = []
 
-    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0):
+    def fake_bench_onegraph(target, kv, s, bandwidth, fmt="bf16", kv_page=0, source=None):
         e = sum(1 for f in built if f == fmt)
         built.append(fmt)
         records = []
@@ -636,6 +636,47 @@ def test_cpu_run_with_two_engines(tmp_path):
     assert r["engines"] == 2 and len(r["tokens_per_s_engines"]) == 2
     assert r["tokens_per_s"] == min(r["tokens_per_s_engines"])  # the lower middle of two
     assert doc["settings"]["engines"] == 2
+
+
+def test_engines_of_a_quantized_format_quantize_once():
+    """The first engine of a quantized format quantizes the tensors as it loads them; the
+    run's other engines of that format get the same objects, and a bf16 format or a run of one
+    engine reads the target's own source."""
+    from onegraph.quant import WeightScheme, quantize_q4, quantize_stream
+    config = preset_config("tiny-tied")
+    reads = []
+
+    def source():
+        reads.append(1)
+        return iter_tensors(config, seed=3)
+    target = targets.Target("tiny-tied", config, source, "preset tiny-tied")
+    s = targets.Settings(device="cpu", weights=["bf16", "q4"], engines=2, quantize_lm_head=True)
+    scheme = WeightScheme.make("q4", "all", True)
+    kept = {}
+    first = list(quantize_stream(config, measure.engine_source(target, s, "q4", kept)(), scheme))
+    second = list(quantize_stream(config, measure.engine_source(target, s, "q4", kept)(), scheme))
+    assert len(reads) == 1
+    assert [n for n, _ in first] == [n for n, _ in second] and [n for n, _ in first].count("lm_head.weight") == 1
+    assert all(a is b for (_, a), (_, b) in zip(first, second))
+    plain = dict(iter_tensors(config, seed=3))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert dict(second)[name].data.tobytes() == quantize_q4(plain[name]).data.tobytes()
+    assert measure.engine_source(target, s, "bf16", kept) is source
+    one = targets.Settings(device="cpu", weights=["q4"], engines=1)
+    assert measure.engine_source(target, one, "q4", {}) is source
+
+
+def test_cpu_run_with_two_q4_engines_decodes_the_same_tokens(tmp_path):
+    path = tmp_path / "bench.json"
+    assert benchmark.main(["--device", "cpu", "--preset", "tiny-dense", "--kv", "fp32", "--weights", "q4",
+                           "--prompt", "4", "--n", "3", "--repeats", "1", "--engines", "2",
+                           "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    (r,) = doc["results"]
+    assert r["status"] == "ok" and r["weights"] == "q4" and r["engines"] == 2
+    config = preset_config("tiny-dense")  # an engine quantizing for itself
+    with CpuEngine(config, lambda: iter_tensors(config, seed=0), kv="fp32", device="cpu", weights="q4") as alone:
+        assert r["tokens"] == timing.run_decode(alone, targets.make_prompt(config, 4, 0), 3)["tokens"]
 
 
 # ---- --sampling: sampled decoding next to greedy -------------------------------------------------

@@ -280,6 +280,27 @@ def test_tied_model_gets_a_quantized_lm_head_copy():
     assert out["lm_head.weight"].data.tobytes() == expected.data.tobytes()
 
 
+def test_tied_model_with_an_lm_head_of_its_own_gets_no_copy():
+    config = preset_config("tiny-tied")
+    plain = dict(iter_tensors(config))
+    own = np.asarray(plain["model.embed_tokens.weight"], np.float32)[::-1].copy()
+    out = list(quantize_stream(config, [*plain.items(), ("lm_head.weight", own)], WeightScheme.make("int8", "all", True)))
+    assert [n for n, _ in out].count("lm_head.weight") == 1
+    assert dict(out)["lm_head.weight"].data.tobytes() == quantize_int8(own).data.tobytes()
+
+
+def test_a_quantized_stream_passes_through_and_a_wrong_format_is_named():
+    config = preset_config("tiny-tied")
+    scheme = WeightScheme.make("q4", "all", True)
+    once = list(quantize_stream(config, iter_tensors(config), scheme))
+    again = list(quantize_stream(config, once, scheme, workers=2))
+    assert [n for n, _ in again] == [n for n, _ in once]               # the lm_head copy once
+    assert all(a is b for (_, a), (_, b) in zip(once, again))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\..*' arrives quantized as q4, "
+                                         r"but the weights int8\+lm make it int8"):
+        list(quantize_stream(config, once, WeightScheme.make("int8", "all", True)))
+
+
 # ---- the reference with quantized weights vs an independent float64 model -----------------------
 
 STEPS = 12
