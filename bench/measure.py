@@ -68,8 +68,8 @@ def bench_onegraph(target: Target, kv: str, s: Settings, bandwidth: float | None
     quant = {} if label == "bf16" else {"weights": fmt, "quantize": s.quantize,
                                         "quantize_lm_head": s.quantize_lm_head}
     t0 = time.perf_counter()
-    engine = Engine(config, source or target.source, kv=kv, max_seq_len=max_seq, graph=True, device=s.device,
-                    kv_page_size=max_seq if kv_page == CONTIGUOUS else kv_page, **quant)
+    engine = Engine(config, source or target.source, kv=kv, max_seq_len=max_seq, graph=True,
+                    device=s.device, kv_page_size=max_seq if kv_page == CONTIGUOUS else kv_page, **quant)
     load_s = time.perf_counter() - t0
     page_size = getattr(engine, "kv_page_size", None)
     with engine:

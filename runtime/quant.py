@@ -330,8 +330,11 @@ class WeightScheme:
         return base + ("+lm" if self.lm_head != "bf16" else "")
 
 
-def quantize_stream(config, tensors: Iterable[tuple[str, np.ndarray | QuantizedMatrix]],
-                    scheme: WeightScheme, workers: int | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedMatrix]]:
+Tensor = np.ndarray | QuantizedMatrix
+
+
+def quantize_stream(config, tensors: Iterable[tuple[str, Tensor]], scheme: WeightScheme,
+                    workers: int | None = None) -> Iterator[tuple[str, Tensor]]:
     """(name, array) pairs -> the same pairs with the scheme's matrices as QuantizedMatrix, in order.
 
     A matrix that arrives quantized already (a stream this function made, kept to build another

@@ -284,7 +284,8 @@ def test_tied_model_with_an_lm_head_of_its_own_gets_no_copy():
     config = preset_config("tiny-tied")
     plain = dict(iter_tensors(config))
     own = np.asarray(plain["model.embed_tokens.weight"], np.float32)[::-1].copy()
-    out = list(quantize_stream(config, [*plain.items(), ("lm_head.weight", own)], WeightScheme.make("int8", "all", True)))
+    scheme = WeightScheme.make("int8", "all", True)
+    out = list(quantize_stream(config, [*plain.items(), ("lm_head.weight", own)], scheme))
     assert [n for n, _ in out].count("lm_head.weight") == 1
     assert dict(out)["lm_head.weight"].data.tobytes() == quantize_int8(own).data.tobytes()
 
