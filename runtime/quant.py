@@ -357,12 +357,13 @@ def quantize_stream(config, tensors: Iterable[tuple[str, Tensor]], scheme: Weigh
             return name, array
         return name, array if fmt == "bf16" else quantize(array, fmt, name)
 
-    embedding, has_lm_head = None, False
+    tied_copy = scheme.lm_head != "bf16" and config.tie_word_embeddings
+    embedding, has_lm_head = None, False  # the embedding is kept only for a tied copy
     workers = workers or min(16, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque = deque()
         for item in tensors:
-            if item[0] == "model.embed_tokens.weight":
+            if tied_copy and item[0] == "model.embed_tokens.weight":
                 embedding = item[1]
             has_lm_head |= item[0] == "lm_head.weight"
             pending.append(pool.submit(work, item))
@@ -370,5 +371,5 @@ def quantize_stream(config, tensors: Iterable[tuple[str, Tensor]], scheme: Weigh
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-    if scheme.lm_head != "bf16" and config.tie_word_embeddings and embedding is not None and not has_lm_head:
+    if embedding is not None and not has_lm_head:
         yield "lm_head.weight", quantize(embedding, scheme.lm_head, "lm_head.weight")
