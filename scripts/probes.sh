@@ -6,6 +6,8 @@
 #     persistent_probe   scripts/persistent_probe.cu at contexts 16-128 with its trace
 #     conditional_probe  scripts/conditional_probe.cu: a layer's cost when the graph picks a
 #                        kernel by the context length through a conditional node
+#     stream_probe       scripts/stream_probe.cu: HBM read rate of a bf16 GEMV's weight stream per
+#                        access pattern, on the qwen3-8b matrices' shapes
 #     attention_ncu      the library (built here) on each of $NCU_PRESETS (default qwen3-0.6b), 2
 #                        layers, int8 KV, context 32768: one decode step's first attention kernel
 #                        under ncu (speed of light, memory, warp states with the stall reasons,
@@ -38,11 +40,12 @@ sass_loops() {  # binary, output name, kernel regex
   python3 scripts/sass_loops.py "$1" --kernel "$3" --lines 12 --json "$OUT/$2-sass.json" > "$OUT/$2-sass.txt" 2>&1
   summary+=("$2 hot loops: rc=$?")
 }
-for part in ${PROBES:-attention_probe persistent_probe conditional_probe attention_ncu}; do
+for part in ${PROBES:-attention_probe persistent_probe conditional_probe stream_probe attention_ncu}; do
   case "$part" in
     attention_probe) standalone attention_probe --json "$OUT/attention_probe.json" ;;
     persistent_probe) standalone persistent_probe --context 16,32,64,128 --trace --json "$OUT/persistent_probe.json" ;;
     conditional_probe) standalone conditional_probe ;;
+    stream_probe) standalone stream_probe ;;
     attention_ncu)
       if ! python3 build.py --arch sm_90 > "$OUT/attention_ncu-build.txt" 2>&1; then
         summary+=("attention_ncu: library build failed")
