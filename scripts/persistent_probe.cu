@@ -155,6 +155,10 @@
 using probe::capture_graph;
 using probe::copy_bandwidth;
 using probe::elapsed_ms;
+using probe::bf_hi;
+using probe::bf_lo;
+using probe::dot8;
+using probe::warp_sum;
 
 namespace cg = cooperative_groups;
 
@@ -261,31 +265,12 @@ __device__ __forceinline__ void stamp(const Acts &a, int l, int point) {
     if (a.trace != nullptr && threadIdx.x == 0)
         a.trace[((size_t)l * kStamps + point) * kTraceBlocks + blockIdx.x] = globaltimer();
 }
-__device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
 __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((unsigned)v << 16); }
 __device__ __forceinline__ uint16_t to_bf(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
     f[0] = bf_lo(w.x), f[1] = bf_hi(w.x), f[2] = bf_lo(w.y), f[3] = bf_hi(w.y);
     f[4] = bf_lo(w.z), f[5] = bf_hi(w.z), f[6] = bf_lo(w.w), f[7] = bf_hi(w.w);
-}
-__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
-    acc = __fmaf_rn(bf_lo(w.x), a.x, acc);
-    acc = __fmaf_rn(bf_hi(w.x), a.y, acc);
-    acc = __fmaf_rn(bf_lo(w.y), a.z, acc);
-    acc = __fmaf_rn(bf_hi(w.y), a.w, acc);
-    acc = __fmaf_rn(bf_lo(w.z), b.x, acc);
-    acc = __fmaf_rn(bf_hi(w.z), b.y, acc);
-    acc = __fmaf_rn(bf_lo(w.w), b.z, acc);
-    acc = __fmaf_rn(bf_hi(w.w), b.w, acc);
-    return acc;
-}
-// Butterflies: every lane ends with the same value (a + b == b + a), in every warp alike.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = kWarpSize / 2; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
 }
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

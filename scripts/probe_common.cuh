@@ -1,6 +1,7 @@
-// probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share on the host: the CUDA
+// probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share: on the host the CUDA
 // error check that ends the program, event timing, a stream's work captured as a graph, the copy
-// bandwidth they quote rates against, and a comma list of integers from the command line.
+// bandwidth they quote rates against, and a comma list of integers from the command line; on the
+// device a bf16 GEMV's arithmetic as the library's kernel does it (cuda/gemv_bf16.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -67,6 +68,28 @@ inline double copy_bandwidth() {
     CK(cudaFree(src));
     CK(cudaFree(dst));
     return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+// bf16 halves of a 32-bit word as fp32.
+__device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+// acc + 8 bf16 weights . 8 fp32 inputs, in order.
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
+    acc = __fmaf_rn(bf_lo(w.x), a.x, acc);
+    acc = __fmaf_rn(bf_hi(w.x), a.y, acc);
+    acc = __fmaf_rn(bf_lo(w.y), a.z, acc);
+    acc = __fmaf_rn(bf_hi(w.y), a.w, acc);
+    acc = __fmaf_rn(bf_lo(w.z), b.x, acc);
+    acc = __fmaf_rn(bf_hi(w.z), b.y, acc);
+    acc = __fmaf_rn(bf_lo(w.w), b.z, acc);
+    acc = __fmaf_rn(bf_hi(w.w), b.w, acc);
+    return acc;
+}
+// Butterflies: every lane ends with the same value (a + b == b + a), in every warp alike.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
 }
 
 // "64,512" -> {64, 512}; an empty item reads as 0.

@@ -16,25 +16,13 @@
 
 #include "probe_common.cuh"
 
+using probe::dot8;
+using probe::warp_sum;
+
 namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-
-__device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
-    acc = fmaf(lo(w.x), a.x, acc);
-    acc = fmaf(hi(w.x), a.y, acc);
-    acc = fmaf(lo(w.y), a.z, acc);
-    acc = fmaf(hi(w.y), a.w, acc);
-    acc = fmaf(lo(w.z), b.x, acc);
-    acc = fmaf(hi(w.z), b.y, acc);
-    acc = fmaf(lo(w.w), b.z, acc);
-    acc = fmaf(hi(w.w), b.w, acc);
-    return acc;
-}
 
 template <int U>
 __global__ void __launch_bounds__(kThreads) read_linear(const uint4 *__restrict__ w, size_t n, unsigned *out) {
@@ -105,12 +93,6 @@ __device__ __forceinline__ void fold(const float4 *xs4, int base, int n_chunks, 
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __device__ __forceinline__ void stage(const Gemv &p, float4 *xs4) {
     const float4 *x4 = reinterpret_cast<const float4 *>(p.x);
     for (int i = threadIdx.x; i < p.cols / 4; i += kThreads) xs4[i] = x4[i];
@@ -162,27 +144,23 @@ __global__ void __launch_bounds__(kThreads) gemv(const Gemv p) {
         if (lane == 0) p.y[q0] = s0, p.y[q1] = s1;
         acc0 = acc1 = 0.f;
     };
-    while (task < p.n_tasks) {
+    // The current item's weights are in (a, b): the next item's loads go into (na, nb) first.
+    auto item = [&](const uint4 (&a)[U], const uint4 (&b)[U], uint4 (&na)[U], uint4 (&nb)[U]) {
         int nt = task, ns = step;
         advance(nt, ns);
         if (nt < p.n_tasks) {
             int q0, q1;
             rows_of(p, nt, q0, q1);
-            load<U>(p, q0, q1, lane + ns * 32 * U, n_chunks, a1, b1);
+            load<U>(p, q0, q1, lane + ns * 32 * U, n_chunks, na, nb);
         }
-        fold<U>(xs4, lane + step * 32 * U, n_chunks, lane, a0, b0, acc0, acc1);
+        fold<U>(xs4, lane + step * 32 * U, n_chunks, lane, a, b, acc0, acc1);
         if (step == steps - 1) finish(task);
         task = nt, step = ns;
+    };
+    while (task < p.n_tasks) {
+        item(a0, b0, a1, b1);
         if (task >= p.n_tasks) break;
-        advance(nt, ns);
-        if (nt < p.n_tasks) {
-            int q0, q1;
-            rows_of(p, nt, q0, q1);
-            load<U>(p, q0, q1, lane + ns * 32 * U, n_chunks, a0, b0);
-        }
-        fold<U>(xs4, lane + step * 32 * U, n_chunks, lane, a1, b1, acc0, acc1);
-        if (step == steps - 1) finish(task);
-        task = nt, step = ns;
+        item(a1, b1, a0, b0);
     }
 }
 
