@@ -11,7 +11,8 @@
 #   bash scripts/gpu_check.sh spec   # speculative decoding: its GPU tests, the verify path's
 #     ceiling (bench.speculative --upper-bound, SPEC_PRESETS) and, with ONEGRAPH_DEMO_GGUF, the
 #     prompt-set benchmark on the trained model and one input-grounded chat
-# Time limits (seconds) from the environment: PYTEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT.
+# Time limits (seconds) from the environment: PYTEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT;
+# SANITIZE_JOBS, the sanitizer runs at once (default 4).
 # SANITIZE_TOOLS and SANITIZE_TARGETS (scripts/sanitize.sh) narrow the sanitizer runs, e.g.
 #   SANITIZE_TOOLS=racecheck SANITIZE_TARGETS=quant BENCH_ARGS="--preset qwen3-30b-a3b" bash scripts/gpu_check.sh
 set -uo pipefail
@@ -84,8 +85,9 @@ if [ "$MODE" != bench ] && [ "$MODE" != real ]; then
       >> "$OUT/pytest.log" 2>&1
     note "pytest (the GPU to itself): rc=$? $(tail -n 1 "$OUT/pytest.log")"
   fi
-  # Logs of the single sanitizer runs stay on the machine; the summary comes back.
-  SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-150} \
+  # Logs of the single sanitizer runs stay on the machine; the summary comes back. One after
+  # another the runs outlast a device call, so four go at once.
+  SANITIZE_OUT=/tmp/onegraph-sanitize SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-360} SANITIZE_JOBS=${SANITIZE_JOBS:-4} \
     bash scripts/sanitize.sh ${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck} > "$OUT/sanitize.log" 2>&1
   note "sanitize: rc=$?"
 fi

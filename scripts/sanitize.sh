@@ -36,7 +36,9 @@
 #   bash scripts/sanitize.sh memcheck racecheck     # some tools
 #   SANITIZE_TARGETS="dense moe" bash scripts/sanitize.sh initcheck
 # Environment: SANITIZE_OUT (logs; default $OUT/sanitize or ./out/sanitize), SANITIZE_TIMEOUT
-# (seconds per run, default 300), COMPUTE_SANITIZER (the binary), SANITIZE_ARCH (build arch).
+# (seconds per run, default 300), SANITIZE_JOBS (runs at once on the one GPU, default 1: every
+# run is a process of its own, and the instrumented kernels are small, so several share the GPU
+# well), COMPUTE_SANITIZER (the binary), SANITIZE_ARCH (build arch).
 # Prints one line per run and one summary line per tool, and exits non-zero when
 # compute-sanitizer is missing, the debug build fails, or any run reports an error, fails its
 # own checks, finds nothing to test or times out.
@@ -144,34 +146,58 @@ summary_line() {
   grep -E "(ERROR|RACECHECK) SUMMARY" "$1" | tail -n 1 | sed -E 's/^=+ *//'
 }
 
+# One run: its log, a result file beside it ("<errors or -> <verdict>") and its line, printed as it
+# ends.
+run_one() {  # $1 tool, $2 target
+  local tool=$1 target=$2 cmd extra log=$LOGS/$1-$2.log start rc seconds errors verdict=ok
+  mapfile -t cmd < <(target_command "$target" "$tool")
+  read -r -a extra <<< "$(tool_args "$tool" "$target")"
+  start=$(date +%s)
+  timeout "$RUN_TIMEOUT" "$SANITIZER" --tool "$tool" --error-exitcode 9 --target-processes all \
+    --print-limit 50 "${extra[@]}" "${cmd[@]}" > "$log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - start ))
+  errors=$(count_errors "$log")
+  if [ "$rc" -eq 124 ]; then verdict="timed out after ${RUN_TIMEOUT}s"
+  elif [ -z "$errors" ]; then verdict="no sanitizer summary (rc=$rc)"
+  elif [ "$errors" -ne 0 ]; then verdict="$errors errors"
+  elif [ "$rc" -ne 0 ]; then verdict="program failed (rc=$rc)"
+  elif [ "${cmd[2]:-}" = pytest ] && ! grep -qE "[0-9]+ passed" "$log"; then verdict="no test ran"
+  fi
+  echo "${errors:--} $verdict" > "$LOGS/$tool-$target.result"
+  printf '  %-9s %-8s %-4s %4ss  %s  [%s]\n' "$tool" "$target" "$([ "$verdict" = ok ] && echo ok || echo FAIL)" \
+    "$seconds" "$(summary_line "$log")" "$verdict"
+}
+
+for target in "${TARGETS[@]}"; do
+  target_command "$target" memcheck > /dev/null || { echo "sanitize: unknown target '$target'" >&2; exit 2; }
+done
+echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
+JOBS=${SANITIZE_JOBS:-1}
+running=0
+for tool in "${TOOLS[@]}"; do
+  for target in "${TARGETS[@]}"; do
+    rm -f "$LOGS/$tool-$target.result"
+    if [ "$JOBS" -le 1 ]; then run_one "$tool" "$target"; continue; fi
+    if [ "$running" -ge "$JOBS" ]; then wait -n; running=$(( running - 1 )); fi
+    run_one "$tool" "$target" &
+    running=$(( running + 1 ))
+  done
+done
+wait
+
+# One summary line per tool, its targets in order, however the runs interleaved.
 failed=0
 tool_lines=()
-echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
 for tool in "${TOOLS[@]}"; do
   tool_errors=0 tool_failed=0 parts=()
   for target in "${TARGETS[@]}"; do
-    mapfile -t cmd < <(target_command "$target" "$tool") || true
-    if [ ${#cmd[@]} -eq 0 ]; then echo "sanitize: unknown target '$target'" >&2; exit 2; fi
-    log=$LOGS/$tool-$target.log
-    read -r -a extra <<< "$(tool_args "$tool" "$target")"
-    start=$(date +%s)
-    timeout "$RUN_TIMEOUT" "$SANITIZER" --tool "$tool" --error-exitcode 9 --target-processes all \
-      --print-limit 50 "${extra[@]}" "${cmd[@]}" > "$log" 2>&1
-    rc=$?
-    seconds=$(( $(date +%s) - start ))
-    errors=$(count_errors "$log")
-    verdict=ok
-    if [ "$rc" -eq 124 ]; then verdict="timed out after ${RUN_TIMEOUT}s"
-    elif [ -z "$errors" ]; then verdict="no sanitizer summary (rc=$rc)"
-    elif [ "$errors" -ne 0 ]; then verdict="$errors errors"
-    elif [ "$rc" -ne 0 ]; then verdict="program failed (rc=$rc)"
-    elif [ "${cmd[2]:-}" = pytest ] && ! grep -qE "[0-9]+ passed" "$log"; then verdict="no test ran"
-    fi
+    errors= verdict="no result"
+    [ -e "$LOGS/$tool-$target.result" ] && read -r errors verdict < "$LOGS/$tool-$target.result"
+    [ "$errors" = - ] && errors=
     [ "$verdict" = ok ] || { tool_failed=1; failed=1; }
     tool_errors=$(( tool_errors + ${errors:-0} ))
     parts+=("$target ${errors:-?}")
-    printf '  %-9s %-8s %-4s %4ss  %s  [%s]\n' "$tool" "$target" "$([ "$verdict" = ok ] && echo ok || echo FAIL)" \
-      "$seconds" "$(summary_line "$log")" "$verdict"
   done
   joined=$(IFS=,; echo "${parts[*]}")
   tool_lines+=("$(printf '%-9s %s: %d errors over %d runs (%s)' "$tool" \
