@@ -18,8 +18,10 @@ reduction in a loop over chunks, a rarely taken rescale, a general path beside a
 "A trip takes at least" is the fewest instructions on a path from the loop's start to its back
 edge: the common trip where the branches it skips are the rare ones.
 
-Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, or Triton's package
-(triton/backends/nvidia/bin), in that order.
+Needs nvdisasm and cuobjdump: from $CUDA_BIN, the PATH, NVIDIA's wheels (`pip install
+nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`: nvidia/cu*/bin), or Triton's package
+(triton/backends/nvidia/bin), in that order. The wheels need no GPU, so the SASS of a build can be
+read on any machine.
 """
 from __future__ import annotations
 
@@ -61,6 +63,12 @@ def find_tool(name: str) -> str:
     if found:
         candidates.append(Path(found))
     try:
+        import nvidia  # the namespace package NVIDIA's wheels install their binaries under
+        for root in nvidia.__path__:
+            candidates.extend(sorted(Path(root).glob(f"cu*/bin/{name}"), reverse=True))
+    except ImportError:
+        pass
+    try:
         import triton  # noqa: F401  (only its bundled binaries are used)
         candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
     except ImportError:
@@ -68,7 +76,8 @@ def find_tool(name: str) -> str:
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
-    sys.exit(f"sass_loops: {name} not found (set CUDA_BIN, put it on the PATH, or install triton)")
+    sys.exit(f"sass_loops: {name} not found (set CUDA_BIN, put it on the PATH, or pip install "
+             f"nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
 
 def cubins(binary: Path, workdir: Path) -> list[Path]:
