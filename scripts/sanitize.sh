@@ -74,15 +74,6 @@ for tool in "${TOOLS[@]}"; do
 done
 read -r -a TARGETS <<< "${SANITIZE_TARGETS:-kernels dense moe paged paged-kernels quant prefill sample verify guards attention}"
 
-arch_args=()
-[ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
-if ! python3 build.py --debug --testing --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
-  echo "sanitize: debug build failed (see $LOGS/build.log)" >&2
-  tail -n 20 "$LOGS/build.log" >&2
-  exit 3
-fi
-export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph_testing.so
-
 target_command() {  # $1 target, $2 tool -> the command, one word per line
   case $1 in
     kernels) printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_moe_kernels_gpu.py ;;
@@ -172,8 +163,21 @@ run_one() {  # $1 tool, $2 target
 for target in "${TARGETS[@]}"; do
   target_command "$target" memcheck > /dev/null || { echo "sanitize: unknown target '$target'" >&2; exit 2; }
 done
-echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
 JOBS=${SANITIZE_JOBS:-1}
+if ! [[ $JOBS =~ ^[1-9][0-9]*$ ]]; then
+  echo "sanitize: SANITIZE_JOBS must be a positive whole number, not '$JOBS'" >&2
+  exit 2
+fi
+arch_args=()
+[ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
+if ! python3 build.py --debug --testing --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
+  echo "sanitize: debug build failed (see $LOGS/build.log)" >&2
+  tail -n 20 "$LOGS/build.log" >&2
+  exit 3
+fi
+export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph_testing.so
+
+echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
 running=0
 for tool in "${TOOLS[@]}"; do
   for target in "${TARGETS[@]}"; do
