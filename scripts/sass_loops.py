@@ -77,7 +77,7 @@ def find_tool(name: str) -> str:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
     sys.exit(f"sass_loops: {name} not found (set CUDA_BIN, put it on the PATH, or pip install "
-             f"nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+             "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
 
 def cubins(binary: Path, workdir: Path) -> list[Path]:
