@@ -3,8 +3,9 @@
 Presets
 -------
 ``PRESETS`` holds config.json dicts: the public shapes of Qwen3-0.6B, Qwen3-8B,
-Qwen3-30B-A3B and SmolLM2-135M, a small ``demo`` model (the CLI's embedded default), and tiny models for tests
-whose sizes are deliberately not multiples of 32 where the architecture allows it.
+Qwen3-30B-A3B, SmolLM2-135M and Llama-3.2-1B, a small ``demo`` model (the CLI's embedded
+default), and tiny models for tests whose sizes are deliberately not multiples of 32 where the
+architecture allows it.
 ``preset_config(name, num_hidden_layers=None, **overrides)`` turns one into a ``ModelConfig``.
 
 How values are drawn (fast, deterministic, i.i.d.)
@@ -111,6 +112,16 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
         tie_word_embeddings=True, rope_theta=100_000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
         hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
+    # https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json, without its "llama3"
+    # rope_scaling (the engine implements linear scaling only; the rotation's frequencies are a
+    # table either way, so a token reads the same bytes and runs the same kernels): the shape a
+    # public comparison of batch-1 decode designs measures.
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        tie_word_embeddings=True, rope_theta=500_000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        hidden_act="silu", attention_bias=False, torch_dtype="bfloat16", bos_token_id=128000,
+        eos_token_id=128001),
     # The CLI's embedded default: small enough to generate in well under a second.
     "demo": dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=4096, hidden_size=256, intermediate_size=768,

@@ -318,3 +318,11 @@ def test_smollm2_preset_is_the_real_models_shape():
                 "rope_theta", "max_position_embeddings"):
         assert getattr(preset, key) == getattr(real, key), key
     assert preset.rms_norm_eps == pytest.approx(real.rms_norm_eps, rel=1e-6)
+
+
+def test_llama_3_2_1b_preset_has_the_public_models_parameter_count():
+    """The llama-3.2-1b preset is Llama-3.2-1B's shape: its safetensors hold 1,235,814,400
+    parameters (the embedding tied to the lm_head)."""
+    config = synth.preset_config("llama-3.2-1b")
+    assert config.architecture == "LlamaForCausalLM" and config.tie_word_embeddings
+    assert sum(int(np.prod(shape)) for shape in config.tensor_shapes().values()) == 1_235_814_400
