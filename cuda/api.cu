@@ -1,5 +1,6 @@
 // api.cu — the C ABI of onegraph.h (engine.cuh lists where the work is done): the live-handle
 // registry, argument checks, the step bookkeeping and the sequences.
+#include <cmath>
 #include "engine.cuh"
 
 namespace {
@@ -215,6 +216,24 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
         e->resident[index] = 1;
         e->n_missing -= 1;
     }
+    return OG_OK;
+}
+
+OG_API og_status og_set_rope_frequencies(og_engine *e, const float *inv_freq, int32_t n) {
+    OG_CHECK_HANDLE(e);
+    if (inv_freq == nullptr)
+        return set_error(OG_E_INVALID_ARGUMENT, "og_set_rope_frequencies: inv_freq is NULL");
+    if (n != e->d.hd / 2)
+        return set_error(OG_E_INVALID_ARGUMENT,
+                         "og_set_rope_frequencies: n=%d, expected head_dim / 2 = %d", n, e->d.hd / 2);
+    for (int32_t i = 0; i < n; ++i)
+        if (!(inv_freq[i] > 0.0f) || !std::isfinite(inv_freq[i]))
+            return set_error(OG_E_INVALID_ARGUMENT,
+                             "og_set_rope_frequencies: inv_freq[%d]=%g is not a positive finite number",
+                             i, (double)inv_freq[i]);
+    og_status status = use_device(e);
+    if (status != OG_OK) return status;
+    OG_CUDA_TRY(cudaMemcpy(e->inv_freq, inv_freq, (size_t)n * sizeof(float), cudaMemcpyHostToDevice));
     return OG_OK;
 }
 

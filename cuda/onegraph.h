@@ -81,7 +81,7 @@ extern "C" {
  * major.minor works with a library of the same major number and a minor number at least its
  * own (og_abi_version_numbers); the Python binding checks exactly that. */
 #define OG_ABI_VERSION_MAJOR 7
-#define OG_ABI_VERSION_MINOR 1
+#define OG_ABI_VERSION_MINOR 2
 /* The major number alone (og_config.abi_version, og_abi_version()). */
 #define OG_ABI_VERSION OG_ABI_VERSION_MAJOR
 
@@ -316,6 +316,14 @@ OG_API og_status og_init(const og_config *cfg, og_engine **out);
  * config), OG_E_WEIGHT_MISMATCH (dtype/rank/shape; message gives expected vs actual). */
 OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,
                                const int64_t *shape, const void *data);
+
+/* The rotary embedding's frequencies: inv_freq[i] (i < head_dim / 2) rotates dimension pair i
+ * by position * inv_freq[i]. og_init computes 1 / rope_theta^(2i / head_dim) / rope_linear_factor;
+ * this replaces that table, for the rope scalings that change each frequency on its own (Llama
+ * 3.x's "llama3", a GGUF's rope_freqs tensor). Call it before the first step: rows already in
+ * the KV cache keep the rotation they were written with. Errors: OG_E_INVALID_ARGUMENT (NULL,
+ * n != head_dim / 2, or a value that is not positive and finite; nothing changes). Since 7.2. */
+OG_API og_status og_set_rope_frequencies(og_engine *e, const float *inv_freq, int32_t n);
 
 /* Hit-only contract: OG_OK iff every required weight is resident; otherwise
  * OG_E_MISSING_WEIGHT naming the first missing tensor and the count missing. */

@@ -14,7 +14,7 @@ from ctypes import POINTER, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint
 # The ABI this binding was written for (cuda/onegraph.h): a library of the same major number
 # and at least this minor number loads.
 ABI_VERSION = 7          # OG_ABI_VERSION_MAJOR (og_abi_version())
-ABI_MINOR_REQUIRED = 1   # OG_ABI_VERSION_MINOR: every call bound below is in 7.1
+ABI_MINOR_REQUIRED = 2   # OG_ABI_VERSION_MINOR: every call bound below is in 7.2
 
 LIB_NAME = "libonegraph.so"
 PACKAGE_LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib")
@@ -231,6 +231,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     # og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim,
     #                         const int64_t *shape, const void *data);
     fn("og_set_weight", c_int32, Handle, c_char_p, c_int32, c_int32, POINTER(c_int64), c_void_p)
+    # og_status og_set_rope_frequencies(og_engine *e, const float *inv_freq, int32_t n);
+    fn("og_set_rope_frequencies", c_int32, Handle, POINTER(c_float), c_int32)
     # og_status og_precheck(og_engine *e);
     fn("og_precheck", c_int32, Handle)
     # og_status og_begin_step_seq(og_engine *e, int32_t seq, int32_t token);

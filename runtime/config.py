@@ -21,8 +21,12 @@ _MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
 # A config.json without 'architectures' (transformers writes none when a bare config is saved)
 # names its family by model_type alone.
 MODEL_TYPE_ARCHITECTURES = {model_type: arch for arch, model_type in _MODEL_TYPES.items()}
-# rope_scaling kinds the reference and the CUDA body implement.
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+# rope_scaling kinds the reference and the CUDA body implement. "freq_factors" is not a Hugging
+# Face kind: it is how a GGUF's rope_freqs tensor reads (llama.cpp's converter writes Llama 3.x's
+# "llama3" scaling as those per-frequency divisors), {"rope_type": "freq_factors", "factors":
+# [head_dim / 2 numbers]}.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 SUPPORTED_HIDDEN_ACTS = ("silu",)
 GENERATION_CONFIG = "generation_config.json"
 
@@ -305,6 +309,22 @@ class ModelConfig:
                 factor = self.rope_scaling.get("factor")
                 if not isinstance(factor, (int, float)) or factor <= 0:
                     bad("rope_scaling", self.rope_scaling, "needs a positive 'factor' for linear scaling")
+            if kind == "llama3":
+                for key in LLAMA3_ROPE_KEYS:
+                    v = self.rope_scaling.get(key)
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                        bad("rope_scaling", self.rope_scaling, f"needs a positive '{key}' for llama3 scaling")
+                if not self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"]:
+                    bad("rope_scaling", self.rope_scaling,
+                        "needs high_freq_factor > low_freq_factor for llama3 scaling")
+            if kind == "freq_factors":
+                factors = self.rope_scaling.get("factors")
+                if (not isinstance(factors, list) or len(factors) != self.head_dim // 2
+                        or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                   and 0 < f < float("inf") for f in factors)):
+                    got = f"{len(factors)} values" if isinstance(factors, list) else repr(factors)
+                    raise ConfigError(f"{src}: rope_scaling 'freq_factors' has factors={got}; needs "
+                                      f"{self.head_dim // 2} positive finite numbers (head_dim / 2)")
         if self.is_moe:
             if self.num_experts_per_tok <= 0:
                 bad("num_experts_per_tok", self.num_experts_per_tok, "must be a positive integer")

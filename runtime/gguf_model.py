@@ -11,6 +11,8 @@ parses its header; this module turns that into a ``LoadedModel``:
 - tensor names map to Hugging Face names through one table (``LAYER_TENSORS``,
   ``EXPERT_TENSORS``, ``GLOBAL_TENSORS``); a MoE layer's experts are stored stacked in one 3-D
   tensor per projection ([experts, out, in] in numpy order) and come back one per expert;
+- a ``rope_freqs`` tensor (how llama.cpp's converter writes Llama 3.x's "llama3" rope scaling:
+  one divisor per rotary frequency) becomes a "freq_factors" rope_scaling in the config;
 - every required tensor's presence, shape and type is checked when the file is opened;
   values are not touched then. ``LoadedModel.tensors`` is a read-only Mapping that
   dequantizes a tensor when it is accessed (``gguf.quants.dequantize``), undoes the Q/K row
@@ -32,7 +34,8 @@ Writing
 -------
 ``write_gguf(config, tensors, path, types=...)`` writes a model (e.g. runtime/synth.py's) as
 a GGUF with the ``gguf`` package's ``GGUFWriter``, quantizing matrices with
-``gguf.quants.quantize`` and permuting Q/K for ``llama``, so synth -> GGUF -> load round-trips.
+``gguf.quants.quantize``, permuting Q/K for ``llama`` and writing a "llama3" or
+"freq_factors" rope scaling as ``rope_freqs``, so synth -> GGUF -> load round-trips.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import numpy as np
 
 from .config import ConfigError, ModelConfig
 from .loader import LoadedModel, LoaderError
+from .reference import rope_frequency_factors
 
 GGUF_MAGIC = b"GGUF"
 DEQUANT_CHUNK_ELEMENTS = 1 << 20
@@ -81,6 +85,8 @@ LAYER_TENSORS = {
 # Stacked experts: GGUF "blk.{L}.<key>.weight" [E, out, in] <-> HF "model.layers.{L}.mlp.experts.{e}.<value>.weight".
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Llama 3.x's rope scaling as llama.cpp's converter writes it: per-frequency divisors, F32 [head_dim / 2].
+ROPE_FREQS = "rope_freqs.weight"
 # Rows permuted per head by llama.cpp's converter (for permuted architectures), with the
 # config field giving the number of heads.
 PERMUTED_TENSORS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
@@ -135,8 +141,21 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
+def _rope_freqs(reader, path: str) -> list[float]:
+    """The values of the file's rope_freqs tensor (F32, one per frequency; the config checks
+    how many)."""
+    t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    if t.tensor_type.name != "F32" or len(t.shape) != 1:
+        raise LoaderError(f"{path}: tensor '{ROPE_FREQS}' has type {t.tensor_type.name} and shape "
+                          f"{_gguf_shape(tuple(int(d) for d in reversed(t.shape.tolist())))}; expected "
+                          f"one F32 value per rope frequency")
+    return [float(v) for v in np.asarray(t.data, np.float32)]
+
+
 def config_from_metadata(reader, path: str, tensor_names: set[str]) -> ModelConfig:
-    """The ModelConfig of a GGUF file: its metadata written as the config.json it stands for."""
+    """The ModelConfig of a GGUF file: its metadata written as the config.json it stands for,
+    with its rope_freqs tensor (Llama 3.x's rope scaling as per-frequency divisors) as a
+    'freq_factors' rope_scaling."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise LoaderError(f"{path}: general.architecture is {arch!r}, not supported; supported: "
@@ -181,6 +200,11 @@ def config_from_metadata(reader, path: str, tensor_names: set[str]) -> ModelConf
         raw["rope_scaling"] = {"rope_type": scaling, "factor": meta("rope.scaling.factor")}
         if meta("rope.scaling.original_context_length") is not None:
             raw["rope_scaling"]["original_max_position_embeddings"] = meta("rope.scaling.original_context_length")
+    if ROPE_FREQS in tensor_names:
+        if "rope_scaling" in raw:
+            raise LoaderError(f"{path}: holds both '{ROPE_FREQS}' and {arch}.rope.scaling.type="
+                              f"{scaling!r}; the engine implements one rope scaling at a time")
+        raw["rope_scaling"] = {"rope_type": "freq_factors", "factors": _rope_freqs(reader, path)}
     if hf_arch == "Qwen3MoeForCausalLM":
         # A layer is sparse when it has a router; llama.cpp normalizes the top-k routing
         # weights of qwen3moe unless the file says otherwise.
@@ -308,7 +332,7 @@ def load_gguf(path: str | os.PathLike, reader=None) -> LoadedModel:
         tensors=GGUFTensors(config, tensors, permuted),
         files=[path],
         total_bytes=total,
-        ignored=sorted(set(tensors) - used),
+        ignored=sorted(set(tensors) - used - {ROPE_FREQS}),
         path=path,
     )
 
@@ -360,6 +384,9 @@ def write_gguf(config: ModelConfig, tensors: Mapping[str, np.ndarray], path: str
         if config.rope_linear_factor != 1.0:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(config.rope_linear_factor)
+        factors = rope_frequency_factors(config)
+        if factors is not None:
+            writer.add_tensor(ROPE_FREQS, factors.astype(np.float32))
         if config.is_moe:
             writer.add_expert_count(config.num_experts)
             writer.add_expert_used_count(config.num_experts_per_tok)

@@ -41,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .reference import rope_frequency_factors
 
 FORMAT_VERSION = 1
 WEIGHT_FORMATS = ("bf16",)             # implemented
@@ -123,6 +124,11 @@ def write_packed(config: ModelConfig, tensors: Mapping[str, np.ndarray], out_pat
     ignored). Written to a temporary name beside out_path and renamed when complete, one
     tensor converted at a time. Returns out_path."""
     check_weights_format(weights)
+    if rope_frequency_factors(config) is not None:
+        # og_config has no field for a per-frequency table, so the C reader could not rotate
+        # as the model does.
+        raise PackError(f"rope_scaling '{config.rope_scaling['rope_type']}' is not carried by packed "
+                        f"files: run this model from its folder or GGUF in Python")
     out_path = os.fspath(out_path)
     shapes = config.tensor_shapes()
     missing = [name for name in shapes if name not in tensors]

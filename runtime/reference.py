@@ -99,9 +99,47 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def rope_inv_freq(head_dim: int, theta: float, linear_factor: float = 1.0) -> np.ndarray:
     """inv_freq [head_dim / 2] fp32: 1 / theta^(2i / head_dim), computed in float64, cast to
     fp32, then divided (in fp32) by the 'linear' rope_scaling factor."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-    inv_freq = (1.0 / theta**exponent).astype(_F32)
-    return inv_freq / _F32(linear_factor)
+    return _unscaled_frequencies(head_dim, theta).astype(_F32) / _F32(linear_factor)
+
+
+def rope_frequency_factors(config) -> np.ndarray | None:
+    """Per-frequency divisors [head_dim / 2] float64 of the rope scalings that set each frequency
+    on its own, as a GGUF's rope_freqs tensor holds them; None for the default and 'linear'
+    kinds. 'freq_factors' (a GGUF's): its factors. 'llama3' (Llama 3.x), Hugging Face's rule:
+    with the unscaled frequency f, its wavelength w = 2 pi / f and L =
+    original_max_position_embeddings, f stays where w < L / high_freq_factor, is divided by
+    factor where w > L / low_freq_factor, and in between becomes (1 - s) f / factor + s f, s =
+    (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor); the divisor is f over that."""
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "freq_factors":
+        return np.asarray(scaling["factors"], np.float64)
+    if kind != "llama3":
+        return None
+    inv_freq = _unscaled_frequencies(config.head_dim, config.rope_theta)
+    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2.0 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1.0 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return inv_freq / np.where(medium, blended, scaled)
+
+
+def _unscaled_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """1 / theta^(2i / head_dim), float64 [head_dim / 2]."""
+    return 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def rope_frequencies(config) -> np.ndarray:
+    """The model's inv_freq [head_dim / 2] fp32, the table the engine rotates by (uploaded with
+    og_set_rope_frequencies): rope_inv_freq for the default and 'linear' kinds, else the
+    unscaled frequencies over rope_frequency_factors, in float64, cast once."""
+    factors = rope_frequency_factors(config)
+    if factors is None:
+        return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_linear_factor)
+    return (_unscaled_frequencies(config.head_dim, config.rope_theta) / factors).astype(_F32)
 
 
 def rope(x: np.ndarray, position: int, inv_freq: np.ndarray) -> np.ndarray:
@@ -453,7 +491,7 @@ class ReferenceDecoder:
                 break
             m.keep_widened()
             budget -= 4 * m.size
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_linear_factor)
+        self.inv_freq = rope_frequencies(config)
         self.kv_cache = KVCache.allocate(kv_dtype, config.num_hidden_layers, self.max_seq_len,
                                          config.num_key_value_heads, config.head_dim)
         self._position = 0

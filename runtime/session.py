@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .graph import DecodeGraph, check_cuda, cuda_runtime
 from .kvpool import DevicePool
 from .quant import QuantizedMatrix, WeightScheme
+from .reference import rope_frequencies
 from .sampling import NonFiniteLogits, SamplingParams
 
 
@@ -74,6 +75,12 @@ class GpuSession:
         self.captures = 0                   # graphs captured successfully
         self.graph_copies = None            # memcpy nodes of the last captured graph
         try:
+            # The rotary frequencies as the reference computes them (og_init's own table covers
+            # only the default and linear kinds; the two agree bit for bit on those).
+            inv_freq = np.ascontiguousarray(rope_frequencies(config), np.float32)
+            capi.check(self.lib.og_set_rope_frequencies(
+                self.handle, inv_freq.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), inv_freq.size),
+                "og_set_rope_frequencies")
             skip = set(omit_weights)
             for name, array in tensors:
                 if name not in skip:

@@ -36,12 +36,22 @@ def rejects(raw, *fragments):
     return message
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}   # Llama-3.2-1B's
+
+
 # ---- rejections: (config, fragments that must appear in the message) --------------------------
 REJECTIONS = {
     "unknown architecture": (qwen3(architectures=["GPT2LMHeadModel"]), "architectures", "GPT2LMHeadModel"),
     "architectures missing": ({k: v for k, v in qwen3().items() if k != "architectures"}, "architectures"),
     "rope_scaling yarn": (qwen3(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling", "yarn"),
-    "rope_scaling llama3 (old 'type' key)": (qwen3(rope_scaling={"type": "llama3", "factor": 8.0}), "rope_scaling", "llama3"),
+    "rope_scaling llama3 without its other keys": (qwen3(rope_scaling={"type": "llama3", "factor": 8.0}),
+                                                    "rope_scaling", "llama3", "'low_freq_factor'"),
+    "rope_scaling llama3 with high <= low": (qwen3(rope_scaling=dict(LLAMA3_ROPE, high_freq_factor=1.0)),
+                                             "rope_scaling", "high_freq_factor > low_freq_factor"),
+    "rope_scaling llama3 with factor 0": (qwen3(rope_scaling=dict(LLAMA3_ROPE, factor=0)), "'factor'"),
+    "rope_scaling freq_factors of the wrong length": (
+        qwen3(rope_scaling={"rope_type": "freq_factors", "factors": [1.0, 2.0]}), "factors=2 values", "8 positive"),
     "rope_scaling linear without factor": (qwen3(rope_scaling={"rope_type": "linear"}), "rope_scaling", "factor"),
     "rope_scaling not an object": (qwen3(rope_scaling="linear"), "rope_scaling", "'linear'"),
     "attention_bias true": (qwen3(attention_bias=True), "attention_bias=True"),
@@ -184,6 +194,13 @@ def test_optional_keys_take_hf_defaults():
 def test_linear_rope_scaling_accepted():
     cfg = ModelConfig.from_dict(qwen3(rope_scaling={"rope_type": "linear", "factor": 2.0}))
     assert cfg.rope_linear_factor == 2.0
+
+
+def test_llama3_rope_scaling_accepted_under_either_key():
+    new = ModelConfig.from_dict(qwen3(rope_scaling=LLAMA3_ROPE))
+    old = ModelConfig.from_dict(qwen3(rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items()
+                                                                        if k != "rope_type"}}))
+    assert new == old and new.rope_scaling == LLAMA3_ROPE and new.rope_linear_factor == 1.0
 
 
 def test_transformers_v5_key_names():

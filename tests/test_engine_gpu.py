@@ -57,6 +57,29 @@ def test_graph_replay_is_bit_identical_to_nongraph():
         assert np.array_equal(g, p)
 
 
+def test_bad_rope_frequencies_are_refused_and_change_nothing():
+    """og_set_rope_frequencies refuses a table of the wrong length or with a value that is not
+    positive and finite, names it, and the engine decodes as before (the table the session
+    uploaded at init stands)."""
+    config, tensors = synthetic("tiny-llama")
+    with Engine.from_tensors(config, tensors, kv="fp32", max_seq_len=128, device="gpu") as engine:
+        want = _decode(engine.step, PROMPT, 16)
+        engine.reset()
+        session = engine._gpu
+        half = config.head_dim // 2
+        for values, n, text in [(np.ones(half), half - 1, f"n={half - 1}, expected head_dim / 2 = {half}"),
+                                (np.array([1.0] * (half - 1) + [np.nan]), half, f"inv_freq[{half - 1}]=nan"),
+                                (np.array([-1.0] + [1.0] * (half - 1)), half, "inv_freq[0]=-1")]:
+            table = np.ascontiguousarray(values, np.float32)
+            status = session.lib.og_set_rope_frequencies(
+                session.handle, table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+            assert status == capi.OG_E_INVALID_ARGUMENT and text in capi.last_error(), capi.last_error()
+        got = _decode(engine.step, PROMPT, 16)
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1]):
+        assert np.array_equal(g, w)
+
+
 @pytest.mark.parametrize("group, fold", [(4, "auto"), (2, "tensor")], ids=["group-4", "group-2-tensor"])
 def test_graph_replay_is_bit_identical_to_nongraph_across_the_attention_bands(group, fold, monkeypatch):
     # Int8 rows of 128 dims, 4 query heads a KV head (or 2, with the long band asked onto the

@@ -134,16 +134,19 @@ def test_permutation_is_llama_cpp_s():
     np.testing.assert_array_equal(unpermute_rows(p, heads), w)
 
 
-def test_engine_from_gguf_matches_engine_from_tensors(tmp_path):
-    """Engine.from_pretrained on a GGUF decodes the same tokens as on the tensors it holds."""
-    config, tensors = model("tiny-dense")
-    path = write_gguf(config, tensors, tmp_path / "m.gguf", types="BF16")
+def assert_same_tokens(path, config, tensors, n):
+    """Engine.from_pretrained on the GGUF at path decodes n greedy tokens as on the tensors."""
     prompt = [3, 17, 250, 9]
     with Engine.from_pretrained(path, device="cpu", kv="fp32") as engine:
-        ours = engine.generate(prompt, 8, stop_token_ids=())
+        ours = engine.generate(prompt, n, stop_token_ids=())
     with Engine.from_tensors(config, tensors, device="cpu", kv="fp32") as engine:
-        ref = engine.generate(prompt, 8, stop_token_ids=())
+        ref = engine.generate(prompt, n, stop_token_ids=())
     assert ours == ref
+
+
+def test_engine_from_gguf_matches_engine_from_tensors(tmp_path):
+    config, tensors = model("tiny-dense")
+    assert_same_tokens(write_gguf(config, tensors, tmp_path / "m.gguf", types="BF16"), config, tensors, 8)
 
 
 def test_placeholder_vocab_is_written_and_checked(tmp_path):
@@ -258,3 +261,55 @@ def test_bias_tensors_refused(tmp_path):
     bad = rewrite(path, tmp_path / "qwen2.gguf", arch="qwen2",
                   extra={"blk.0.attn_q.bias": np.zeros(config.q_size)})
     one_line_error(bad, "blk.0.attn_q.bias", "bias")
+
+
+# ---- Llama 3.x rope scaling: the rope_freqs tensor ------------------------------------------
+
+# Frequencies of head_dim 32 at theta 10000 have wavelengths 6.3, 11.2, 19.9, 35.3, ...: against
+# an original context of 32 (low / high factors 1 / 4: kept below 8, divided above 32) they take
+# every branch of the llama3 rule.
+LLAMA3 = dict(LLAMA, rope_theta=10_000.0, rope_scaling={
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32})
+
+
+def test_llama3_rope_scaling_round_trips_as_rope_freqs(tmp_path):
+    """A llama3-scaled model is written with llama.cpp's rope_freqs tensor (one divisor per
+    frequency) and reads back as a 'freq_factors' scaling that rotates by the same
+    frequencies, to fp32 rounding; a model decoded from the GGUF gives the same tokens."""
+    from onegraph.reference import rope_frequencies, rope_frequency_factors
+    config, tensors = model("tiny-llama", **LLAMA3)
+    factors = rope_frequency_factors(config)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[2] < 8.0   # every branch
+    path = write_gguf(config, tensors, tmp_path / "m.gguf", types="F32")
+    reader = gguf.GGUFReader(path)
+    stored = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    np.testing.assert_array_equal(np.asarray(stored.data), factors.astype(np.float32))
+    loaded = load_model(path)
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors" and loaded.ignored == []
+    np.testing.assert_allclose(rope_frequencies(loaded.config), rope_frequencies(config), rtol=2.4e-7)
+    assert_same_tokens(path, config, tensors, 40)
+
+
+def test_rope_freqs_of_the_wrong_length_or_type(tmp_path, good):
+    config, path = good
+    half = config.head_dim // 2
+    short = rewrite(path, tmp_path / "short.gguf", extra={"rope_freqs.weight": np.ones(half - 1)})
+    one_line_error(short, f"{half} positive finite numbers", f"factors={half - 1} values")
+    negative = rewrite(path, tmp_path / "neg.gguf", extra={"rope_freqs.weight": -np.ones(half)})
+    one_line_error(negative, "positive finite")
+
+
+def test_rope_freqs_beside_a_linear_scaling_is_refused(tmp_path):
+    config, tensors = model("tiny-llama", **LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    path = write_gguf(config, tensors, tmp_path / "linear.gguf", types="F32")
+    both = rewrite(path, tmp_path / "both.gguf", extra={"rope_freqs.weight": np.ones(config.head_dim // 2)})
+    one_line_error(both, "rope_freqs.weight", "one rope scaling at a time")
+
+
+def test_pack_refuses_a_per_frequency_rope_table(tmp_path):
+    from onegraph.pack import PackError, write_packed
+    config, tensors = model("tiny-llama", **LLAMA3)
+    with pytest.raises(PackError, match="rope_scaling 'llama3' is not carried by packed files"):
+        write_packed(config, tensors, tmp_path / "m.og")
+    assert not (tmp_path / "m.og").exists()

@@ -48,6 +48,14 @@ MODELS = {
                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
                   tie_word_embeddings=False, rope_theta=10_000.0,
                   rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # Llama 3.x's rope scaling: wavelengths 6.3, 19.9, 62.8, ... against an original context of
+    # 32 take each branch of the rule (kept, blended, divided by the factor), and the 24
+    # positions decoded rotate by all of them
+    "llama3": dict(architectures=["LlamaForCausalLM"], hidden_size=96, intermediate_size=72,
+                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                   tie_word_embeddings=False, rope_theta=10_000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     # layer 1 dense through mlp_only_layers; top-2 of 6 experts
     "qwen3_moe_norm": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=48, intermediate_size=64,
                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -185,6 +185,7 @@ def test_layer_is_moe_without_experts_is_rejected(lib):
 
 HANDLE_CALLS = {
     "og_set_weight": lambda lib, h: lib.og_set_weight(h, b"model.norm.weight", capi.OG_DTYPE_F32, 0, None, None),
+    "og_set_rope_frequencies": lambda lib, h: lib.og_set_rope_frequencies(h, (ctypes.c_float * 4)(1, 1, 1, 1), 4),
     "og_precheck": lambda lib, h: lib.og_precheck(h),
     "og_begin_step": lambda lib, h: lib.og_begin_step(h, 0),
     "og_begin_chained_step": lambda lib, h: lib.og_begin_chained_step(h, ctypes.byref(ctypes.c_int32())),
