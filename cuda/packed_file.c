@@ -650,9 +650,10 @@ static og_status parse_root(parse_state *ps)
 
 /* ---- og_config ------------------------------------------------------------------------ */
 
-enum { KIND_INT, KIND_FLAG, KIND_FLOAT, KIND_MASK };
+enum { KIND_INT, KIND_FLAG, KIND_FLOAT, KIND_MASK, KIND_FREQS };
 
-/* Every key of "onegraph.og_config", all required. min is the least sane value. */
+/* Every key of "onegraph.og_config", all required but rope_inv_freq (a rope scaling that sets
+ * each frequency on its own: og_set_rope_frequencies's table). min is the least sane value. */
 static const struct {
     const char *key;
     int kind;
@@ -676,6 +677,7 @@ static const struct {
     {"moe_intermediate_size", KIND_INT, offsetof(og_config, moe_intermediate_size), 0},
     {"norm_topk_prob", KIND_FLAG, offsetof(og_config, norm_topk_prob), 0},
     {"layer_is_moe", KIND_MASK, 0, 0},
+    {"rope_inv_freq", KIND_FREQS, 0, 0},
     {"max_position_embeddings", KIND_INT, 0, 1},
 };
 #define N_CONFIG_KEYS (sizeof CONFIG_KEYS / sizeof CONFIG_KEYS[0])
@@ -738,6 +740,26 @@ static og_status parse_og_config(og_packed_file *f, const meta_pair *pair, const
                 if ((st = next_element(r, ']', ctx, &inner_more)) != OG_OK) return st;
             }
             empty = 0;
+        } else if (CONFIG_KEYS[k].kind == KIND_FREQS) {
+            int inner_more = 1;
+            if (peek(r) != '[') return fail(r, "rope_inv_freq must be an array of numbers, one per rope frequency");
+            if ((st = open_container(r, '[', ']', ctx, &empty)) != OG_OK) return st;
+            while (!empty && inner_more) {
+                double v = 0;
+                if (f->n_rope_inv_freq == OG_PACKED_MAX_FREQS)
+                    return fail(r, "rope_inv_freq has more than %d entries", OG_PACKED_MAX_FREQS);
+                uint64_t element_pos = (skip_ws(r), r->pos);
+                if ((st = read_double(r, &v, ctx)) != OG_OK) return st;
+                float as_float = (float)v;
+                if (!(v > 0) || !isfinite(as_float) || !(as_float > 0)) {
+                    r->pos = element_pos;
+                    return fail(r, "rope_inv_freq[%d] = %g must be a positive number that fits a float",
+                                f->n_rope_inv_freq, v);
+                }
+                f->rope_inv_freq[f->n_rope_inv_freq++] = as_float;
+                if ((st = next_element(r, ']', ctx, &inner_more)) != OG_OK) return st;
+            }
+            empty = 0;
         } else if (CONFIG_KEYS[k].kind == KIND_FLOAT) {
             double v = 0;
             if ((st = read_double(r, &v, ctx)) != OG_OK) return st;
@@ -764,7 +786,8 @@ static og_status parse_og_config(og_packed_file *f, const meta_pair *pair, const
     }
     if (peek(r) != -1) return fail(r, "only whitespace may follow the config object");
     for (size_t k = 0; k < N_CONFIG_KEYS; k++)
-        if (!seen[k]) return config_error(label, "required key '%s' is missing", CONFIG_KEYS[k].key);
+        if (!seen[k] && CONFIG_KEYS[k].kind != KIND_FREQS)
+            return config_error(label, "required key '%s' is missing", CONFIG_KEYS[k].key);
 
     /* Cross-field sanity: what the Python config validates, on the resolved fields. */
     int32_t layers = cfg->num_hidden_layers;
@@ -773,6 +796,9 @@ static og_status parse_og_config(og_packed_file *f, const meta_pair *pair, const
                             "(grouped-query attention)", cfg->num_key_value_heads, cfg->num_attention_heads);
     if (cfg->head_dim % 2)
         return config_error(label, "head_dim=%d must be even (rotary embedding rotates pairs)", cfg->head_dim);
+    if (f->n_rope_inv_freq != 0 && f->n_rope_inv_freq != cfg->head_dim / 2)
+        return config_error(label, "rope_inv_freq has %d entries, head_dim / 2 = %d", f->n_rope_inv_freq,
+                            cfg->head_dim / 2);
     if ((int64_t)mask_len != layers)
         return config_error(label, "layer_is_moe has %zu entries, num_hidden_layers=%d", mask_len, layers);
     int any_dense = 0, any_moe = 0;
@@ -1209,6 +1235,10 @@ OG_API og_status og_open_packed(const char *path, int32_t kv_dtype, int32_t max_
     void *aligned = NULL;
     st = og_init(&cfg, &e);
     if (st != OG_OK) st = library_failure(st, path, "og_init");
+    if (st == OG_OK && f.n_rope_inv_freq > 0) {
+        st = og_set_rope_frequencies(e, f.rope_inv_freq, f.n_rope_inv_freq);
+        if (st != OG_OK) st = library_failure(st, path, "og_set_rope_frequencies");
+    }
     for (int64_t i = 0; st == OG_OK && i < f.n_tensors; i++) {
         const og_packed_tensor *t = &f.tensors[i];
         const uint8_t *data = (const uint8_t *)map + f.data_start + t->begin;

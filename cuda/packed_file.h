@@ -17,8 +17,9 @@
  * Tensors keep their Hugging Face names; the library fuses q|k|v and gate|up at upload.
  * "onegraph.og_config" holds the og_config fields already resolved from config.json by the
  * Python config (qk_norm from the architecture, layer_is_moe from mlp_only_layers and
- * decoder_sparse_step, rope_linear_factor from rope_scaling), so C never re-implements the
- * HF rules. "onegraph.config" is there for the Python engine (runtime/pack.py: open_packed).
+ * decoder_sparse_step, rope_linear_factor from rope_scaling, and for a rope scaling that sets
+ * each frequency on its own ("llama3") the whole table as "rope_inv_freq", which og_open_packed
+ * hands og_set_rope_frequencies), so C never re-implements the HF rules. "onegraph.config" is there for the Python engine (runtime/pack.py: open_packed).
  *
  * What the parser rejects (OG_E_BAD_FILE, message naming the file, the header byte or the
  * tensor): a file under 8 bytes; a header length of 0-1, over OG_PACKED_MAX_HEADER_BYTES or
@@ -64,6 +65,8 @@ extern "C" {
 /* Qwen3-30B-A3B has 18,867 tensors; a million leaves room and bounds memory. */
 #define OG_PACKED_MAX_TENSORS 1000000
 #define OG_PACKED_MAX_LAYERS 4096
+/* Rotary frequencies (head_dim / 2): head dims up to 512. */
+#define OG_PACKED_MAX_FREQS 256
 
 /* Metadata keys (runtime/pack.py writes the same strings). */
 #define OG_PACKED_KEY_FORMAT_VERSION "onegraph.format_version"
@@ -97,6 +100,8 @@ typedef struct og_packed_file {
     int64_t n_tensors;
     og_packed_tensor *tensors;          /* header order                                   */
     uint8_t *layer_is_moe;              /* [num_hidden_layers], owned                     */
+    int32_t n_rope_inv_freq;            /* 0, or head_dim / 2: og_config's "rope_inv_freq" */
+    float rope_inv_freq[OG_PACKED_MAX_FREQS];
 } og_packed_file;
 
 /* Parse and check a whole file held in memory (bytes[0, n_bytes) is the file). On OG_OK

@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .reference import rope_frequency_factors
+from .reference import rope_frequencies, rope_frequency_factors
 
 FORMAT_VERSION = 1
 WEIGHT_FORMATS = ("bf16",)             # implemented
@@ -77,8 +77,10 @@ def check_weights_format(weights: str) -> None:
 def og_config_fields(config: ModelConfig) -> dict:
     """The og_config fields of cuda/onegraph.h, resolved from the HF config, plus
     max_position_embeddings (the default for max_seq_len). Every key is required by the C
-    parser; adding one needs a new format version."""
-    return {
+    parser (adding one needs a new format version) but rope_inv_freq, the rotary frequency
+    table of a rope scaling that sets each frequency on its own ("llama3"), written only for
+    such a model: a library that predates it refuses the file by that unknown key."""
+    fields = {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -98,6 +100,9 @@ def og_config_fields(config: ModelConfig) -> dict:
         "layer_is_moe": [int(config.is_moe_layer(layer)) for layer in range(config.num_hidden_layers)],
         "max_position_embeddings": config.max_position_embeddings,
     }
+    if rope_frequency_factors(config) is not None:   # the table og_set_rope_frequencies takes
+        fields["rope_inv_freq"] = [float(f) for f in rope_frequencies(config)]
+    return fields
 
 
 def packed_dtype(array: np.ndarray, weights: str = "bf16") -> np.dtype:
@@ -124,11 +129,6 @@ def write_packed(config: ModelConfig, tensors: Mapping[str, np.ndarray], out_pat
     ignored). Written to a temporary name beside out_path and renamed when complete, one
     tensor converted at a time. Returns out_path."""
     check_weights_format(weights)
-    if rope_frequency_factors(config) is not None:
-        # og_config has no field for a per-frequency table, so the C reader could not rotate
-        # as the model does.
-        raise PackError(f"rope_scaling '{config.rope_scaling['rope_type']}' is not carried by packed "
-                        f"files: run this model from its folder or GGUF in Python")
     out_path = os.fspath(out_path)
     shapes = config.tensor_shapes()
     missing = [name for name in shapes if name not in tensors]

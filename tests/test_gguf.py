@@ -305,11 +305,3 @@ def test_rope_freqs_beside_a_linear_scaling_is_refused(tmp_path):
     path = write_gguf(config, tensors, tmp_path / "linear.gguf", types="F32")
     both = rewrite(path, tmp_path / "both.gguf", extra={"rope_freqs.weight": np.ones(config.head_dim // 2)})
     one_line_error(both, "rope_freqs.weight", "one rope scaling at a time")
-
-
-def test_pack_refuses_a_per_frequency_rope_table(tmp_path):
-    from onegraph.pack import PackError, write_packed
-    config, tensors = model("tiny-llama", **LLAMA3)
-    with pytest.raises(PackError, match="rope_scaling 'llama3' is not carried by packed files"):
-        write_packed(config, tensors, tmp_path / "m.og")
-    assert not (tmp_path / "m.og").exists()

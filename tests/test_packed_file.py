@@ -210,6 +210,12 @@ MALFORMED = [
      BAD_FILE, ["num_experts=0"]),
     ("config-eps-not-positive", lambda raw: edit_og_config(raw, lambda c: c.__setitem__("rms_norm_eps", -1e-6)),
      BAD_FILE, ["rms_norm_eps = -1e-06 must be a positive number"]),
+    ("config-rope-table-length",
+     lambda raw: edit_og_config(raw, lambda c: c.__setitem__("rope_inv_freq", [1.0, 0.5])),
+     BAD_FILE, ["rope_inv_freq has 2 entries, head_dim / 2 = 8"]),
+    ("config-rope-table-value",
+     lambda raw: edit_og_config(raw, lambda c: c.__setitem__("rope_inv_freq", [1.0] * 7 + [-1.0])),
+     BAD_FILE, ["rope_inv_freq[7] = -1 must be a positive number"]),
     ("config-not-json",
      lambda raw: edit_header(raw, lambda h: h["__metadata__"].__setitem__(KEY_OG_CONFIG, '{"vocab_size":1,')),
      BAD_FILE, ["metadata 'onegraph.og_config', string byte 16: expected '\"' as a config key, found the end"]),
@@ -520,6 +526,31 @@ def test_open_packed_uploads_every_tensor(tmp_path, open_packed_mock):
             assert dtype == ("F32" if array.dtype == np.float32 else "BF16"), name
             assert tuple(int(d) for d in shape.split(",")) == array.shape, name
             assert int(checksum) == _checksum(array), name
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def test_llama3_rope_table_is_packed_and_handed_to_the_library(tmp_path, open_packed_mock):
+    """A llama3 model's packed file carries its rotary frequency table in og_config
+    ("rope_inv_freq", the reference's, bit for bit); og_open_packed hands it to
+    og_set_rope_frequencies after og_init, and a refusal there frees the engine."""
+    from onegraph.reference import rope_frequencies
+    config, tensors = _small("tiny-llama", rope_scaling=LLAMA3_ROPE)
+    path = write_packed(config, tensors, tmp_path / "llama3.og.safetensors")
+    table = rope_frequencies(config)
+    meta = json.loads(split_file(open(path, "rb").read())[0])["__metadata__"]
+    assert np.array_equal(np.array(json.loads(meta[KEY_OG_CONFIG])["rope_inv_freq"], np.float32), table)
+    got_config, _ = open_packed(path)
+    assert got_config.rope_scaling == LLAMA3_ROPE
+    lines = open_packed_mock(path)
+    assert lines[1] == f"rope_freqs {table.size} {_checksum(table)}" and lines[-1] == "freed"
+    assert [line.split()[0] for line in lines[2:-2]] == ["weight"] * len(config.tensor_shapes())
+    lines = open_packed_mock(path, fail="rope")
+    assert lines[-2] == "freed"
+    assert lines[-1] == (f"status {capi.OG_E_INVALID_ARGUMENT} {path}: og_set_rope_frequencies: "
+                         "mock: inv_freq[0] is not positive")
 
 
 def test_open_packed_failures_free_the_engine(models, open_packed_mock):

@@ -6,15 +6,17 @@
  *   ./open_packed_mock FILE KV MAX_SEQ_LEN
  *
  * The mock stands in for the library calls og_open_packed makes (og_config_default, og_init,
- * og_set_weight, og_precheck, og_free, og_last_error) and prints what it receives, so a test
- * can check the config og_init gets, every tensor's name, dtype, shape and bytes, that data
- * pointers are aligned for their dtype, and that failures free the engine. Output lines:
+ * og_set_rope_frequencies, og_set_weight, og_precheck, og_free, og_last_error) and prints what
+ * it receives, so a test can check the config og_init gets, every tensor's name, dtype, shape
+ * and bytes, that data pointers are aligned for their dtype, and that failures free the engine.
+ * Output lines:
  *   config KEY=VALUE ...                      what og_init received
+ *   rope_freqs N CHECKSUM                     og_set_rope_frequencies (a llama3 model's table)
  *   weight NAME DTYPE D0,D1 CHECKSUM          one per og_set_weight
  *   freed                                     og_free
  *   status S MESSAGE                          og_open_packed's result and og_last_error()
  * CHECKSUM = sum over bytes of (index + 1) * byte, mod 2^64. Failures are injected with
- * $MOCK_FAIL=init | precheck | NAME (og_set_weight of that tensor fails).
+ * $MOCK_FAIL=init | rope | precheck | NAME (og_set_weight of that tensor fails).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -99,6 +101,17 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
     for (uint64_t i = 0; i < count * element; i++) checksum += (i + 1) * bytes[i];  /* reads every byte */
     printf(" %llu\n", (unsigned long long)checksum);
     if (failing(name)) return mock_fail(OG_E_WEIGHT_MISMATCH, "mock: shape mismatch");
+    return OG_OK;
+}
+
+OG_API og_status og_set_rope_frequencies(og_engine *e, const float *inv_freq, int32_t n)
+{
+    if (n != e->config.head_dim / 2) return mock_fail(OG_E_INVALID_ARGUMENT, "mock: wrong table length");
+    const uint8_t *bytes = (const uint8_t *)inv_freq;
+    uint64_t checksum = 0;
+    for (uint64_t i = 0; i < (uint64_t)n * sizeof(float); i++) checksum += (i + 1) * bytes[i];
+    printf("rope_freqs %d %llu\n", n, (unsigned long long)checksum);
+    if (failing("rope")) return mock_fail(OG_E_INVALID_ARGUMENT, "mock: inv_freq[0] is not positive");
     return OG_OK;
 }
 
