@@ -47,15 +47,23 @@ def _small(preset, **overrides):
     return config, dict(iter_tensors(config, seed=3))
 
 
+# Llama 3.x's rope scaling on tiny-llama (head_dim 20: wavelengths 6.3, 15.8, 39.7, ... take
+# every branch of the rule against an original context of 32).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+MODELS = {"tiny-dense": ("tiny-dense", {}), "tiny-tied": ("tiny-tied", {}), "tiny-moe": ("tiny-moe", {}),
+          "tiny-llama-llama3": ("tiny-llama", {"rope_scaling": LLAMA3_ROPE})}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{preset: (config, tensors, packed path)} for a dense, a tied and an MoE model."""
+    """{name: (config, tensors, packed path)} for a dense, a tied, an MoE and a llama3 model."""
     out = tmp_path_factory.mktemp("packed")
     result = {}
-    for preset in ("tiny-dense", "tiny-tied", "tiny-moe"):
-        config, tensors = _small(preset)
-        path = write_packed(config, tensors, out / f"{preset}.og.safetensors")
-        result[preset] = (config, tensors, str(path))
+    for name, (preset, overrides) in MODELS.items():
+        config, tensors = _small(preset, **overrides)
+        path = write_packed(config, tensors, out / f"{name}.og.safetensors")
+        result[name] = (config, tensors, str(path))
     return result
 
 
@@ -528,17 +536,12 @@ def test_open_packed_uploads_every_tensor(tmp_path, open_packed_mock):
             assert int(checksum) == _checksum(array), name
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
-
-
-def test_llama3_rope_table_is_packed_and_handed_to_the_library(tmp_path, open_packed_mock):
+def test_llama3_rope_table_is_packed_and_handed_to_the_library(models, open_packed_mock):
     """A llama3 model's packed file carries its rotary frequency table in og_config
     ("rope_inv_freq", the reference's, bit for bit); og_open_packed hands it to
     og_set_rope_frequencies after og_init, and a refusal there frees the engine."""
     from onegraph.reference import rope_frequencies
-    config, tensors = _small("tiny-llama", rope_scaling=LLAMA3_ROPE)
-    path = write_packed(config, tensors, tmp_path / "llama3.og.safetensors")
+    config, _, path = models["tiny-llama-llama3"]
     table = rope_frequencies(config)
     meta = json.loads(split_file(open(path, "rb").read())[0])["__metadata__"]
     assert np.array_equal(np.array(json.loads(meta[KEY_OG_CONFIG])["rope_inv_freq"], np.float32), table)
@@ -643,7 +646,7 @@ def _rust_program(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-tied", "tiny-moe"])
+@pytest.mark.parametrize("preset", list(MODELS))
 def test_three_programs_print_the_same_tokens(models, tmp_path, preset):
     if not _gpu_usable():
         skip_or_fail("no usable GPU")
