@@ -23,8 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_abi_7_in_header_binding_and_rust():
     header = (ROOT / "cuda" / "onegraph.h").read_text()
     rust = (ROOT / "examples" / "rust" / "src" / "ffi.rs").read_text()
-    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h")) == (7, 1)
-    assert capi.ABI_VERSION == 7 and capi.ABI_MINOR_REQUIRED == 1  # 7.1 added og_step_bands
+    assert capi.header_abi_version_numbers(str(ROOT / "cuda" / "onegraph.h")) == (7, 2)
+    # 7.1 added og_step_bands, 7.2 og_set_rope_frequencies
+    assert capi.ABI_VERSION == 7 and capi.ABI_MINOR_REQUIRED == 2
+    assert "OG_API og_status og_set_rope_frequencies(og_engine *e" in header
     assert re.search(r"pub const OG_ABI_VERSION: i32 = 7;", rust)
     # 7.0 dropped the test and tool calls (now og_test_* in onegraph_testing.h) from the ABI.
     testing = (ROOT / "cuda" / "onegraph_testing.h").read_text()
