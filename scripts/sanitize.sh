@@ -111,8 +111,8 @@ target_command() {  # $1 target, $2 tool -> the command, one word per line
              printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_sample_stage_gpu.py -k "$sel" ;;
     verify)  printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_speculative_gpu.py -k "tiny-dense or rollback or errors" ;;
     guards)  # racecheck: the decodes to a full context alone; it checks shared memory inside a
-             # kernel, which two host threads do not change, and the two-thread tests ran past 500 s
-             # on an H100 with the six others done
+             # kernel, which two host threads do not change, and the two-thread tests are by far
+             # the slowest under it
              sel="guards_intact or two_handles"
              [ "$2" = racecheck ] && sel="guards_intact"
              printf '%s\n' python3 -m pytest -q -p no:cacheprovider tests/test_reliability_gpu.py -k "$sel" ;;

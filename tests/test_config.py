@@ -36,8 +36,7 @@ def rejects(raw, *fragments):
     return message
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}   # Llama-3.2-1B's
+LLAMA3_ROPE = PRESETS["llama-3.2-1b"]["rope_scaling"]   # Llama-3.2-1B's
 
 
 # ---- rejections: (config, fragments that must appear in the message) --------------------------

@@ -265,12 +265,8 @@ def test_bias_tensors_refused(tmp_path):
 
 # ---- Llama 3.x rope scaling: the rope_freqs tensor ------------------------------------------
 
-# Frequencies of head_dim 32 at theta 10000 have wavelengths 6.3, 11.2, 19.9, 35.3, ...: against
-# an original context of 32 (low / high factors 1 / 4: kept below 8, divided above 32) they take
-# every branch of the llama3 rule.
-LLAMA3 = dict(LLAMA, rope_theta=10_000.0, rope_scaling={
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32})
+# tiny-llama3's rope scaling at LLAMA's head_dim 32 (theta 10000): wavelengths 6.3, 11.2, 19.9,
+# 35.3, ... against its original context of 32 (kept below 8, divided above 32) take every branch.
 
 
 def test_llama3_rope_scaling_round_trips_as_rope_freqs(tmp_path):
@@ -278,7 +274,7 @@ def test_llama3_rope_scaling_round_trips_as_rope_freqs(tmp_path):
     frequency) and reads back as a 'freq_factors' scaling that rotates by the same
     frequencies, to fp32 rounding; a model decoded from the GGUF gives the same tokens."""
     from onegraph.reference import rope_frequencies, rope_frequency_factors
-    config, tensors = model("tiny-llama", **LLAMA3)
+    config, tensors = model("tiny-llama3", **LLAMA)
     factors = rope_frequency_factors(config)
     assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[2] < 8.0   # every branch
     path = write_gguf(config, tensors, tmp_path / "m.gguf", types="F32")

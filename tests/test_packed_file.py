@@ -47,23 +47,18 @@ def _small(preset, **overrides):
     return config, dict(iter_tensors(config, seed=3))
 
 
-# Llama 3.x's rope scaling on tiny-llama (head_dim 20: wavelengths 6.3, 15.8, 39.7, ... take
-# every branch of the rule against an original context of 32).
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
-MODELS = {"tiny-dense": ("tiny-dense", {}), "tiny-tied": ("tiny-tied", {}), "tiny-moe": ("tiny-moe", {}),
-          "tiny-llama-llama3": ("tiny-llama", {"rope_scaling": LLAMA3_ROPE})}
+MODELS = ("tiny-dense", "tiny-tied", "tiny-moe", "tiny-llama3")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{name: (config, tensors, packed path)} for a dense, a tied, an MoE and a llama3 model."""
+    """{preset: (config, tensors, packed path)} for a dense, a tied, an MoE and a llama3 model."""
     out = tmp_path_factory.mktemp("packed")
     result = {}
-    for name, (preset, overrides) in MODELS.items():
-        config, tensors = _small(preset, **overrides)
-        path = write_packed(config, tensors, out / f"{name}.og.safetensors")
-        result[name] = (config, tensors, str(path))
+    for preset in MODELS:
+        config, tensors = _small(preset)
+        path = write_packed(config, tensors, out / f"{preset}.og.safetensors")
+        result[preset] = (config, tensors, str(path))
     return result
 
 
@@ -541,12 +536,12 @@ def test_llama3_rope_table_is_packed_and_handed_to_the_library(models, open_pack
     ("rope_inv_freq", the reference's, bit for bit); og_open_packed hands it to
     og_set_rope_frequencies after og_init, and a refusal there frees the engine."""
     from onegraph.reference import rope_frequencies
-    config, _, path = models["tiny-llama-llama3"]
+    config, _, path = models["tiny-llama3"]
     table = rope_frequencies(config)
     meta = json.loads(split_file(open(path, "rb").read())[0])["__metadata__"]
     assert np.array_equal(np.array(json.loads(meta[KEY_OG_CONFIG])["rope_inv_freq"], np.float32), table)
     got_config, _ = open_packed(path)
-    assert got_config.rope_scaling == LLAMA3_ROPE
+    assert got_config.rope_scaling == config.rope_scaling and config.rope_scaling["rope_type"] == "llama3"
     lines = open_packed_mock(path)
     assert lines[1] == f"rope_freqs {table.size} {_checksum(table)}" and lines[-1] == "freed"
     assert [line.split()[0] for line in lines[2:-2]] == ["weight"] * len(config.tensor_shapes())
