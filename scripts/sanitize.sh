@@ -39,7 +39,8 @@
 # Environment: SANITIZE_OUT (logs; default $OUT/sanitize or ./out/sanitize), SANITIZE_TIMEOUT
 # (seconds per run, default 300), SANITIZE_JOBS (runs at once on the one GPU, default 1: every
 # run is a process of its own, and the instrumented kernels are small, so several share the GPU
-# well), COMPUTE_SANITIZER (the binary), SANITIZE_ARCH (build arch).
+# well), COMPUTE_SANITIZER (the binary), SANITIZE_ARCH (build arch), SANITIZE_LIB (a debug
+# testing library built beforehand by `build.py --debug --testing`, used instead of building one).
 # Prints one line per run and one summary line per tool, and exits non-zero when
 # compute-sanitizer is missing, the debug build fails, or any run reports an error, fails its
 # own checks, finds nothing to test or times out.
@@ -176,12 +177,16 @@ if ! [[ $JOBS =~ ^[1-9][0-9]*$ ]]; then
 fi
 arch_args=()
 [ -n "${SANITIZE_ARCH:-}" ] && arch_args=(--arch "$SANITIZE_ARCH")
-if ! python3 build.py --debug --testing --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
+if [ -n "${SANITIZE_LIB:-}" ]; then
+  [ -f "$SANITIZE_LIB" ] || { echo "sanitize: SANITIZE_LIB $SANITIZE_LIB is not a file" >&2; exit 2; }
+  export ONEGRAPH_LIB=$SANITIZE_LIB
+elif python3 build.py --debug --testing --out build/debug "${arch_args[@]}" > "$LOGS/build.log" 2>&1; then
+  export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph_testing.so
+else
   echo "sanitize: debug build failed (see $LOGS/build.log)" >&2
   tail -n 20 "$LOGS/build.log" >&2
   exit 3
 fi
-export ONEGRAPH_LIB=$ROOT/build/debug/libonegraph_testing.so
 
 echo "sanitize: $("$SANITIZER" --version | tail -n 1); library $ONEGRAPH_LIB; logs in $LOGS"
 running=0
