@@ -74,6 +74,11 @@
 //                        head's columns; the next kernels add the heads' shares where they read
 //                        the residual), gate/up, down; run where one split covers the context;
 //                        _red: the O rows added to a fixed-point residual by integer atomics instead
+//   qkv_local            4 kernels a layer (section (I)): one block a query head computes that
+//                        head's q and its KV head's k and v itself (weights in registers and shared
+//                        memory before the PDL wait), then the head's attention: no hand-over
+//                        between the QKV rows and the attention; run where one split covers the
+//                        context
 // GEMV work: a task is one row (two for gate/up: gate i and up i share x), one warp a task, 16-byte
 // loads, lane l takes 16-byte chunks l, l + 32, ... of the row, fp32 fma in chunk order, then a
 // shuffle butterfly. Tasks go round-robin over all warps of the grid (task t -> warp t mod warps);
@@ -85,7 +90,7 @@
 // + written), the bytes a layer reads and writes (weights, norm weights, K/V rows read and the
 // row written), the floor a layer = bytes / bandwidth, and per variant: µs a token, µs a layer,
 // floor / layer time, baseline / variant. Then the checks: the first three variants' and
-// qkv_attn's x and K/V row C bit-identical (memcmp); every variant stable over the timed replays
+// qkv_attn's and qkv_local's x and K/V row C bit-identical (memcmp); every variant stable over the timed replays
 // and within a relative L2 error of 1e-3 of a CPU reference (fp64 host loop over all layers); the
 // clustered variants sum the O and down projections in another order, o_attn the attention,
 // ffn_red the down projection and attn_o the O projection, so they are held to the reference only.
@@ -709,19 +714,27 @@ __device__ __forceinline__ float fold_splits_batched(const Acts &a, int h, int s
 template <class S, class Sm>
 __device__ bool attention_core(const AttnRegs<S> &r, const Model &m, const Acts &a, unsigned *tickets, int l,
                                int h, int s, Sm &sm, const float *q_src, const float *k_src,
-                               const float *v_src, bool fold, float *out_smem = nullptr, bool write_kv = true) {
+                               const float *v_src, bool fold, float *out_smem = nullptr, bool write_kv = true,
+                               bool src_shared = false) {
     using D = Dims<S>;
     constexpr int HD = S::HD, half = HD / 2;
     const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
     const int sub = lane / D::LPR, part = lane % D::LPR, g = h / D::GRP;
     const int j0 = s * m.split_rows, j1 = min(m.ctx + 1, j0 + m.split_rows), n = j1 - j0;
 
-    // 1. this step's q (head h), k and v (KV head g), from the QKV GEMV
+    // 1. this step's q (head h), k and v (KV head g), from the QKV GEMV (qkv_local: from the
+    //    block's own shared memory, written before a block barrier)
     float v_t = 0.f;
     if (t < HD) {
-        sm.q_raw[t] = __ldcg(q_src + t);
-        sm.k_raw[t] = __ldcg(k_src + t);
-        v_t = __ldcg(v_src + t);
+        if (src_shared) {
+            sm.q_raw[t] = q_src[t];
+            sm.k_raw[t] = k_src[t];
+            v_t = v_src[t];
+        } else {
+            sm.q_raw[t] = __ldcg(q_src + t);
+            sm.k_raw[t] = __ldcg(k_src + t);
+            v_t = __ldcg(v_src + t);
+        }
     }
     __syncthreads();
     // 2. QK-norm (every warp sums the squares in the same order), RoPE, row C in bf16
@@ -1583,6 +1596,108 @@ __global__ void __launch_bounds__(kThreads) qkv_attn_kernel(const Model m, const
     }
 }
 
+// ---- (I) each attention block computes its own q, k and v: four kernels a layer --------------
+// One block a query head h (one split: the context fits a block's batch of K/V rows). Before its
+// PDL wait a block loads the 3 * head_dim QKV rows it needs (q of head h, k and v of its KV head
+// g: the KV head's rows are computed again by each of its GRP query heads): the first kLocalReg
+// tasks of each warp into registers, the next SMEM_ROWS rows into shared memory by cp.async, and
+// any rest after the wait from global memory. After the wait it normalizes x, takes the dot
+// products (the same per-row code and order as the QKV GEMV, so q, k, v and the step's result
+// are bit-identical to the baseline), and runs head h's attention on them from shared memory;
+// the O, gate/up and down kernels follow as in the baseline. No hand-over between the QKV rows
+// and the attention: what it costs instead is each block streaming 3 * head_dim * hidden * 2
+// bytes alone (SmolLM2: 221 KB; qwen3-0.6b: 786 KB, most of it after the wait).
+constexpr int kLocalReg = 4;                  // register tasks a warp
+constexpr int kLocalSmemCap = 190 * 1024;     // bytes of weight rows in shared memory at most
+template <class S>
+struct QkvLocal {
+    static constexpr int ROWS = 3 * S::HD, ROW_BYTES = S::H * 2, CHUNKS = S::H / 8;
+    static constexpr int REG_ROWS = kWarps * kLocalReg < ROWS ? kWarps * kLocalReg : ROWS;
+    static constexpr int SMEM_ROWS = (ROWS - REG_ROWS) < kLocalSmemCap / ROW_BYTES ? (ROWS - REG_ROWS)
+                                                                                  : kLocalSmemCap / ROW_BYTES;
+    static constexpr int SMEM_BYTES = SMEM_ROWS * ROW_BYTES;
+};
+// The block's task t (0 .. 3 HD - 1) as a row of w_qkv: q rows of head h, k rows, v rows of KV head g.
+template <class S>
+__device__ __forceinline__ int local_row(int t, int h, int g) {
+    using D = Dims<S>;
+    const int seg = t / S::HD, i = t % S::HD;
+    return seg == 0 ? h * S::HD + i : seg == 1 ? D::ATT + g * S::HD + i : D::ATT + S::NKV * S::HD + g * S::HD + i;
+}
+template <class S>
+__global__ void __launch_bounds__(kThreads, 1) qkv_local_kernel(const Model m, const Acts a, int l) {
+    using D = Dims<S>;
+    using QL = QkvLocal<S>;
+    using T = TaskOf<S, kQkv>;
+    extern __shared__ __align__(16) unsigned char qkv_local_dyn[];
+    __shared__ Smem<S> sm;
+    __shared__ __align__(16) float loc[3 * S::HD];   // this block's q, k, v
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int h = blockIdx.x, g = h / D::GRP;
+    const uint16_t *w = weights<S, kQkv>(m, l);
+    // registers: tasks warp + kWarps k, k < kLocalReg
+    T reg[kLocalReg];
+#pragma unroll
+    for (int k = 0; k < kLocalReg; ++k) {
+        const int t = warp + k * kWarps;
+        if (t < QL::REG_ROWS) {
+            load_task<S, kQkv>(reg[k], w, local_row<S>(t, h, g), lane);
+        } else {
+#pragma unroll
+            for (int u = 0; u < T::U; ++u) reg[k].w[0][u] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    // shared memory: rows REG_ROWS .. REG_ROWS + SMEM_ROWS - 1, 16 bytes a copy
+    uint16_t *wsm = reinterpret_cast<uint16_t *>(qkv_local_dyn);
+    for (int idx = threadIdx.x; idx < QL::SMEM_ROWS * QL::CHUNKS; idx += kThreads) {
+        const int r = idx / QL::CHUNKS, c = idx % QL::CHUNKS;
+        cp_async16(wsm + (size_t)r * S::H + c * 8, w + (size_t)local_row<S>(QL::REG_ROWS + r, h, g) * S::H + c * 8);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    Gamma<S::H> gm;
+    load_gamma(gm, m.ln_in + (size_t)l * S::H);
+    AttnRegs<S> ar;
+    attn_prefetch(ar, m, l, h, 0);
+    pdl_wait();
+    pdl_launch_dependents();
+    trace(a, l, 0, 0);
+    stage_norm<S::H>(l == 0 ? a.x_in : a.x, gm, sm.raw, sm.xs);   // ends with a block barrier
+    float acc[1];
+#pragma unroll
+    for (int k = 0; k < kLocalReg; ++k) {
+        const int t = warp + k * kWarps;
+        if (t < QL::REG_ROWS) {
+            dot_task(reg[k], sm.xs, lane, acc);
+            if (lane == 0) loc[t] = acc[0];
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    for (int t = QL::REG_ROWS + warp; t < QL::ROWS; t += kWarps) {
+        T tk;
+        if (t < QL::REG_ROWS + QL::SMEM_ROWS) {
+            const uint4 *row = reinterpret_cast<const uint4 *>(wsm + (size_t)(t - QL::REG_ROWS) * S::H);
+#pragma unroll
+            for (int u = 0; u < T::U; ++u) {
+                const int c = lane + u * kWarpSize;
+                tk.w[0][u] = c < T::kChunks ? row[c] : make_uint4(0u, 0u, 0u, 0u);
+            }
+        } else {
+            load_task<S, kQkv>(tk, w, local_row<S>(t, h, g), lane);
+        }
+        dot_task(tk, sm.xs, lane, acc);
+        if (lane == 0) loc[t] = acc[0];
+    }
+    __syncthreads();
+    trace(a, l, 0, 1);
+    trace(a, l, 1, 0);
+    attention_core(ar, m, a, nullptr, l, h, 0, sm, loc, loc + S::HD, loc + 2 * S::HD, false, nullptr, true, true);
+    if (a.trace != nullptr) {
+        __syncthreads();
+        trace(a, l, 1, 1);
+    }
+}
+
 // ---- (G) the down projection inside the gate/up kernel: four kernels a layer -------------------
 // Each warp's gate/up task i yields act[i]; the warp multiplies it at once by w_down's column i
 // (row i of w_down_t, [H]), so a block holds the down projection's partial sum over its tasks'
@@ -2116,11 +2231,12 @@ int max_clusters(void (*kernel)(KArgs...), int grid, int cluster, int smem) {
     return n;
 }
 
-constexpr int kVariants = 14;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
-                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8, attn_o, attn_o_red
-constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr int kVariants = 15;   // baseline, persistent, persistent_barrier, clusters of 8, of 16, o_attn, gated,
+                                // qkv_attn, ffn_red, ffn_red_l2, ffn_red_x8, ffn_red_l2_x8, attn_o, attn_o_red,
+                                // qkv_local
+constexpr int kClusterOf[kVariants] = {0, 0, 0, 8, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 constexpr int kOAttn = 5, kOAttnGated = 6, kQkvAttn = 7, kFfnRed = 8, kFfnRedL2 = 9, kFfnRedX8 = 10,
-              kFfnRedL2X8 = 11, kAttnO = 12, kAttnORed = 13;
+              kFfnRedL2X8 = 11, kAttnO = 12, kAttnORed = 13, kQkvLocal = 14;
 constexpr bool is_ffn_red(int v) { return v >= kFfnRed && v <= kFfnRedL2X8; }
 
 struct VariantResult {
@@ -2349,7 +2465,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         fm.split_rows = (ctx + 1 + fm.splits - 1) / fm.splits;
         return fm;
     };
-    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true, false, false};
+    bool ran[kVariants] = {true, true, true, false, false, false, false, false, true, true, true, true, false, false,
+                           false};
     auto fused_runs = [&](auto attn_kernel, auto ffn_kernel, int cs, int attn_smem, int ffn_smem) {
         const int na = max_clusters(attn_kernel, S::NH * cs, cs, attn_smem);
         const int nf = max_clusters(ffn_kernel, kFfnBlocks, cs, ffn_smem);
@@ -2396,6 +2513,18 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
            oa.localSizeBytes, S::NH * AttnO<S>::SLICES, AttnO<S>::OR,
            ran[kAttnO] ? "" : ": not run (the context needs more than one split)");
 
+    // qkv_local: one split a head, and its weight rows' shared memory beside the static arrays
+    const int local_smem = QkvLocal<S>::SMEM_BYTES;
+    CK(cudaFuncGetAttributes(&oa, qkv_local_kernel<S>));
+    ran[kQkvLocal] = splits == 1 && local_smem + (int)oa.sharedSizeBytes <= smem_optin;
+    if (ran[kQkvLocal])
+        CK(cudaFuncSetAttribute(qkv_local_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, local_smem));
+    printf("%s: qkv_local kernel %d registers a thread, %zu B local, %zu B static + %d B dynamic shared (%d rows "
+           "in registers, %d in shared memory, %d after the wait, of %d)%s\n", S::kName, oa.numRegs,
+           oa.localSizeBytes, oa.sharedSizeBytes, local_smem, QkvLocal<S>::REG_ROWS, QkvLocal<S>::SMEM_ROWS,
+           QkvLocal<S>::ROWS - QkvLocal<S>::REG_ROWS - QkvLocal<S>::SMEM_ROWS, QkvLocal<S>::ROWS,
+           ran[kQkvLocal] ? "" : ": not run (the context needs more than one split)");
+
     // graphs
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -2417,6 +2546,13 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
             } else if (v == kQkvAttn) {
                 for (int l = 0; l < L; ++l) {
                     launch(qkv_attn_kernel<S>, gemv_grid(D::QKV), stream, l > 0, false, m, acts, sync + 3, groups, l);
+                    launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
+                    launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
+                }
+            } else if (v == kQkvLocal) {
+                for (int l = 0; l < L; ++l) {
+                    launch_smem(qkv_local_kernel<S>, S::NH, local_smem, stream, l > 0, false, m, acts, l);
                     launch(phase_kernel<S, kO>, gemv_grid(H), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kGateUp>, gemv_grid(I), stream, true, false, m, acts, l);
                     launch(phase_kernel<S, kDown>, gemv_grid(H), stream, true, false, m, acts, l);
@@ -2481,7 +2617,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         if (ran[v]) exec[v] = build(v, a);
     const char *names[kVariants] = {"baseline", "persistent", "persistent_barrier", "clusters_8", "clusters_16",
                                     "o_attn", "o_attn_gated", "qkv_attn", "ffn_red", "ffn_red_l2", "ffn_red_x8",
-                                    "ffn_red_l2_x8", "attn_o", "attn_o_red"};
+                                    "ffn_red_l2_x8", "attn_o", "attn_o_red", "qkv_local"};
 
     // one replay each from x = NaN and row C = 0: outputs, and row C of every layer
     const size_t row_elems = (size_t)NKV * HD;
@@ -2518,6 +2654,7 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
     // the variants that compute every element as the baseline does, in the same order
     std::vector<int> same = {1, 2};
     if (ran[kQkvAttn]) same.push_back(kQkvAttn);
+    if (ran[kQkvLocal]) same.push_back(kQkvLocal);
     res.bit_identical = res.kv_identical = true;
     for (int v : same) {
         res.bit_identical = res.bit_identical && memcmp(out[0].data(), out[v].data(), H * 4) == 0;
@@ -2592,7 +2729,8 @@ ConfigResult run_config(int ctx, int iters, int sms, double bw, bool do_trace) {
         CK(cudaMalloc(&d_trace, n_trace * sizeof(unsigned long long)));
         Acts at = a;
         at.trace = d_trace;
-        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8, kAttnO, kAttnORed}) {
+        for (int v : {0, 1, 2, kOAttn, kOAttnGated, kQkvAttn, kFfnRed, kFfnRedL2, kFfnRedX8, kFfnRedL2X8, kAttnO, kAttnORed,
+                      kQkvLocal}) {
             if (!ran[v]) continue;
             cudaGraphExec_t ge = build(v, at);
             CK(cudaMemsetAsync(d_trace, 0, n_trace * sizeof(unsigned long long), stream));
