@@ -71,8 +71,6 @@ run_part() {
                      --peers hf-eager,hf-compile ;;
     table-0.6b) bench table-0.6b --preset qwen3-0.6b --kv int8 --repeats 3 --engines 3 \
                   --contexts 128,4096,32768 ;;
-    table-llama-1b) bench table-llama-1b --preset llama-3.2-1b --kv int8 --repeats 3 --engines 3 \
-                      --contexts 128,4096,32768 ;;
     table-8b) bench table-8b --preset qwen3-8b --kv int8 --repeats 3 --engines 3 \
                 --contexts 128,4096,32768 ;;
     table-8b-q4) bench table-8b-q4 --preset qwen3-8b --kv int8 --weights q4 --quantize-lm-head \
@@ -86,14 +84,17 @@ run_part() {
                               --engines 1 --peers llama.cpp ;;
     table-0.6b-llamacpp) bench table-0.6b-llamacpp --preset qwen3-0.6b --kv int8 --engines 1 \
                            --peers llama.cpp ;;
-    table-llama-1b-llamacpp) bench table-llama-1b-llamacpp --preset llama-3.2-1b --kv int8 \
-                               --engines 1 --peers llama.cpp ;;
-    *) echo "bench_suite: unknown part '$1' (0.6b 8b 30b 30b-12l table table-* merge)" >&2
+    # The Llama-3.2-1B shape of the published megakernel comparison (not in the README's table):
+    llama-1b) bench llama-1b --preset llama-3.2-1b --kv int8 --repeats 3 --engines 3 \
+                --contexts 128,4096,32768 ;;
+    llama-1b-llamacpp) bench llama-1b-llamacpp --preset llama-3.2-1b --kv int8 --engines 1 \
+                         --peers llama.cpp ;;
+    *) echo "bench_suite: unknown part '$1' (0.6b 8b 30b 30b-12l llama-1b* table table-* merge)" >&2
        exit 2 ;;
   esac
 }
-TABLE=(table-smollm2 table-0.6b table-llama-1b table-8b table-8b-q4 table-30b table-30b-q4
-       table-smollm2-llamacpp table-0.6b-llamacpp table-llama-1b-llamacpp)
+TABLE=(table-smollm2 table-0.6b table-8b table-8b-q4 table-30b table-30b-q4 table-smollm2-llamacpp
+       table-0.6b-llamacpp)
 parts=("$@") merged=
 case "${1:-}" in
   "") parts=(0.6b 8b 30b 30b-12l) merged=suite ;;
