@@ -19,7 +19,8 @@
  * Python config (qk_norm from the architecture, layer_is_moe from mlp_only_layers and
  * decoder_sparse_step, rope_linear_factor from rope_scaling, and for a rope scaling that sets
  * each frequency on its own ("llama3") the whole table as "rope_inv_freq", which og_open_packed
- * hands og_set_rope_frequencies), so C never re-implements the HF rules. "onegraph.config" is there for the Python engine (runtime/pack.py: open_packed).
+ * hands og_set_rope_frequencies), so C never re-implements the HF rules. "onegraph.config" is
+ * there for the Python engine (runtime/pack.py: open_packed).
  *
  * What the parser rejects (OG_E_BAD_FILE, message naming the file, the header byte or the
  * tensor): a file under 8 bytes; a header length of 0-1, over OG_PACKED_MAX_HEADER_BYTES or

@@ -84,6 +84,15 @@ OG_API og_status og_init(const og_config *c, og_engine **out)
     return OG_OK;
 }
 
+/* CHECKSUM of the header comment; reads every byte. */
+static uint64_t checksum(const void *data, uint64_t n_bytes)
+{
+    const uint8_t *bytes = data;
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < n_bytes; i++) sum += (i + 1) * bytes[i];
+    return sum;
+}
+
 OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, int32_t ndim, const int64_t *shape,
                                const void *data)
 {
@@ -96,10 +105,7 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
         printf(i ? ",%lld" : "%lld", (long long)shape[i]);
         count *= (uint64_t)shape[i];
     }
-    const uint8_t *bytes = data;
-    uint64_t checksum = 0;
-    for (uint64_t i = 0; i < count * element; i++) checksum += (i + 1) * bytes[i];  /* reads every byte */
-    printf(" %llu\n", (unsigned long long)checksum);
+    printf(" %llu\n", (unsigned long long)checksum(data, count * element));
     if (failing(name)) return mock_fail(OG_E_WEIGHT_MISMATCH, "mock: shape mismatch");
     return OG_OK;
 }
@@ -107,10 +113,7 @@ OG_API og_status og_set_weight(og_engine *e, const char *name, int32_t dtype, in
 OG_API og_status og_set_rope_frequencies(og_engine *e, const float *inv_freq, int32_t n)
 {
     if (n != e->config.head_dim / 2) return mock_fail(OG_E_INVALID_ARGUMENT, "mock: wrong table length");
-    const uint8_t *bytes = (const uint8_t *)inv_freq;
-    uint64_t checksum = 0;
-    for (uint64_t i = 0; i < (uint64_t)n * sizeof(float); i++) checksum += (i + 1) * bytes[i];
-    printf("rope_freqs %d %llu\n", n, (unsigned long long)checksum);
+    printf("rope_freqs %d %llu\n", n, (unsigned long long)checksum(inv_freq, (uint64_t)n * sizeof(float)));
     if (failing("rope")) return mock_fail(OG_E_INVALID_ARGUMENT, "mock: inv_freq[0] is not positive");
     return OG_OK;
 }
