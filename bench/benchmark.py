@@ -190,6 +190,25 @@ def targets_from(args) -> list[Target]:
     return [preset_target(p, args.layers, args.seed) for p in presets] + [folder_target(m) for m in args.model]
 
 
+def read_document(path: str) -> dict:
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a bench JSON document ({e})") from None
+    missing = [k for k in ("results", "context_sweep") if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise ValueError(f"{path}: not a bench JSON document (no {', '.join(missing)})")
+    return doc
+
+
+def user_error(e: Exception) -> int:
+    """A model, preset or document the user named is wrong: one line, exit status 2."""
+    message = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"onegraph bench: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -198,11 +217,11 @@ def main(argv=None) -> int:
         print(json.dumps(fields, indent=1))
         return 0
     if args.merge:
-        docs = []
-        for path in args.merge:
-            with open(path) as f:
-                docs.append(json.load(f))
-        emit(merge_docs(docs), args.json, args.plot)
+        try:
+            merged = merge_docs([read_document(path) for path in args.merge])
+        except (OSError, ValueError) as e:  # check_schema's errors name the field
+            return user_error(e)
+        emit(merged, args.json, args.plot)
         return 0
     s = settings_from(args)
     if s.device == "gpu":
@@ -212,8 +231,11 @@ def main(argv=None) -> int:
             print(f"onegraph bench: the GPU path is unusable: {reason} (--device cpu checks the benchmark "
                   f"on the numpy reference)", file=sys.stderr)
             return 2
+    try:
+        targets = targets_from(args)
+    except (OSError, ValueError, KeyError) as e:  # LoaderError, ConfigError, an unknown preset
+        return user_error(e)
     bandwidth = measure_copy_bandwidth() if s.device == "gpu" else None
-    targets = targets_from(args)
     results, sweep, notes = run(targets, s, bandwidth)
     ttft = [r for target in targets for r in bench_ttft(target, s)] if s.ttft else []
     notes += [f"{r['model']} {r['runtime']} ttft skipped: {r['reason']}" for r in ttft if r["status"] != "ok"]
