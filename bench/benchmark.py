@@ -203,10 +203,11 @@ def read_document(path: str) -> dict:
 
 
 def user_error(e: Exception) -> int:
-    """A model, preset or document the user named is wrong: one line, exit status 2."""
+    """A model, preset or document the user named is wrong: one line, exit status 1 (as the
+    onegraph command's user errors; argparse's 2 is for a malformed command line)."""
     message = e.args[0] if isinstance(e, KeyError) and e.args else e
     print(f"onegraph bench: error: {message}", file=sys.stderr)
-    return 2
+    return 1
 
 
 def main(argv=None) -> int:
