@@ -1,0 +1,204 @@
+// broadcast_probe.cu — what it costs every block of a kernel to read the same small vector that
+// the kernel before it wrote, and whether spreading that vector over R copies (block b reads copy
+// b % R) makes the read cheaper.
+//
+// Why: in the decode body each GEMV's blocks (120-384 of them) stage the whole input vector (the
+// residual or the previous projection's output: 576-4,096 fp32) right after their PDL wait. Those
+// few lines were just written and sit in a few L2 slices, and every SM asks for them at the same
+// moment. The library's trace has the staging at 1,100-2,400 SM cycles, several L2 round trips.
+// If the requests queue at those slices, R copies at other addresses (written by the producer, R
+// stores a value instead of one) would spread them; the values, and so the numerics, are the
+// same.
+//
+// The chain: a graph of K kernels, PDL between them. Kernel k's blocks wait, read copy b % R of
+// vector k (N floats, 16-byte loads, all of a thread's loads in flight at once, as the library's
+// stage_x), sum the squares over the block, and write their share of vector k + 1 (elements i
+// with i % G == b) into each of its R copies. Thread 0 of each block reads the SM clock at the
+// wait's return and after the block's sum. Reported per (N, G, R, load): µs a kernel over the
+// graph's replays, and the median and the largest over the blocks of the staging cycles.
+//
+// nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/broadcast_probe scripts/broadcast_probe.cu
+// /tmp/broadcast_probe [--iters N] [--json PATH]
+#include <cstdint>
+#include <cstring>
+
+#include "probe_common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKernels = 150;
+constexpr int kMaxN = 4096;
+constexpr int kMaxCopies = 16;
+constexpr int kMaxGrid = 512;
+
+enum Load { kDefault, kL2Only };   // plain loads (through L1), or ld.global.cg (L2 only)
+
+struct Params {
+    const float *in;     // [R][stride] copies of vector k
+    float *out;          // [R][stride] copies of vector k + 1
+    long long *cycles;   // [G]: staging cycles of this kernel's blocks (or null)
+    int n, stride, copies;
+};
+
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+template <int LOAD>
+__device__ __forceinline__ float4 load4(const float4 *p) {
+    if constexpr (LOAD == kL2Only) return __ldcg(p);
+    return *p;
+}
+
+template <int LOAD>
+__global__ void __launch_bounds__(kThreads) stage_kernel(Params p) {
+    __shared__ float4 xs[kMaxN / 4];
+    __shared__ float sums[kWarps];
+    pdl_wait();
+    pdl_launch_dependents();
+    const long long t0 = clock64();
+    const float4 *x4 = reinterpret_cast<const float4 *>(p.in + (size_t)(blockIdx.x % p.copies) * p.stride);
+    const int n4 = p.n / 4;
+    constexpr int kStage = kMaxN / 4 / kThreads;   // every load of a thread in flight at once
+    float4 v[kStage];
+#pragma unroll
+    for (int k = 0; k < kStage; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+        v[k] = i < n4 ? load4<LOAD>(x4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < kStage; ++k) {
+        const int i = threadIdx.x + k * kThreads;
+        if (i < n4) xs[i] = v[k];
+        sq = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, sq))));
+    }
+    sq = probe::warp_sum(sq);
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = sq;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += sums[w];
+    if (threadIdx.x == 0 && p.cycles) p.cycles[blockIdx.x] = clock64() - t0;
+    // This block's share of the next vector, into every copy; bounded values (the chain repeats).
+    const float scale = rsqrtf(total / (float)p.n + 1e-6f);
+    const float *xsf = reinterpret_cast<const float *>(xs);
+    for (int i = blockIdx.x + gridDim.x * threadIdx.x; i < p.n; i += gridDim.x * kThreads) {
+        const float y = 0.5f * xsf[i] * scale + 0.25f;
+        for (int r = 0; r < p.copies; ++r) p.out[(size_t)r * p.stride + i] = y;
+    }
+}
+
+void launch(void (*kernel)(Params), int grid, cudaStream_t stream, bool pdl, const Params &p) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    CK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+struct Result {
+    int n, grid, copies, load;
+    double us_kernel;
+    long long cyc_median, cyc_max;
+};
+
+Result run_case(cudaStream_t stream, float *buf, long long *cycles, int n, int grid, int copies, int load, int iters) {
+    // Copies a 4 KB multiple apart plus 256 bytes, so that they land on other lines (and slices).
+    const int stride = ((n + 1023) / 1024) * 1024 + 64;
+    const size_t vec_floats = (size_t)kMaxCopies * stride;
+    auto kernel = load == kL2Only ? stage_kernel<kL2Only> : stage_kernel<kDefault>;
+    constexpr int kTraced = kKernels / 2;   // the middle kernel's blocks report their cycles
+    const cudaGraphExec_t ge = probe::capture_graph(stream, [&](cudaStream_t st) {
+        for (int k = 0; k < kKernels; ++k) {
+            Params p{buf + (k % 2) * vec_floats, buf + ((k + 1) % 2) * vec_floats, k == kTraced ? cycles : nullptr, n,
+                     stride, copies};
+            launch(kernel, grid, st, k > 0, p);
+        }
+    });
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
+    const float ms = probe::elapsed_ms(stream, [&] {
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+    });
+    CK(cudaGraphExecDestroy(ge));
+    std::vector<long long> cyc(grid);
+    CK(cudaMemcpy(cyc.data(), cycles, grid * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::sort(cyc.begin(), cyc.end());
+    return {n, grid, copies, load, ms * 1e3 / iters / kKernels, cyc[grid / 2], cyc.back()};
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    int iters = 200;
+    const char *json = nullptr;
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+        else {
+            printf("usage: %s [--iters N] [--json PATH]\n", argv[0]);
+            return 2;
+        }
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int sms = prop.multiProcessorCount;
+    float *buf;
+    long long *cycles;
+    const size_t floats = 2 * (size_t)kMaxCopies * (kMaxN + 1024 + 64);
+    CK(cudaMalloc(&buf, floats * sizeof(float)));
+    CK(cudaMemset(buf, 0, floats * sizeof(float)));
+    CK(cudaMalloc(&cycles, kMaxGrid * sizeof(long long)));
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    printf("broadcast_probe on %s (%d SMs): %d chained kernels a graph (PDL), %d threads a block, %d replays\n",
+           prop.name, sms, kKernels, kThreads, iters);
+    printf("%6s %6s %7s %8s %12s %14s %12s %14s\n", "N", "grid", "copies", "load", "us/kernel", "vs 1 copy",
+           "cyc median", "cyc largest");
+    std::vector<Result> results;
+    for (int n : {576, 1024, 2048, 4096}) {
+        for (int grid : {sms, 2 * sms, 3 * sms}) {
+            if (grid > kMaxGrid) continue;
+            for (int load : {kDefault, kL2Only}) {
+                double base = 0;
+                for (int copies : {1, 2, 4, 8, 16}) {
+                    const Result r = run_case(stream, buf, cycles, n, grid, copies, load, iters);
+                    if (copies == 1) base = r.us_kernel;
+                    printf("%6d %6d %7d %8s %12.3f %13.3fx %12lld %14lld\n", n, grid, copies,
+                           load == kL2Only ? "L2 only" : "default", r.us_kernel, base / r.us_kernel, r.cyc_median,
+                           r.cyc_max);
+                    results.push_back(r);
+                }
+            }
+        }
+    }
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (!f) {
+            fprintf(stderr, "cannot write %s\n", json);
+            return 1;
+        }
+        fprintf(f, "{\"device\": \"%s\", \"sms\": %d, \"kernels\": %d, \"replays\": %d, \"cases\": [\n", prop.name, sms,
+                kKernels, iters);
+        for (size_t i = 0; i < results.size(); ++i) {
+            const Result &r = results[i];
+            fprintf(f,
+                    "  {\"n\": %d, \"grid\": %d, \"copies\": %d, \"load\": \"%s\", \"us_per_kernel\": %.4f, "
+                    "\"stage_cycles_median\": %lld, \"stage_cycles_max\": %lld}%s\n",
+                    r.n, r.grid, r.copies, r.load == kL2Only ? "l2" : "default", r.us_kernel, r.cyc_median, r.cyc_max,
+                    i + 1 < results.size() ? "," : "");
+        }
+        fprintf(f, "]}\n");
+        fclose(f);
+    }
+    CK(cudaStreamDestroy(stream));
+    CK(cudaFree(buf));
+    CK(cudaFree(cycles));
+    return 0;
+}
