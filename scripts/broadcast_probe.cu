@@ -14,8 +14,11 @@
 // vector k (N floats, 16-byte loads, all of a thread's loads in flight at once, as the library's
 // stage_x), sum the squares over the block, and write their share of vector k + 1 (elements i
 // with i % G == b) into each of its R copies. Thread 0 of each block reads the SM clock at the
-// wait's return and after the block's sum. Reported per (N, G, R, load): µs a kernel over the
-// graph's replays, and the median and the largest over the blocks of the staging cycles.
+// wait's return and after the block's sum. With weights, each block also loads 16 KB of its own
+// (a fresh place every kernel: 150 kernels stream them from memory) before its wait, as the
+// library's GEMVs load their first rows, and folds them in after the staging. Reported per (N, G,
+// weights, load, R): µs a kernel over the graph's replays, and the median and the largest over
+// the blocks of the staging cycles.
 //
 // nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/broadcast_probe scripts/broadcast_probe.cu
 // /tmp/broadcast_probe [--iters N] [--json PATH]
@@ -35,7 +38,10 @@ constexpr int kMaxGrid = 512;
 
 enum Load { kDefault, kL2Only };   // plain loads (through L1), or ld.global.cg (L2 only)
 
+constexpr int kWeightLoads = 4;   // 16-byte loads a thread before the wait: 16 KB a block
+
 struct Params {
+    const uint4 *weights;   // this kernel's [G][kThreads * kWeightLoads] (or null)
     const float *in;     // [R][stride] copies of vector k
     float *out;          // [R][stride] copies of vector k + 1
     long long *cycles;   // [G]: staging cycles of this kernel's blocks (or null)
@@ -51,10 +57,19 @@ __device__ __forceinline__ float4 load4(const float4 *p) {
     return *p;
 }
 
+// One block an SM as the bound: held to the default's 32 registers, the compiler issues each
+// staging load next to its use, one round trip after another, where the library's GEMVs (80-93
+// registers) have them all in flight.
 template <int LOAD>
-__global__ void __launch_bounds__(kThreads) stage_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     __shared__ float4 xs[kMaxN / 4];
     __shared__ float sums[kWarps];
+    uint4 w[kWeightLoads];
+    if (p.weights) {
+        const uint4 *wb = p.weights + (size_t)blockIdx.x * kThreads * kWeightLoads;
+#pragma unroll
+        for (int k = 0; k < kWeightLoads; ++k) w[k] = __ldcs(wb + k * kThreads + threadIdx.x);
+    }
     pdl_wait();
     pdl_launch_dependents();
     const long long t0 = clock64();
@@ -81,6 +96,12 @@ __global__ void __launch_bounds__(kThreads) stage_kernel(Params p) {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += sums[w];
     if (threadIdx.x == 0 && p.cycles) p.cycles[blockIdx.x] = clock64() - t0;
+    if (p.weights) {   // keeps the weight loads (the sum is never this value)
+        unsigned x = 0;
+#pragma unroll
+        for (int k = 0; k < kWeightLoads; ++k) x ^= w[k].x ^ w[k].y ^ w[k].z ^ w[k].w;
+        if (x == 0x9e3779b9u && total == 1.2345f) p.out[0] = 0.f;
+    }
     // This block's share of the next vector, into every copy; bounded values (the chain repeats).
     const float scale = rsqrtf(total / (float)p.n + 1e-6f);
     const float *xsf = reinterpret_cast<const float *>(xs);
@@ -105,11 +126,13 @@ void launch(void (*kernel)(Params), int grid, cudaStream_t stream, bool pdl, con
 
 struct Result {
     int n, grid, copies, load;
+    bool weights;
     double us_kernel;
     long long cyc_median, cyc_max;
 };
 
-Result run_case(cudaStream_t stream, float *buf, long long *cycles, int n, int grid, int copies, int load, int iters) {
+Result run_case(cudaStream_t stream, float *buf, const uint4 *weights, long long *cycles, int n, int grid, int copies,
+                int load, int iters) {
     // Copies a 4 KB multiple apart plus 256 bytes, so that they land on other lines (and slices).
     const int stride = ((n + 1023) / 1024) * 1024 + 64;
     const size_t vec_floats = (size_t)kMaxCopies * stride;
@@ -117,8 +140,9 @@ Result run_case(cudaStream_t stream, float *buf, long long *cycles, int n, int g
     constexpr int kTraced = kKernels / 2;   // the middle kernel's blocks report their cycles
     const cudaGraphExec_t ge = probe::capture_graph(stream, [&](cudaStream_t st) {
         for (int k = 0; k < kKernels; ++k) {
-            Params p{buf + (k % 2) * vec_floats, buf + ((k + 1) % 2) * vec_floats, k == kTraced ? cycles : nullptr, n,
-                     stride, copies};
+            const uint4 *wk = weights ? weights + (size_t)k * grid * kThreads * kWeightLoads : nullptr;
+            Params p{wk, buf + (k % 2) * vec_floats, buf + ((k + 1) % 2) * vec_floats, k == kTraced ? cycles : nullptr,
+                     n, stride, copies};
             launch(kernel, grid, st, k > 0, p);
         }
     });
@@ -130,7 +154,7 @@ Result run_case(cudaStream_t stream, float *buf, long long *cycles, int n, int g
     std::vector<long long> cyc(grid);
     CK(cudaMemcpy(cyc.data(), cycles, grid * sizeof(long long), cudaMemcpyDeviceToHost));
     std::sort(cyc.begin(), cyc.end());
-    return {n, grid, copies, load, ms * 1e3 / iters / kKernels, cyc[grid / 2], cyc.back()};
+    return {n, grid, copies, load, weights != nullptr, ms * 1e3 / iters / kKernels, cyc[grid / 2], cyc.back()};
 }
 
 }  // namespace
@@ -155,25 +179,32 @@ int main(int argc, char **argv) {
     CK(cudaMalloc(&buf, floats * sizeof(float)));
     CK(cudaMemset(buf, 0, floats * sizeof(float)));
     CK(cudaMalloc(&cycles, kMaxGrid * sizeof(long long)));
+    uint4 *weights;   // every kernel's blocks their own 16 KB: 150 x 512 x 16 KB = 1.2 GB
+    const size_t weight_vecs = (size_t)kKernels * kMaxGrid * kThreads * kWeightLoads;
+    CK(cudaMalloc(&weights, weight_vecs * sizeof(uint4)));
+    CK(cudaMemset(weights, 0x5a, weight_vecs * sizeof(uint4)));
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     printf("broadcast_probe on %s (%d SMs): %d chained kernels a graph (PDL), %d threads a block, %d replays\n",
            prop.name, sms, kKernels, kThreads, iters);
-    printf("%6s %6s %7s %8s %12s %14s %12s %14s\n", "N", "grid", "copies", "load", "us/kernel", "vs 1 copy",
-           "cyc median", "cyc largest");
+    printf("%6s %6s %8s %7s %8s %12s %14s %12s %14s\n", "N", "grid", "weights", "copies", "load", "us/kernel",
+           "vs 1 copy", "cyc median", "cyc largest");
     std::vector<Result> results;
-    for (int n : {576, 1024, 2048, 4096}) {
+    for (int n : {576, 1024, 4096}) {
         for (int grid : {sms, 2 * sms, 3 * sms}) {
             if (grid > kMaxGrid) continue;
-            for (int load : {kDefault, kL2Only}) {
-                double base = 0;
-                for (int copies : {1, 2, 4, 8, 16}) {
-                    const Result r = run_case(stream, buf, cycles, n, grid, copies, load, iters);
-                    if (copies == 1) base = r.us_kernel;
-                    printf("%6d %6d %7d %8s %12.3f %13.3fx %12lld %14lld\n", n, grid, copies,
-                           load == kL2Only ? "L2 only" : "default", r.us_kernel, base / r.us_kernel, r.cyc_median,
-                           r.cyc_max);
-                    results.push_back(r);
+            for (bool with_weights : {false, true}) {
+                for (int load : {kDefault, kL2Only}) {
+                    double base = 0;
+                    for (int copies : {1, 2, 4, 8, 16}) {
+                        const Result r = run_case(stream, buf, with_weights ? weights : nullptr, cycles, n, grid,
+                                                  copies, load, iters);
+                        if (copies == 1) base = r.us_kernel;
+                        printf("%6d %6d %8s %7d %8s %12.3f %13.3fx %12lld %14lld\n", n, grid,
+                               with_weights ? "16 KB" : "none", copies, load == kL2Only ? "L2 only" : "default",
+                               r.us_kernel, base / r.us_kernel, r.cyc_median, r.cyc_max);
+                        results.push_back(r);
+                    }
                 }
             }
         }
@@ -189,9 +220,10 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < results.size(); ++i) {
             const Result &r = results[i];
             fprintf(f,
-                    "  {\"n\": %d, \"grid\": %d, \"copies\": %d, \"load\": \"%s\", \"us_per_kernel\": %.4f, "
-                    "\"stage_cycles_median\": %lld, \"stage_cycles_max\": %lld}%s\n",
-                    r.n, r.grid, r.copies, r.load == kL2Only ? "l2" : "default", r.us_kernel, r.cyc_median, r.cyc_max,
+                    "  {\"n\": %d, \"grid\": %d, \"weights_kb_per_block\": %d, \"copies\": %d, \"load\": \"%s\", "
+                    "\"us_per_kernel\": %.4f, \"stage_cycles_median\": %lld, \"stage_cycles_max\": %lld}%s\n",
+                    r.n, r.grid, r.weights ? 16 : 0, r.copies, r.load == kL2Only ? "l2" : "default", r.us_kernel,
+                    r.cyc_median, r.cyc_max,
                     i + 1 < results.size() ? "," : "");
         }
         fprintf(f, "]}\n");
@@ -200,5 +232,6 @@ int main(int argc, char **argv) {
     CK(cudaStreamDestroy(stream));
     CK(cudaFree(buf));
     CK(cudaFree(cycles));
+    CK(cudaFree(weights));
     return 0;
 }
