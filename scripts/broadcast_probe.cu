@@ -27,6 +27,9 @@
 
 #include "probe_common.cuh"
 
+using probe::pdl_launch_dependents;
+using probe::pdl_wait;
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -47,9 +50,6 @@ struct Params {
     long long *cycles;   // [G]: staging cycles of this kernel's blocks (or null)
     int n, stride, copies;
 };
-
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 template <int LOAD>
 __device__ __forceinline__ float4 load4(const float4 *p) {

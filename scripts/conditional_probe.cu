@@ -42,15 +42,14 @@
 #include "probe_common.cuh"
 
 using probe::elapsed_ms;
+using probe::pdl_launch_dependents;
+using probe::pdl_wait;
 
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kLongAfter = 4096;  // a cache longer than this takes the "long" kernel
 constexpr int kMaxLayers = 128;
-
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // Sum of in[0..n) over the block (fixed order: each thread strided, then a tree), times factor,
 // written to out[blockIdx.x].

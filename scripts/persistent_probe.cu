@@ -160,6 +160,8 @@
 using probe::capture_graph;
 using probe::copy_bandwidth;
 using probe::elapsed_ms;
+using probe::pdl_launch_dependents;
+using probe::pdl_wait;
 using probe::bf_hi;
 using probe::bf_lo;
 using probe::dot8;
@@ -293,10 +295,6 @@ __device__ __forceinline__ float rope_half(float x, float p, float c, float sn, 
     return first_half ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(p, sn)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(p, sn));
 }
 
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 // Release / acquire at GPU scope as cooperative groups' grid sync does it: a relaxed poll, then a
 // fence.acq_rel once it has seen the target; the producer's fence.acq_rel before its relaxed add.
 __device__ __forceinline__ unsigned ld_relaxed(const unsigned *p) {

@@ -1,7 +1,8 @@
 // probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share: on the host the CUDA
 // error check that ends the program, event timing, a stream's work captured as a graph, the copy
 // bandwidth they quote rates against, and a comma list of integers from the command line; on the
-// device a bf16 GEMV's arithmetic as the library's kernel does it (cuda/gemv_bf16.cu).
+// device the programmatic-dependent-launch instructions and a bf16 GEMV's arithmetic as the
+// library's kernel does it (cuda/gemv_bf16.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -68,6 +69,13 @@ inline double copy_bandwidth() {
     CK(cudaFree(src));
     CK(cudaFree(dst));
     return 2.0 * bytes * reps / (ms * 1e-3);
+}
+
+// Programmatic dependent launch: wait for the kernel before (its writes are then visible), and
+// let the kernel after launch.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // bf16 halves of a 32-bit word as fp32.
