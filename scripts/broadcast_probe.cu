@@ -111,18 +111,6 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     }
 }
 
-void launch(void (*kernel)(Params), int grid, cudaStream_t stream, bool pdl, const Params &p) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, kernel, p));
-}
 
 struct Result {
     int n, grid, copies, load;
@@ -143,18 +131,15 @@ Result run_case(cudaStream_t stream, float *buf, const uint4 *weights, long long
             const uint4 *wk = weights ? weights + (size_t)k * grid * kThreads * kWeightLoads : nullptr;
             Params p{wk, buf + (k % 2) * vec_floats, buf + ((k + 1) % 2) * vec_floats, k == kTraced ? cycles : nullptr,
                      n, stride, copies};
-            launch(kernel, grid, st, k > 0, p);
+            probe::launch_chained(kernel, grid, kThreads, st, k > 0, p);
         }
     });
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
-    const float ms = probe::elapsed_ms(stream, [&] {
-        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
-    });
+    const float ms = probe::ms_per_replay(ge, stream, iters);
     CK(cudaGraphExecDestroy(ge));
     std::vector<long long> cyc(grid);
     CK(cudaMemcpy(cyc.data(), cycles, grid * sizeof(long long), cudaMemcpyDeviceToHost));
     std::sort(cyc.begin(), cyc.end());
-    return {n, grid, copies, load, weights != nullptr, ms * 1e3 / iters / kKernels, cyc[grid / 2], cyc.back()};
+    return {n, grid, copies, load, weights != nullptr, ms * 1e3 / kKernels, cyc[grid / 2], cyc.back()};
 }
 
 }  // namespace
@@ -162,14 +147,7 @@ Result run_case(cudaStream_t stream, float *buf, const uint4 *weights, long long
 int main(int argc, char **argv) {
     int iters = 200;
     const char *json = nullptr;
-    for (int i = 1; i < argc; ++i) {
-        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-        else {
-            printf("usage: %s [--iters N] [--json PATH]\n", argv[0]);
-            return 2;
-        }
-    }
+    if (!probe::parse_iters_json(argc, argv, iters, json)) return 2;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
@@ -209,26 +187,14 @@ int main(int argc, char **argv) {
             }
         }
     }
-    if (json) {
-        FILE *f = fopen(json, "w");
-        if (!f) {
-            fprintf(stderr, "cannot write %s\n", json);
-            return 1;
-        }
-        fprintf(f, "{\"device\": \"%s\", \"sms\": %d, \"kernels\": %d, \"replays\": %d, \"cases\": [\n", prop.name, sms,
-                kKernels, iters);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Result &r = results[i];
+    if (json && !probe::write_cases_json(json, prop, kKernels, iters, results, [](FILE *f, const Result &r) {
             fprintf(f,
-                    "  {\"n\": %d, \"grid\": %d, \"weights_kb_per_block\": %d, \"copies\": %d, \"load\": \"%s\", "
-                    "\"us_per_kernel\": %.4f, \"stage_cycles_median\": %lld, \"stage_cycles_max\": %lld}%s\n",
+                    "\"n\": %d, \"grid\": %d, \"weights_kb_per_block\": %d, \"copies\": %d, \"load\": \"%s\", "
+                    "\"us_per_kernel\": %.4f, \"stage_cycles_median\": %lld, \"stage_cycles_max\": %lld",
                     r.n, r.grid, r.weights ? 16 : 0, r.copies, r.load == kL2Only ? "l2" : "default", r.us_kernel,
-                    r.cyc_median, r.cyc_max,
-                    i + 1 < results.size() ? "," : "");
-        }
-        fprintf(f, "]}\n");
-        fclose(f);
-    }
+                    r.cyc_median, r.cyc_max);
+        }))
+        return 1;
     CK(cudaStreamDestroy(stream));
     CK(cudaFree(buf));
     CK(cudaFree(cycles));

@@ -97,18 +97,6 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(Params p) {
     }
 }
 
-void launch(int grid, cudaStream_t stream, bool pdl, const Params &p) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, chain_kernel, p));
-}
 
 struct Result {
     int grid;
@@ -124,17 +112,14 @@ Result run_case(cudaStream_t stream, unsigned *vecs, const unsigned *far, long l
         for (int k = 0; k < kKernels; ++k) {
             Params p{vecs + (k % 2) * kWords, vecs + ((k + 1) % 2) * kWords, vecs + kNearOffsetWords, far,
                      k == kTraced ? cycles : nullptr, k, chunked ? 1 : 0};
-            launch(grid, st, pdl && k > 0, p);
+            probe::launch_chained(chain_kernel, grid, kThreads, st, pdl && k > 0, p);
         }
     });
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
-    const float ms = probe::elapsed_ms(stream, [&] {
-        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
-    });
+    const float ms = probe::ms_per_replay(ge, stream, iters);
     CK(cudaGraphExecDestroy(ge));
     std::vector<long long> cyc((size_t)grid * kPoints);
     CK(cudaMemcpy(cyc.data(), cycles, cyc.size() * sizeof(long long), cudaMemcpyDeviceToHost));
-    Result r{grid, pdl, chunked, ms * 1e3 / iters / kKernels, {}, {}};
+    Result r{grid, pdl, chunked, ms * 1e3 / kKernels, {}, {}};
     for (int k = 0; k < kPoints; ++k) {
         std::vector<long long> v(grid);
         for (int b = 0; b < grid; ++b) v[b] = cyc[(size_t)b * kPoints + k];
@@ -150,14 +135,7 @@ Result run_case(cudaStream_t stream, unsigned *vecs, const unsigned *far, long l
 int main(int argc, char **argv) {
     int iters = 200;
     const char *json = nullptr;
-    for (int i = 1; i < argc; ++i) {
-        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-        else {
-            printf("usage: %s [--iters N] [--json PATH]\n", argv[0]);
-            return 2;
-        }
-    }
+    if (!probe::parse_iters_json(argc, argv, iters, json)) return 2;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
@@ -189,25 +167,13 @@ int main(int argc, char **argv) {
             }
         }
     }
-    if (json) {
-        FILE *f = fopen(json, "w");
-        if (!f) {
-            fprintf(stderr, "cannot write %s\n", json);
-            return 1;
-        }
-        fprintf(f, "{\"device\": \"%s\", \"sms\": %d, \"kernels\": %d, \"replays\": %d, \"cases\": [\n", prop.name, sms,
-                kKernels, iters);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Result &r = results[i];
-            fprintf(f, "  {\"grid\": %d, \"pdl\": %s, \"writes\": \"%s\", \"us_per_kernel\": %.4f", r.grid,
+    if (json && !probe::write_cases_json(json, prop, kKernels, iters, results, [](FILE *f, const Result &r) {
+            fprintf(f, "\"grid\": %d, \"pdl\": %s, \"writes\": \"%s\", \"us_per_kernel\": %.4f", r.grid,
                     r.pdl ? "true" : "false", r.chunked ? "chunked" : "interleaved", r.us_kernel);
             for (int k = 0; k < kPoints; ++k)
                 fprintf(f, ", \"%s\": [%lld, %lld]", kPointNames[k], r.median[k], r.largest[k]);
-            fprintf(f, "}%s\n", i + 1 < results.size() ? "," : "");
-        }
-        fprintf(f, "]}\n");
-        fclose(f);
-    }
+        }))
+        return 1;
     CK(cudaStreamDestroy(stream));
     CK(cudaFree(vecs));
     CK(cudaFree(far));

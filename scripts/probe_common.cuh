@@ -54,6 +54,68 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, Enqueue enqueue) {
     return ge;
 }
 
+// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch when pdl: the
+// kernel may start before the one before it on the stream ends, and waits for it with pdl_wait().
+template <class... Params, class... Args>
+void launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
+                    Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// ms a replay of ge over iters replays on stream, after 20 to warm up.
+inline float ms_per_replay(cudaGraphExec_t ge, cudaStream_t stream, int iters) {
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
+    return elapsed_ms(stream, [&] {
+               for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
+           }) / iters;
+}
+
+// The chain probes' command line, [--iters N] [--json PATH]; false (after the usage line) on
+// anything else.
+inline bool parse_iters_json(int argc, char **argv, int &iters, const char *&json) {
+    for (int i = 1; i < argc; ++i) {
+        if (std::string(argv[i]) == "--iters" && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (std::string(argv[i]) == "--json" && i + 1 < argc) json = argv[++i];
+        else {
+            printf("usage: %s [--iters N] [--json PATH]\n", argv[0]);
+            return false;
+        }
+    }
+    return true;
+}
+
+// The chain probes' JSON: {"device", "sms", "kernels", "replays", "cases": [...]}, one case an
+// element of results, its fields written by row(f, result). False (and a line) where path cannot
+// be written.
+template <class Result, class Row>
+bool write_cases_json(const char *path, const cudaDeviceProp &prop, int kernels, int replays,
+                      const std::vector<Result> &results, Row row) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "cannot write %s\n", path);
+        return false;
+    }
+    fprintf(f, "{\"device\": \"%s\", \"sms\": %d, \"kernels\": %d, \"replays\": %d, \"cases\": [\n", prop.name,
+            prop.multiProcessorCount, kernels, replays);
+    for (size_t i = 0; i < results.size(); ++i) {
+        fprintf(f, "  {");
+        row(f, results[i]);
+        fprintf(f, "}%s\n", i + 1 < results.size() ? "," : "");
+    }
+    fprintf(f, "]}\n");
+    fclose(f);
+    return true;
+}
+
 // Device-to-device copy bandwidth, bytes read + written, over a 1 GiB copy.
 inline double copy_bandwidth() {
     const size_t bytes = 1ull << 30;

@@ -42,6 +42,28 @@ __device__ __forceinline__ long long clock_after(float v) {
     return clock64();
 }
 
+// Float4s first, first + step, ... (S of them, all in flight at once) of x4 into xs; their
+// squares summed into sq. Returns the clock when the loads have arrived.
+template <int S>
+__device__ __forceinline__ long long stage(const float4 *x4, int n4, int first, int step, float4 *xs, float &sq) {
+    float4 v[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int i = first + k * step;
+        v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int k = 0; k < S; ++k)
+        sq = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, sq))));
+    const long long t = clock_after(sq);
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int i = first + k * step;
+        if (i < n4) xs[i] = v[k];
+    }
+    return t;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     __shared__ float4 xs[kMaxN / 4];
     __shared__ float sums[kWarps];
@@ -54,39 +76,9 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     float sq = 0.f;
     long long t1 = t0;
     if (!p.one_warp) {
-        constexpr int kStage = kMaxN / 4 / kThreads;   // every load of a thread in flight at once
-        float4 v[kStage];
-#pragma unroll
-        for (int k = 0; k < kStage; ++k) {
-            const int i = threadIdx.x + k * kThreads;
-            v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int k = 0; k < kStage; ++k)
-            sq = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, sq))));
-        t1 = clock_after(sq);
-#pragma unroll
-        for (int k = 0; k < kStage; ++k) {
-            const int i = threadIdx.x + k * kThreads;
-            if (i < n4) xs[i] = v[k];
-        }
+        t1 = stage<kMaxN / 4 / kThreads>(x4, n4, threadIdx.x, kThreads, xs, sq);
     } else if (warp == 0) {
-        constexpr int kStage = 1024 / 4 / 32;   // one warp: vectors up to 1,024 floats
-        float4 v[kStage];
-#pragma unroll
-        for (int k = 0; k < kStage; ++k) {
-            const int i = lane + k * 32;
-            v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int k = 0; k < kStage; ++k)
-            sq = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, sq))));
-        t1 = clock_after(sq);
-#pragma unroll
-        for (int k = 0; k < kStage; ++k) {
-            const int i = lane + k * 32;
-            if (i < n4) xs[i] = v[k];
-        }
+        t1 = stage<1024 / 4 / 32>(x4, n4, lane, 32, xs, sq);   // one warp: vectors up to 1,024 floats
     }
     sq = probe::warp_sum(sq);
     if (lane == 0) sums[warp] = sq;
@@ -110,18 +102,6 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
         p.out[i] = 0.5f * xsf[i] * scale + 0.25f;
 }
 
-void launch(int grid, cudaStream_t stream, bool pdl, const Params &p) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CK(cudaLaunchKernelEx(&cfg, stage_kernel, p));
-}
 
 // Medians over the blocks of: the last warp's wait return, the median warp's load time and the
 // last warp's, the last warp's sum stored, the block's staging done; all cycles after the block's
@@ -144,13 +124,10 @@ Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int g
         for (int k = 0; k < kKernels; ++k) {
             Params p{buf + (k % 2) * kMaxN, buf + ((k + 1) % 2) * kMaxN, k == kTraced ? clocks : nullptr, n,
                      one_warp ? 1 : 0};
-            launch(grid, st, k > 0, p);
+            probe::launch_chained(stage_kernel, grid, kThreads, st, k > 0, p);
         }
     });
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, stream));
-    const float ms = probe::elapsed_ms(stream, [&] {
-        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, stream));
-    });
+    const float ms = probe::ms_per_replay(ge, stream, iters);
     CK(cudaGraphExecDestroy(ge));
     std::vector<long long> c((size_t)grid * kWarps * kClocks);
     CK(cudaMemcpy(c.data(), clocks, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
@@ -175,7 +152,7 @@ Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int g
         summed.push_back(last_sum);
         done.push_back(cb[3] - first);
     }
-    return {n, grid, one_warp, ms * 1e3 / iters / kKernels, median(spread), median(load_med), median(load_last),
+    return {n, grid, one_warp, ms * 1e3 / kKernels, median(spread), median(load_med), median(load_last),
             median(summed), median(done)};
 }
 
@@ -184,14 +161,7 @@ Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int g
 int main(int argc, char **argv) {
     int iters = 200;
     const char *json = nullptr;
-    for (int i = 1; i < argc; ++i) {
-        if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-        else {
-            printf("usage: %s [--iters N] [--json PATH]\n", argv[0]);
-            return 2;
-        }
-    }
+    if (!probe::parse_iters_json(argc, argv, iters, json)) return 2;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
@@ -220,25 +190,14 @@ int main(int argc, char **argv) {
             }
         }
     }
-    if (json) {
-        FILE *f = fopen(json, "w");
-        if (!f) {
-            fprintf(stderr, "cannot write %s\n", json);
-            return 1;
-        }
-        fprintf(f, "{\"device\": \"%s\", \"sms\": %d, \"kernels\": %d, \"replays\": %d, \"cases\": [\n", prop.name, sms,
-                kKernels, iters);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Result &r = results[i];
+    if (json && !probe::write_cases_json(json, prop, kKernels, iters, results, [](FILE *f, const Result &r) {
             fprintf(f,
-                    "  {\"n\": %d, \"grid\": %d, \"staging\": \"%s\", \"us_per_kernel\": %.4f, \"wait_spread\": %lld, "
-                    "\"load_warp_median\": %lld, \"loads_done\": %lld, \"sums_stored\": %lld, \"staged\": %lld}%s\n",
+                    "\"n\": %d, \"grid\": %d, \"staging\": \"%s\", \"us_per_kernel\": %.4f, \"wait_spread\": %lld, "
+                    "\"load_warp_median\": %lld, \"loads_done\": %lld, \"sums_stored\": %lld, \"staged\": %lld",
                     r.n, r.grid, r.one_warp ? "warp0" : "all", r.us_kernel, r.wait_spread, r.load_median,
-                    r.load_last, r.summed_last, r.done, i + 1 < results.size() ? "," : "");
-        }
-        fprintf(f, "]}\n");
-        fclose(f);
-    }
+                    r.load_last, r.summed_last, r.done);
+        }))
+        return 1;
     CK(cudaStreamDestroy(stream));
     CK(cudaFree(buf));
     CK(cudaFree(clocks));
