@@ -11,6 +11,7 @@
 #     broadcast_probe    scripts/broadcast_probe.cu: every block staging the vector the kernel
 #                        before wrote, from one copy or R
 #     latency_probe      scripts/latency_probe.cu: one dependent load before and after a PDL wait
+#     staging_probe      scripts/staging_probe.cu: a block's staging after the PDL wait, warp by warp
 #     attention_ncu      the library (built here) on each of $NCU_PRESETS (default qwen3-0.6b), 2
 #                        layers, int8 KV, context 32768: one decode step's first attention kernel
 #                        under ncu (speed of light, memory, warp states with the stall reasons,
@@ -43,7 +44,7 @@ sass_loops() {  # binary, output name, kernel regex
   python3 scripts/sass_loops.py "$1" --kernel "$3" --lines 12 --json "$OUT/$2-sass.json" > "$OUT/$2-sass.txt" 2>&1
   summary+=("$2 hot loops: rc=$?")
 }
-for part in ${PROBES:-attention_probe persistent_probe conditional_probe stream_probe broadcast_probe latency_probe attention_ncu}; do
+for part in ${PROBES:-attention_probe persistent_probe conditional_probe stream_probe broadcast_probe latency_probe staging_probe attention_ncu}; do
   case "$part" in
     attention_probe) standalone attention_probe --json "$OUT/attention_probe.json" ;;
     persistent_probe) standalone persistent_probe --context 16,32,64,128 --trace --json "$OUT/persistent_probe.json" ;;
@@ -51,6 +52,7 @@ for part in ${PROBES:-attention_probe persistent_probe conditional_probe stream_
     stream_probe) standalone stream_probe ;;
     broadcast_probe) standalone broadcast_probe --json "$OUT/broadcast_probe.json" ;;
     latency_probe) standalone latency_probe --json "$OUT/latency_probe.json" ;;
+    staging_probe) standalone staging_probe --json "$OUT/staging_probe.json" ;;
     attention_ncu)
       if ! python3 build.py --arch sm_90 > "$OUT/attention_ncu-build.txt" 2>&1; then
         summary+=("attention_ncu: library build failed")
