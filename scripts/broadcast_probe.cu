@@ -23,7 +23,6 @@
 // nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/broadcast_probe scripts/broadcast_probe.cu
 // /tmp/broadcast_probe [--iters N] [--json PATH]
 #include <cstdint>
-#include <cstring>
 
 #include "probe_common.cuh"
 
@@ -110,7 +109,6 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
         for (int r = 0; r < p.copies; ++r) p.out[(size_t)r * p.stride + i] = y;
     }
 }
-
 
 struct Result {
     int n, grid, copies, load;

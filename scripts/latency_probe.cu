@@ -22,7 +22,6 @@
 // nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/latency_probe scripts/latency_probe.cu
 // /tmp/latency_probe [--iters N] [--json PATH]
 #include <cstdint>
-#include <cstring>
 
 #include "probe_common.cuh"
 
@@ -96,7 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(Params p) {
         for (int i = b + g * threadIdx.x; i < kWords; i += g * kThreads) p.out[i] = i + dep;
     }
 }
-
 
 struct Result {
     int grid;

@@ -1,8 +1,10 @@
 // probe_common.cuh — what the standalone probes (scripts/*_probe.cu) share: on the host the CUDA
 // error check that ends the program, event timing, a stream's work captured as a graph, the copy
-// bandwidth they quote rates against, and a comma list of integers from the command line; on the
-// device the programmatic-dependent-launch instructions and a bf16 GEMV's arithmetic as the
-// library's kernel does it (cuda/gemv_bf16.cu).
+// bandwidth they quote rates against, and a comma list of integers from the command line; for the
+// chain probes (broadcast, latency, staging: graphs of kernels chained by programmatic dependent
+// launch) the launch, the replay timing, the command line and the JSON; on the device the
+// programmatic-dependent-launch instructions and a bf16 GEMV's arithmetic as the library's kernel
+// does it (cuda/gemv_bf16.cu).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -14,7 +14,6 @@
 // nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/staging_probe scripts/staging_probe.cu
 // /tmp/staging_probe [--iters N] [--json PATH]
 #include <cstdint>
-#include <cstring>
 
 #include "probe_common.cuh"
 
@@ -101,7 +100,6 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     for (int i = blockIdx.x + gridDim.x * threadIdx.x; i < p.n; i += gridDim.x * kThreads)
         p.out[i] = 0.5f * xsf[i] * scale + 0.25f;
 }
-
 
 // Medians over the blocks of: the last warp's wait return, the median warp's load time and the
 // last warp's, the last warp's sum stored, the block's staging done; all cycles after the block's
