@@ -11,7 +11,8 @@
 #     broadcast_probe    scripts/broadcast_probe.cu: every block staging the vector the kernel
 #                        before wrote, from one copy or R
 #     latency_probe      scripts/latency_probe.cu: one dependent load before and after a PDL wait
-#     staging_probe      scripts/staging_probe.cu: a block's staging after the PDL wait, warp by warp
+#     staging_probe      scripts/staging_probe.cu: a block's staging after the PDL wait, warp by warp,
+#                        by load kind and by where the kernel lets the next one launch
 #     attention_ncu      the library (built here) on each of $NCU_PRESETS (default qwen3-0.6b), 2
 #                        layers, int8 KV, context 32768: one decode step's first attention kernel
 #                        under ncu (speed of light, memory, warp states with the stall reasons,

@@ -1,5 +1,5 @@
 // staging_probe.cu — where a block's staging of its input after the PDL wait spends its cycles,
-// warp by warp.
+// warp by warp, and what makes its first load slower than a lone L2 hit.
 //
 // Why: broadcast_probe.cu has a block of 8 warps staging a 576-float vector (one 16-byte load a
 // thread) in about 1,100 SM cycles, and latency_probe.cu one dependent L2 load right after the
@@ -7,9 +7,19 @@
 // staging: every warp's lane 0 reads the SM clock when its wait returns (t0), when its loads have
 // arrived (t1), when its squares are summed over the warp and stored (t2) and after the block's
 // barrier and sum (t3). Per block, relative to the block's first t0: the spread of the warps' wait
-// returns, the warps' load times, and the block's end of staging. Arms: every warp stages its
-// share (the library's stage_x), or warp 0 stages everything while the others wait at the
-// barrier. The chain, the vectors and the writes are broadcast_probe's (one copy).
+// returns, the warps' load times, and the block's end of staging. The chain, the vectors and the
+// writes are broadcast_probe's (one copy).
+// Arms, each a load kind and a place for the trigger that lets the next kernel launch:
+//   load kinds  all      every warp stages its share, 16-byte loads (the library's stage_x)
+//               all_cg   the same with L2-only loads (ld.global.cg)
+//               warp0    warp 0 stages everything while the others wait at the barrier
+//               lane0    lane 0 of each warp loads one float (L2-only): latency_probe's load
+//               scalar   each warp loads 32 consecutive floats, 4 bytes a lane (L2-only)
+//   trigger     after    griddepcontrol.launch_dependents right after the wait (the library's
+//                        GEMVs without a norm, and this probe's chains so far)
+//               before   before the wait (the library's norm GEMVs)
+//               late     after the staging, before the writes
+//               none     never (the next kernel launches when this one ends)
 //
 // nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/staging_probe scripts/staging_probe.cu
 // /tmp/staging_probe [--iters N] [--json PATH]
@@ -28,11 +38,16 @@ constexpr int kKernels = 150;
 constexpr int kMaxN = 4096;
 constexpr int kClocks = 4;
 
+enum Load { kAll, kAllCg, kWarp0, kLane0, kScalar, kLoads };
+enum Trigger { kAfter, kBefore, kLate, kNone, kTriggers };
+const char *const kLoadNames[kLoads] = {"all", "all_cg", "warp0", "lane0", "scalar"};
+const char *const kTriggerNames[kTriggers] = {"after", "before", "late", "none"};
+
 struct Params {
     const float *in;     // vector k [n]
     float *out;          // vector k + 1
     long long *clocks;   // [grid][kWarps][kClocks], or null
-    int n, one_warp;
+    int n, trigger;
 };
 
 // The clock, read only after v is computed (an empty asm that takes v keeps the order).
@@ -41,15 +56,20 @@ __device__ __forceinline__ long long clock_after(float v) {
     return clock64();
 }
 
+template <bool kL2Only>
+__device__ __forceinline__ float4 load4(const float4 *p) {
+    return kL2Only ? __ldcg(p) : *p;
+}
+
 // Float4s first, first + step, ... (S of them, all in flight at once) of x4 into xs; their
 // squares summed into sq. Returns the clock when the loads have arrived.
-template <int S>
+template <int S, bool kL2Only>
 __device__ __forceinline__ long long stage(const float4 *x4, int n4, int first, int step, float4 *xs, float &sq) {
     float4 v[S];
 #pragma unroll
     for (int k = 0; k < S; ++k) {
         const int i = first + k * step;
-        v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[k] = i < n4 ? load4<kL2Only>(x4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int k = 0; k < S; ++k)
@@ -63,21 +83,37 @@ __device__ __forceinline__ long long stage(const float4 *x4, int n4, int first, 
     return t;
 }
 
+// The load kind is a template parameter: a switch over it at run time would put an indexed
+// constant load (its jump table) between the wait and the loads.
+template <int LOAD>
 __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     __shared__ float4 xs[kMaxN / 4];
     __shared__ float sums[kWarps];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (p.trigger == kBefore) pdl_launch_dependents();
     pdl_wait();
-    pdl_launch_dependents();
+    if (p.trigger == kAfter) pdl_launch_dependents();
     const long long t0 = clock64();
     const float4 *x4 = reinterpret_cast<const float4 *>(p.in);
     const int n4 = p.n / 4;
     float sq = 0.f;
     long long t1 = t0;
-    if (!p.one_warp) {
-        t1 = stage<kMaxN / 4 / kThreads>(x4, n4, threadIdx.x, kThreads, xs, sq);
-    } else if (warp == 0) {
-        t1 = stage<1024 / 4 / 32>(x4, n4, lane, 32, xs, sq);   // one warp: vectors up to 1,024 floats
+    if constexpr (LOAD == kAll) {
+        t1 = stage<kMaxN / 4 / kThreads, false>(x4, n4, threadIdx.x, kThreads, xs, sq);
+    } else if constexpr (LOAD == kAllCg) {
+        t1 = stage<kMaxN / 4 / kThreads, true>(x4, n4, threadIdx.x, kThreads, xs, sq);
+    } else if constexpr (LOAD == kWarp0) {
+        if (warp == 0) t1 = stage<1024 / 4 / 32, false>(x4, n4, lane, 32, xs, sq);  // vectors up to 1,024 floats
+    } else if constexpr (LOAD == kLane0) {
+        if (lane == 0) {
+            const float v = __ldcg(p.in + warp * 32);
+            sq = v * v;
+            t1 = clock_after(sq);
+        }
+    } else {
+        const float v = __ldcg(p.in + (warp * 32 + lane) % p.n);
+        sq = v * v;
+        t1 = clock_after(sq);
     }
     sq = probe::warp_sum(sq);
     if (lane == 0) sums[warp] = sq;
@@ -87,6 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += sums[w];
     const long long t3 = clock_after(total);
+    if (p.trigger == kLate) pdl_launch_dependents();
     if (lane == 0 && p.clocks) {
         long long *c = p.clocks + ((size_t)blockIdx.x * kWarps + warp) * kClocks;
         c[0] = t0;
@@ -94,19 +131,20 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
         c[2] = t2;
         c[3] = t3;
     }
-    // This block's share of the next vector (element i by block i % grid); bounded values.
+    // This block's share of the next vector (element i by block i % grid); bounded values. The
+    // arms that load a few floats stage nothing: their next vector comes from the sum alone.
     const float scale = rsqrtf(total / (float)p.n + 1e-6f);
+    constexpr bool staged = LOAD == kAll || LOAD == kAllCg || LOAD == kWarp0;
     const float *xsf = reinterpret_cast<const float *>(xs);
     for (int i = blockIdx.x + gridDim.x * threadIdx.x; i < p.n; i += gridDim.x * kThreads)
-        p.out[i] = 0.5f * xsf[i] * scale + 0.25f;
+        p.out[i] = staged ? 0.5f * xsf[i] * scale + 0.25f : 0.25f + 1e-3f * scale;
 }
 
 // Medians over the blocks of: the last warp's wait return, the median warp's load time and the
 // last warp's, the last warp's sum stored, the block's staging done; all cycles after the block's
 // first wait return.
 struct Result {
-    int n, grid;
-    bool one_warp;
+    int n, grid, load, trigger;
     double us_kernel;
     long long wait_spread, load_median, load_last, summed_last, done;
 };
@@ -116,13 +154,16 @@ long long median(std::vector<long long> v) {
     return v[v.size() / 2];
 }
 
-Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int grid, bool one_warp, int iters) {
+Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int grid, int load, int trigger,
+                int iters) {
     constexpr int kTraced = kKernels / 2;
+    void (*const kernels[kLoads])(Params) = {stage_kernel<kAll>, stage_kernel<kAllCg>, stage_kernel<kWarp0>,
+                                             stage_kernel<kLane0>, stage_kernel<kScalar>};
     const cudaGraphExec_t ge = probe::capture_graph(stream, [&](cudaStream_t st) {
         for (int k = 0; k < kKernels; ++k) {
             Params p{buf + (k % 2) * kMaxN, buf + ((k + 1) % 2) * kMaxN, k == kTraced ? clocks : nullptr, n,
-                     one_warp ? 1 : 0};
-            probe::launch_chained(stage_kernel, grid, kThreads, st, k > 0, p);
+                     trigger};
+            probe::launch_chained(kernels[load], grid, kThreads, st, k > 0, p);
         }
     });
     const float ms = probe::ms_per_replay(ge, stream, iters);
@@ -140,17 +181,18 @@ Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int g
         }
         for (int w = 0; w < kWarps; ++w) {
             const long long *cw = cb + w * kClocks;
-            if (!one_warp || w == 0) loads.push_back(cw[1] - cw[0]);
+            if (cw[1] != cw[0] || (load == kWarp0 && w == 0)) loads.push_back(cw[1] - cw[0]);
             last_load = std::max(last_load, cw[1] - first);
             last_sum = std::max(last_sum, cw[2] - first);
         }
+        if (loads.empty()) loads.push_back(0);
         spread.push_back(last_wait - first);
         load_med.push_back(median(loads));
         load_last.push_back(last_load);
         summed.push_back(last_sum);
         done.push_back(cb[3] - first);
     }
-    return {n, grid, one_warp, ms * 1e3 / kKernels, median(spread), median(load_med), median(load_last),
+    return {n, grid, load, trigger, ms * 1e3 / kKernels, median(spread), median(load_med), median(load_last),
             median(summed), median(done)};
 }
 
@@ -173,16 +215,16 @@ int main(int argc, char **argv) {
     printf("staging_probe on %s (%d SMs): %d chained kernels a graph (PDL), %d threads a block, %d replays;\n"
            "SM cycles after a block's first wait return, medians over the blocks\n",
            prop.name, sms, kKernels, kThreads, iters);
-    printf("%6s %5s %9s %10s %12s %12s %12s %12s %12s\n", "N", "grid", "staging", "us/kernel", "wait spread",
-           "load (warp)", "loads done", "sums stored", "staged");
+    printf("%6s %5s %7s %8s %10s %12s %12s %12s %12s %12s\n", "N", "grid", "load", "trigger", "us/kernel",
+           "wait spread", "load (warp)", "loads done", "sums stored", "staged");
     std::vector<Result> results;
     for (int n : {576, 1024, 4096}) {
-        for (int grid : {sms, 2 * sms}) {
-            for (bool one_warp : {false, true}) {
-                if (one_warp && n > 1024) continue;
-                const Result r = run_case(stream, buf, clocks, n, grid, one_warp, iters);
-                printf("%6d %5d %9s %10.3f %12lld %12lld %12lld %12lld %12lld\n", n, grid,
-                       one_warp ? "warp 0" : "all warps", r.us_kernel, r.wait_spread, r.load_median, r.load_last,
+        for (int load = 0; load < kLoads; ++load) {
+            for (int trigger = 0; trigger < kTriggers; ++trigger) {
+                if (n == 4096 && (load == kWarp0 || trigger != kAfter)) continue;
+                const Result r = run_case(stream, buf, clocks, n, sms, load, trigger, iters);
+                printf("%6d %5d %7s %8s %10.3f %12lld %12lld %12lld %12lld %12lld\n", n, sms, kLoadNames[load],
+                       kTriggerNames[trigger], r.us_kernel, r.wait_spread, r.load_median, r.load_last,
                        r.summed_last, r.done);
                 results.push_back(r);
             }
@@ -190,10 +232,11 @@ int main(int argc, char **argv) {
     }
     if (json && !probe::write_cases_json(json, prop, kKernels, iters, results, [](FILE *f, const Result &r) {
             fprintf(f,
-                    "\"n\": %d, \"grid\": %d, \"staging\": \"%s\", \"us_per_kernel\": %.4f, \"wait_spread\": %lld, "
-                    "\"load_warp_median\": %lld, \"loads_done\": %lld, \"sums_stored\": %lld, \"staged\": %lld",
-                    r.n, r.grid, r.one_warp ? "warp0" : "all", r.us_kernel, r.wait_spread, r.load_median,
-                    r.load_last, r.summed_last, r.done);
+                    "\"n\": %d, \"grid\": %d, \"load\": \"%s\", \"trigger\": \"%s\", \"us_per_kernel\": %.4f, "
+                    "\"wait_spread\": %lld, \"load_warp_median\": %lld, \"loads_done\": %lld, \"sums_stored\": %lld, "
+                    "\"staged\": %lld",
+                    r.n, r.grid, kLoadNames[r.load], kTriggerNames[r.trigger], r.us_kernel, r.wait_spread,
+                    r.load_median, r.load_last, r.summed_last, r.done);
         }))
         return 1;
     CK(cudaStreamDestroy(stream));
