@@ -1,5 +1,5 @@
 // staging_probe.cu — where a block's staging of its input after the PDL wait spends its cycles,
-// warp by warp, and what makes its first load slower than a lone L2 hit.
+// warp by warp, and how its loads compare with a lone L2 hit.
 //
 // Why: broadcast_probe.cu has a block of 8 warps staging a 576-float vector (one 16-byte load a
 // thread) in about 1,100 SM cycles, and latency_probe.cu one dependent L2 load right after the
@@ -13,10 +13,10 @@
 //   load kinds  all      every warp stages its share, 16-byte loads (the library's stage_x)
 //               all_cg   the same with L2-only loads (ld.global.cg)
 //               warp0    warp 0 stages everything while the others wait at the barrier
-//               lane0    lane 0 of each warp loads one float (L2-only): latency_probe's load
+//               lane0    lane 0 of each warp loads one float (L2-only), as latency_probe does
 //               scalar   each warp loads 32 consecutive floats, 4 bytes a lane (L2-only)
 //   trigger     after    griddepcontrol.launch_dependents right after the wait (the library's
-//                        GEMVs without a norm, and this probe's chains so far)
+//                        GEMVs without a norm; broadcast_probe's and latency_probe's chains)
 //               before   before the wait (the library's norm GEMVs)
 //               late     after the staging, before the writes
 //               none     never (the next kernel launches when this one ends)
