@@ -14,6 +14,8 @@
 //               all_cg   the same with L2-only loads (ld.global.cg)
 //               warp0    warp 0 stages everything while the others wait at the barrier
 //               lane0    lane 0 of each warp loads one float (L2-only), as latency_probe does
+//               lane0_pre  the same with the vector's address read from the kernel's parameters
+//                        before the wait (latency_probe's is), not after it
 //               scalar   each warp loads 32 consecutive floats, 4 bytes a lane (L2-only)
 //   trigger     after    griddepcontrol.launch_dependents right after the wait (the library's
 //                        GEMVs without a norm; broadcast_probe's and latency_probe's chains)
@@ -38,9 +40,9 @@ constexpr int kKernels = 150;
 constexpr int kMaxN = 4096;
 constexpr int kClocks = 4;
 
-enum Load { kAll, kAllCg, kWarp0, kLane0, kScalar, kLoads };
+enum Load { kAll, kAllCg, kWarp0, kLane0, kLane0Pre, kScalar, kLoads };
 enum Trigger { kAfter, kBefore, kLate, kNone, kTriggers };
-const char *const kLoadNames[kLoads] = {"all", "all_cg", "warp0", "lane0", "scalar"};
+const char *const kLoadNames[kLoads] = {"all", "all_cg", "warp0", "lane0", "lane0_pre", "scalar"};
 const char *const kTriggerNames[kTriggers] = {"after", "before", "late", "none"};
 
 struct Params {
@@ -90,6 +92,9 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
     __shared__ float4 xs[kMaxN / 4];
     __shared__ float sums[kWarps];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float *in = p.in;
+    // lane0_pre: a branch on the address before the wait makes the compiler read it there.
+    if (LOAD == kLane0Pre && in == nullptr) return;
     if (p.trigger == kBefore) pdl_launch_dependents();
     pdl_wait();
     if (p.trigger == kAfter) pdl_launch_dependents();
@@ -104,9 +109,9 @@ __global__ void __launch_bounds__(kThreads, 1) stage_kernel(Params p) {
         t1 = stage<kMaxN / 4 / kThreads, true>(x4, n4, threadIdx.x, kThreads, xs, sq);
     } else if constexpr (LOAD == kWarp0) {
         if (warp == 0) t1 = stage<1024 / 4 / 32, false>(x4, n4, lane, 32, xs, sq);  // vectors up to 1,024 floats
-    } else if constexpr (LOAD == kLane0) {
+    } else if constexpr (LOAD == kLane0 || LOAD == kLane0Pre) {
         if (lane == 0) {
-            const float v = __ldcg(p.in + warp * 32);
+            const float v = __ldcg(in + warp * 32);
             sq = v * v;
             t1 = clock_after(sq);
         }
@@ -157,8 +162,8 @@ long long median(std::vector<long long> v) {
 Result run_case(cudaStream_t stream, float *buf, long long *clocks, int n, int grid, int load, int trigger,
                 int iters) {
     constexpr int kTraced = kKernels / 2;
-    void (*const kernels[kLoads])(Params) = {stage_kernel<kAll>, stage_kernel<kAllCg>, stage_kernel<kWarp0>,
-                                             stage_kernel<kLane0>, stage_kernel<kScalar>};
+    void (*const kernels[kLoads])(Params) = {stage_kernel<kAll>,   stage_kernel<kAllCg>,     stage_kernel<kWarp0>,
+                                             stage_kernel<kLane0>, stage_kernel<kLane0Pre>, stage_kernel<kScalar>};
     const cudaGraphExec_t ge = probe::capture_graph(stream, [&](cudaStream_t st) {
         for (int k = 0; k < kKernels; ++k) {
             Params p{buf + (k % 2) * kMaxN, buf + ((k + 1) % 2) * kMaxN, k == kTraced ? clocks : nullptr, n,
